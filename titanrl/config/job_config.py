@@ -1,0 +1,543 @@
+"""Typed config sections of a titanrl job; defaults = the tiny CPU run (configs/tiny_cpu.toml).
+
+Why our own dataclasses instead of torchtitan's: every ``torchtitan.config`` module imports torch
+(the package ``__init__`` builds ``TORCH_DTYPE_MAP``), and its optimizer / LR-scheduler / checkpoint
+configs are nested inside modules that import ``torch.distributed``; the entry point must parse and
+validate the config before anything heavy loads. Their fields also only partly fit (SFT-oriented
+``TrainingConfig``, ``fsdp_reshard_after_forward`` as a three-way string, no ``dynamic`` for
+compile). So we keep torchtitan's *style* -- ``@dataclass(kw_only=True, slots=True)``, one
+docstring under each field (the ``--help`` listing reads them) -- and its field names wherever the
+meaning is the same (``data_parallel_shard_degree``, ``warmup_steps``, ``decay_type``,
+``min_lr_factor``, ``keep_latest_k``, ``async_mode``, ``compile.components``, ...).
+
+Schema rules the loader relies on (checked by tests/test_config.py):
+- field types are bool, int, float, str, Literal[str, ...], list[<one of those>], ``X | None``, or
+  another config dataclass (a nested TOML table / ``--a.b.c`` key);
+- an ``X | None`` field defaults to None, because TOML has no null: a None value is left out of
+  the saved TOML and reloading must give None back.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from titanrl.config.errors import ConfigError
+
+# "package.module:function" -- checked for shape only; importing it here could pull in torch.
+_REWARD_SPEC = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+
+@dataclass(kw_only=True, slots=True)
+class JobRunConfig:
+    """[job] Identity, output location and length of the run."""
+
+    name: str = "tiny_cpu"
+    """Run name; outputs (logs, metrics, checkpoints) go to <dump_folder>/<name>."""
+    dump_folder: str = "./outputs"
+    """Root folder for all run outputs."""
+    seed: int = 0
+    """Global random seed (data order, sampling, init of the tiny model)."""
+    steps: int = 4
+    """Number of RL steps (one step = rollout + policy update on rl.global_batch_size prompts)."""
+    description: str = "Tiny Qwen2.5-VL-shaped model, GRPO on synthetic data, CPU only."
+    """Free-text description, copied into the saved config and logs."""
+
+    def problems(self) -> list[str]:
+        found = []
+        if not self.name or "/" in self.name or "\\" in self.name or self.name in (".", ".."):
+            found.append(f"job.name must be a plain folder name, got {self.name!r}")
+        if self.seed < 0:
+            found.append(f"job.seed must be >= 0, got {self.seed}")
+        if self.steps < 1:
+            found.append(f"job.steps must be >= 1, got {self.steps}")
+        return found
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """[model] Which policy model to load and how to run it."""
+
+    path: str = ""
+    """Hugging Face checkpoint folder; empty = build a random `flavor` checkpoint in cache_dir."""
+    flavor: Literal["tiny", "small"] = "tiny"
+    """Size of the generated checkpoint when path is empty."""
+    cache_dir: str = "~/.cache/titanrl"
+    """Cache for generated checkpoints and synthesized data ('~' is expanded)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and compute dtype of the policy."""
+    attn_backend: Literal["sdpa", "flash"] = "sdpa"
+    """Attention kernel for packed sequences; flash needs a GPU and bfloat16."""
+    max_seq_len: int = 512
+    """Longest packed sample (prompt with vision tokens + response), in tokens."""
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.max_seq_len < 1:
+            found.append(f"model.max_seq_len must be >= 1, got {self.max_seq_len}")
+        if self.attn_backend == "flash" and self.dtype != "bfloat16":
+            found.append(
+                "model.attn_backend='flash' needs model.dtype='bfloat16' "
+                f"(flash attention has no float32 kernels), got dtype={self.dtype!r}"
+            )
+        return found
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """[data] Prompt dataset, media decoding and the loader that feeds rollouts."""
+
+    manifest: str = ""
+    """JSONL manifest of prompts/media/answers; empty = synthesize one into model.cache_dir."""
+    mixture: Literal["image-heavy", "video-heavy", "only-video"] = "image-heavy"
+    """Media mix of the synthesized dataset (ignored when manifest is set)."""
+    num_samples: int = 64
+    """Number of samples to synthesize (ignored when manifest is set)."""
+    loader: Literal["shadow", "centralized"] = "shadow"
+    """shadow = decode ahead in background workers; centralized = decode on rank 0, then scatter."""
+    on_bad_sample: Literal["skip", "error"] = "skip"
+    """What to do with an undecodable or over-long sample: skip it (and count it) or stop."""
+    max_prompt_tokens: int = 256
+    """Longest prompt after vision tokens are expanded; longer samples count as bad."""
+    video_backend: Literal["pyav", "decord"] = "pyav"
+    """Video decoder library."""
+    fps: float = 2.0
+    """Frames per second sampled from videos."""
+    max_frames: int = 8
+    """Upper bound on frames sampled per video."""
+    min_pixels: int = 3136
+    """Smallest image/frame area after resizing (pixels; 3136 = 4 patches of 28x28)."""
+    max_pixels: int = 12544
+    """Largest image/frame area after resizing (pixels; 12544 = 16 patches of 28x28)."""
+    num_decode_workers: int = 1
+    """Background media-decode workers per loader (0 = decode inline)."""
+    prefetch_batches: int = 2
+    """Decoded batches kept ready ahead of the trainer."""
+    ray_address: str = ""
+    """Ray cluster address for decode workers; empty = start a local Ray instance."""
+    ray_object_store_bytes: int = 268_435_456
+    """Object store size for a local Ray instance, in bytes (0 = Ray's default)."""
+
+    def problems(self) -> list[str]:
+        found = []
+        positive = {
+            "num_samples": self.num_samples,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "max_frames": self.max_frames,
+            "min_pixels": self.min_pixels,
+        }
+        found += [f"data.{k} must be >= 1, got {v}" for k, v in positive.items() if v < 1]
+        non_negative = {
+            "num_decode_workers": self.num_decode_workers,
+            "prefetch_batches": self.prefetch_batches,
+            "ray_object_store_bytes": self.ray_object_store_bytes,
+        }
+        found += [f"data.{k} must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
+        if self.fps <= 0:
+            found.append(f"data.fps must be > 0, got {self.fps}")
+        if self.max_pixels < self.min_pixels:
+            found.append(
+                f"data.max_pixels ({self.max_pixels}) must be >= "
+                f"data.min_pixels ({self.min_pixels})"
+            )
+        return found
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelismConfig:
+    """[parallelism] How the policy is sharded over ranks for training."""
+
+    data_parallel_shard_degree: int = -1
+    """FSDP shard degree; -1 = all ranks."""
+    ulysses: Literal["none", "fixed", "flex"] = "none"
+    """Sequence parallelism: none, fixed (ulysses_degree ranks), flex (per microbatch, <= p_max)."""
+    ulysses_degree: int = 1
+    """Ulysses group size when ulysses = 'fixed'."""
+    p_max: int = 4
+    """Largest Ulysses group FlexUlysses may form when ulysses = 'flex'."""
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    """Activation checkpointing of transformer blocks."""
+    fsdp_reshard_after_forward: bool = True
+    """Free gathered parameters after forward (less memory, one more all-gather in backward)."""
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.data_parallel_shard_degree == 0 or self.data_parallel_shard_degree < -1:
+            found.append(
+                "parallelism.data_parallel_shard_degree must be -1 (all ranks) or >= 1, "
+                f"got {self.data_parallel_shard_degree}"
+            )
+        if self.ulysses_degree < 1:
+            found.append(f"parallelism.ulysses_degree must be >= 1, got {self.ulysses_degree}")
+        if self.p_max < 1:
+            found.append(f"parallelism.p_max must be >= 1, got {self.p_max}")
+        return found
+
+
+@dataclass(kw_only=True, slots=True)
+class BalanceConfig:
+    """[balance] How rollout sequences are packed into microbatches across ranks."""
+
+    strategy: Literal["lb_mini", "lb_micro", "native"] = "lb_mini"
+    """lb_mini = balance whole minibatches over ranks; lb_micro = per microbatch; native = off."""
+    max_tokens_per_microbatch: int = 2048
+    """Token budget of one packed microbatch."""
+    cost_model: Literal["flops", "tokens"] = "flops"
+    """Per-sequence cost for balancing: estimated FLOPs (attention is quadratic) or token count."""
+
+    def problems(self) -> list[str]:
+        if self.max_tokens_per_microbatch < 1:
+            return [
+                "balance.max_tokens_per_microbatch must be >= 1, "
+                f"got {self.max_tokens_per_microbatch}"
+            ]
+        return []
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """[rollout] Response generation for the prompts of each step."""
+
+    engine: Literal["vllm", "hf"] = "hf"
+    """Generation engine: vllm (colocated vLLM) or hf (plain model.generate, simplest on CPU)."""
+    n: int = 4
+    """Responses sampled per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off)."""
+    max_new_tokens: int = 32
+    """Longest response, in tokens."""
+    kv_cache_bytes: int = 268_435_456
+    """KV cache memory reserved by the vllm engine, in bytes."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs in vllm (faster start, slower decode; required on CPU)."""
+    probe_every: int = 1
+    """Steps between weight-sync checks comparing engine and trainer log-probs (0 = never)."""
+    probe_tolerance: float = 0.001
+    """Largest allowed mean |log-prob difference| in a weight-sync check."""
+    seed: int | None = None
+    """Sampling seed of the engine; none = derived from job.seed."""
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.n < 1:
+            found.append(f"rollout.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            found.append(f"rollout.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            found.append(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            found.append(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.kv_cache_bytes < 1:
+            found.append(f"rollout.kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if self.probe_every < 0:
+            found.append(f"rollout.probe_every must be >= 0 (0 = never), got {self.probe_every}")
+        if self.probe_tolerance <= 0:
+            found.append(f"rollout.probe_tolerance must be > 0, got {self.probe_tolerance}")
+        return found
+
+
+@dataclass(kw_only=True, slots=True)
+class RLConfig:
+    """[rl] The RL objective: algorithm, reward, batch sizes and loss terms."""
+
+    algorithm: Literal["grpo", "ppo"] = "grpo"
+    """grpo = group-relative advantages, no critic; ppo = clipped PPO with token advantages."""
+    reward: str = "titanrl.rl.rewards:exact_match"
+    """Reward function as 'module:function', imported when training starts."""
+    global_batch_size: int = 4
+    """Prompts per RL step, over all ranks (sequences per step = global_batch_size * rollout.n)."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts."""
+    minibatches: int = 1
+    """Optimizer steps per epoch; the step's prompts are split into this many minibatches."""
+    clip_low: float = 0.2
+    """Lower ratio clip: ratios below 1 - clip_low are clipped."""
+    clip_high: float = 0.2
+    """Upper ratio clip: ratios above 1 + clip_high are clipped (> clip_low = DAPO clip-higher)."""
+    kl_coef: float = 0.001
+    """Weight of the KL penalty to the reference model (0 = no reference model is loaded)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator: k1 = log-ratio, k3 = unbiased low-variance (Schulman)."""
+    std_normalize: bool = True
+    """Divide advantages by the group reward std (GRPO); false = mean-centering only (Dr. GRPO)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """How per-token losses are reduced to one number."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+
+    def problems(self) -> list[str]:
+        found = []
+        if not _REWARD_SPEC.match(self.reward):
+            found.append(
+                f"rl.reward must look like 'package.module:function', got {self.reward!r}"
+            )
+        if self.global_batch_size < 1:
+            found.append(f"rl.global_batch_size must be >= 1, got {self.global_batch_size}")
+        if self.ppo_epochs < 1:
+            found.append(f"rl.ppo_epochs must be >= 1, got {self.ppo_epochs}")
+        if self.minibatches < 1:
+            found.append(f"rl.minibatches must be >= 1, got {self.minibatches}")
+        elif self.global_batch_size >= 1 and self.global_batch_size % self.minibatches:
+            found.append(
+                f"rl.global_batch_size ({self.global_batch_size}) must be divisible by "
+                f"rl.minibatches ({self.minibatches}): each minibatch holds whole prompt groups"
+            )
+        if not 0 < self.clip_low < 1:
+            found.append(f"rl.clip_low must be in (0, 1), got {self.clip_low}")
+        if self.clip_high <= 0:
+            found.append(f"rl.clip_high must be > 0, got {self.clip_high}")
+        if self.kl_coef < 0:
+            found.append(f"rl.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.entropy_coef < 0:
+            found.append(f"rl.entropy_coef must be >= 0, got {self.entropy_coef}")
+        return found
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """[optimizer] Policy optimizer."""
+
+    name: Literal["AdamW"] = "AdamW"
+    """Optimizer class."""
+    lr: float = 1e-4
+    """Peak learning rate (reached after lr_scheduler.warmup_steps)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam (beta1, beta2)."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 = no clipping)."""
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.lr <= 0:
+            found.append(f"optimizer.lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            found.append(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.eps <= 0:
+            found.append(f"optimizer.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            found.append(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.max_grad_norm < 0:
+            found.append(
+                f"optimizer.max_grad_norm must be >= 0 (0 = no clipping), got {self.max_grad_norm}"
+            )
+        return found
+
+
+@dataclass(kw_only=True, slots=True)
+class LRSchedulerConfig:
+    """[lr_scheduler] Learning-rate schedule; lengths count RL steps, not optimizer steps."""
+
+    warmup_steps: int = 0
+    """Linear warmup length, in RL steps."""
+    decay_type: Literal["linear", "cosine", "constant"] = "constant"
+    """Shape of the schedule after warmup."""
+    decay_steps: int | None = None
+    """Length of the decay, in RL steps; none = until job.steps."""
+    min_lr_factor: float = 0.0
+    """Final learning rate as a fraction of optimizer.lr."""
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.warmup_steps < 0:
+            found.append(f"lr_scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            found.append(
+                f"lr_scheduler.decay_steps must be >= 1 or none, got {self.decay_steps}"
+            )
+        if not 0 <= self.min_lr_factor <= 1:
+            found.append(f"lr_scheduler.min_lr_factor must be in [0, 1], got {self.min_lr_factor}")
+        return found
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """[checkpoint] Distributed checkpoints of policy, optimizer, scheduler and data state."""
+
+    enable: bool = True
+    """Save checkpoints."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to <job.dump_folder>/<job.name>."""
+    interval: int = 2
+    """Save every this many RL steps (and at the last step)."""
+    resume: bool = True
+    """Resume from the latest checkpoint in folder if there is one."""
+    keep_latest_k: int = 2
+    """Checkpoints kept on disk (0 = keep all)."""
+    export_hf: bool = False
+    """Also write the final policy as a Hugging Face checkpoint."""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """disabled = blocking save; async = save in the background while training continues."""
+
+    def problems(self) -> list[str]:
+        found = []
+        if not self.folder:
+            found.append("checkpoint.folder must not be empty")
+        if self.interval < 1:
+            found.append(f"checkpoint.interval must be > 0, got {self.interval}")
+        if self.keep_latest_k < 0:
+            found.append(
+                f"checkpoint.keep_latest_k must be >= 0 (0 = all), got {self.keep_latest_k}"
+            )
+        return found
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    """[metrics] Where and how often metrics are reported."""
+
+    log_freq: int = 1
+    """Log metrics every this many RL steps."""
+    jsonl: bool = True
+    """Append metrics to <job.dump_folder>/<job.name>/metrics.jsonl."""
+    tensorboard: bool = False
+    """Write TensorBoard event files."""
+    wandb: bool = False
+    """Log to Weights & Biases."""
+    wandb_project: str = "titanrl"
+    """W&B project name."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """W&B mode; offline needs no network (sync later with `wandb sync`)."""
+    progress: Literal["bar", "line", "none"] = "bar"
+    """Console progress: a live bar, one line per logged step, or nothing."""
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.log_freq < 1:
+            found.append(f"metrics.log_freq must be >= 1, got {self.log_freq}")
+        if self.wandb and not self.wandb_project:
+            found.append("metrics.wandb_project must be set when metrics.wandb is true")
+        return found
+
+
+@dataclass(kw_only=True, slots=True)
+class CompileConfig:
+    """[compile] torch.compile of training components."""
+
+    enable: bool = False
+    """Compile the components below."""
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile backend."""
+    components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model"])
+    """What to compile: transformer blocks ('model') and/or the loss."""
+    dynamic: bool = True
+    """Compile with dynamic shapes (packed lengths and image grids change every step)."""
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.enable and not self.components:
+            found.append("compile.components must not be empty when compile.enable is true")
+        if len(set(self.components)) != len(self.components):
+            found.append(f"compile.components has duplicates: {self.components}")
+        return found
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    """The complete, typed configuration of one titanrl job."""
+
+    job: JobRunConfig = field(default_factory=JobRunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        """<job.dump_folder>/<job.name>: where this run writes everything."""
+        return Path(self.job.dump_folder).expanduser() / self.job.name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Absolute checkpoint.folder is used as is; a relative one lives under run_dir."""
+        return self.run_dir / Path(self.checkpoint.folder).expanduser()
+
+    @property
+    def cache_dir(self) -> Path:
+        return Path(self.model.cache_dir).expanduser()
+
+    def problems(self) -> list[str]:
+        """Every validation problem, section checks first, then checks across sections."""
+        found: list[str] = []
+        for section in (
+            self.job, self.model, self.data, self.parallelism, self.balance, self.rollout,
+            self.rl, self.optimizer, self.lr_scheduler, self.checkpoint, self.metrics,
+            self.compile,
+        ):  # fmt: skip
+            found += section.problems()
+
+        if self.rl.algorithm == "grpo" and self.rollout.n < 2:
+            found.append(
+                f"rollout.n must be >= 2 for rl.algorithm='grpo' (advantages are relative to the "
+                f"other responses of the same prompt), got {self.rollout.n}"
+            )
+        if self.rl.algorithm == "grpo" and self.rollout.temperature == 0:
+            found.append(
+                "rollout.temperature must be > 0 for rl.algorithm='grpo': greedy decoding gives "
+                "identical responses, so every advantage is 0"
+            )
+        prompt_and_response = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        if prompt_and_response > self.model.max_seq_len:
+            found.append(
+                f"data.max_prompt_tokens + rollout.max_new_tokens ({self.data.max_prompt_tokens} + "
+                f"{self.rollout.max_new_tokens} = {prompt_and_response}) must be <= "
+                f"model.max_seq_len ({self.model.max_seq_len})"
+            )
+        return found
+
+    def validate(self) -> None:
+        """Raise one ConfigError listing every problem (a user fixes them all in one go)."""
+        _raise_problems(self.problems())
+
+    def data_parallel_degree(self, world_size: int) -> int:
+        """The FSDP degree this config gives on ``world_size`` ranks."""
+        degree = self.parallelism.data_parallel_shard_degree
+        return world_size if degree == -1 else degree
+
+    def validate_world_size(self, world_size: int) -> None:
+        """Checks that need the number of ranks, for the trainer to call once it knows it."""
+        found = []
+        dp = self.data_parallel_degree(world_size)
+        if dp != world_size:
+            found.append(
+                f"parallelism.data_parallel_shard_degree ({dp}) must be -1 or equal the number "
+                f"of ranks ({world_size}): FSDP is the only mesh dimension"
+            )
+        par = self.parallelism
+        if par.ulysses == "fixed" and world_size % par.ulysses_degree:
+            found.append(
+                f"parallelism.ulysses_degree ({par.ulysses_degree}) must divide the number of "
+                f"ranks ({world_size})"
+            )
+        if par.ulysses == "flex" and par.p_max > world_size:
+            found.append(
+                f"parallelism.p_max ({par.p_max}) must be <= the number of ranks ({world_size})"
+            )
+        sequences_per_minibatch = self.rl.global_batch_size * self.rollout.n // self.rl.minibatches
+        if sequences_per_minibatch < dp:
+            found.append(
+                f"each minibatch has rl.global_batch_size * rollout.n / rl.minibatches = "
+                f"{sequences_per_minibatch} sequences, fewer than the {dp} data-parallel ranks"
+            )
+        _raise_problems(found)
+
+
+def _raise_problems(found: list[str]) -> None:
+    if len(found) == 1:
+        raise ConfigError(found[0])
+    if found:
+        raise ConfigError("\n  - ".join([f"{len(found)} problems:", *found]))

@@ -1,0 +1,196 @@
+"""The dataset manifest: one JSON object per line (JSONL), one line per sample.
+
+A line looks like::
+
+    {"id": "geo3k-00003", "source": "geo3k",
+     "prompt": "<image>\\nWhat colour is the square? ...",
+     "media": [{"path": "media/geo3k-00003.png", "kind": "image"}],
+     "answer": "red", "answer_choices": ["red", "green", "blue", "yellow"]}
+
+Media paths are relative to the manifest's directory so a dataset folder can be moved or copied to
+another machine as a whole. The prompt holds one placeholder per media entry, in order: ``<image>``
+for an image and ``<video>`` for a video; the prompt builder expands them into Qwen's vision tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+MediaKind = Literal["image", "video"]
+MEDIA_KINDS: tuple[str, ...] = ("image", "video")
+SOURCES: tuple[str, ...] = ("geo3k", "nextqa", "longvila")
+PLACEHOLDER_BY_KIND: dict[str, str] = {"image": "<image>", "video": "<video>"}
+_PLACEHOLDER_RE = re.compile(r"<image>|<video>")
+
+_RECORD_KEYS: tuple[str, ...] = ("id", "source", "prompt", "media", "answer", "answer_choices")
+_MEDIA_KEYS: tuple[str, ...] = ("path", "kind")
+
+
+class ManifestError(ValueError):
+    """A manifest line that cannot be used; the message names the file, line, sample id and key."""
+
+
+@dataclass(frozen=True)
+class MediaEntry:
+    path: str  # relative to the manifest's directory
+    kind: MediaKind
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    id: str
+    source: str
+    prompt: str
+    media: list[MediaEntry]
+    answer: str
+    answer_choices: list[str] = field(default_factory=list)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "source": self.source,
+            "prompt": self.prompt,
+            "media": [{"path": m.path, "kind": m.kind} for m in self.media],
+            "answer": self.answer,
+            "answer_choices": list(self.answer_choices),
+        }
+
+
+def prompt_placeholders(prompt: str) -> list[str]:
+    """The media placeholders in a prompt, in order (``"<image>"`` / ``"<video>"``)."""
+    return _PLACEHOLDER_RE.findall(prompt)
+
+
+def validate_record(record: SampleRecord, *, where: str = "") -> None:
+    """Check one record's internal consistency; raise ManifestError with `where` as the prefix."""
+    prefix = f"{where}sample {record.id!r}: "
+    if not record.id:
+        raise ManifestError(f"{where}key 'id' is empty")
+    if record.source not in SOURCES:
+        raise ManifestError(f"{prefix}key 'source' is {record.source!r}, expected one of {list(SOURCES)}")
+    for i, entry in enumerate(record.media):
+        if entry.kind not in MEDIA_KINDS:
+            raise ManifestError(
+                f"{prefix}key 'media[{i}].kind' is {entry.kind!r}, expected one of {list(MEDIA_KINDS)}"
+            )
+        if not entry.path or Path(entry.path).is_absolute():
+            raise ManifestError(
+                f"{prefix}key 'media[{i}].path' is {entry.path!r}, expected a path relative to the manifest"
+            )
+    placeholders = prompt_placeholders(record.prompt)
+    expected = [PLACEHOLDER_BY_KIND[m.kind] for m in record.media]
+    if len(placeholders) != len(expected):
+        raise ManifestError(
+            f"{prefix}key 'prompt' has {len(placeholders)} media placeholder(s) but 'media' has "
+            f"{len(expected)} entr{'y' if len(expected) == 1 else 'ies'}"
+        )
+    if placeholders != expected:
+        raise ManifestError(
+            f"{prefix}key 'prompt' placeholders {placeholders} do not match the media kinds {expected} in order"
+        )
+    if record.answer_choices and record.answer not in record.answer_choices:
+        raise ManifestError(
+            f"{prefix}key 'answer' is {record.answer!r}, not one of 'answer_choices' {record.answer_choices}"
+        )
+
+
+def write_manifest(records: Iterable[SampleRecord], path: str | Path) -> Path:
+    """Validate and write `records` as UTF-8 JSONL; keys keep a fixed order so equal records give equal bytes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    seen_ids: set[str] = set()
+    for index, record in enumerate(records):
+        validate_record(record, where=f"record {index}: ")
+        if record.id in seen_ids:
+            raise ManifestError(f"record {index}: key 'id' {record.id!r} is a duplicate")
+        seen_ids.add(record.id)
+        lines.append(json.dumps(record.to_json_dict(), ensure_ascii=False))
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def _require(obj: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    if key not in obj:
+        raise ManifestError(f"{where}missing key {key!r}")
+    value = obj[key]
+    if not isinstance(value, kind):
+        raise ManifestError(f"{where}key {key!r} must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def parse_record(obj: Any, *, where: str = "") -> SampleRecord:
+    """Build a SampleRecord from one decoded JSON object, with errors naming the sample id and key."""
+    if not isinstance(obj, dict):
+        raise ManifestError(f"{where}expected a JSON object, got {type(obj).__name__}")
+    sample_id = obj.get("id")
+    if isinstance(sample_id, str):
+        where = f"{where}sample {sample_id!r}: "
+    for key in _RECORD_KEYS:
+        if key not in obj:
+            raise ManifestError(f"{where}missing key {key!r}")
+    _require(obj, "id", str, where)
+    source = _require(obj, "source", str, where)
+    prompt = _require(obj, "prompt", str, where)
+    answer = _require(obj, "answer", str, where)
+    raw_media = _require(obj, "media", list, where)
+    raw_choices = _require(obj, "answer_choices", list, where)
+    media = []
+    for i, raw in enumerate(raw_media):
+        item_where = f"{where}media[{i}]: "
+        if not isinstance(raw, dict):
+            raise ManifestError(f"{item_where}expected a JSON object, got {type(raw).__name__}")
+        for key in _MEDIA_KEYS:
+            if key not in raw:
+                raise ManifestError(f"{item_where}missing key {key!r}")
+        path = _require(raw, "path", str, item_where)
+        media.append(MediaEntry(path=path, kind=_require(raw, "kind", str, item_where)))
+    if not all(isinstance(c, str) for c in raw_choices):
+        raise ManifestError(f"{where}key 'answer_choices' must be a list of strings")
+    return SampleRecord(
+        id=obj["id"], source=source, prompt=prompt, media=media, answer=answer, answer_choices=list(raw_choices)
+    )
+
+
+def read_manifest(path: str | Path, *, check_files: bool = False) -> list[SampleRecord]:
+    """Read and validate a JSONL manifest. With `check_files`, every media file must exist."""
+    path = Path(path)
+    if not path.is_file():
+        raise ManifestError(f"manifest {str(path)!r} does not exist")
+    root = path.parent
+    records: list[SampleRecord] = []
+    seen_ids: dict[str, int] = {}
+    with path.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue  # tolerate blank lines (e.g. a trailing newline added by an editor)
+            where = f"{path}:{line_number}: "
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ManifestError(f"{where}invalid JSON ({error.msg} at column {error.colno})") from None
+            record = parse_record(obj, where=where)
+            validate_record(record, where=where)
+            if record.id in seen_ids:
+                raise ManifestError(
+                    f"{where}key 'id' {record.id!r} duplicates the id on line {seen_ids[record.id]}"
+                )
+            seen_ids[record.id] = line_number
+            if check_files:
+                for i, entry in enumerate(record.media):
+                    if not (root / entry.path).is_file():
+                        raise ManifestError(
+                            f"{where}sample {record.id!r}: key 'media[{i}].path' names a missing file "
+                            f"{str(root / entry.path)!r}"
+                        )
+            records.append(record)
+    return records
+
+
+def media_path(manifest_path: str | Path, entry: MediaEntry) -> Path:
+    """The absolute-or-cwd-relative path of a media entry (entries are relative to the manifest dir)."""
+    return Path(manifest_path).parent / entry.path

@@ -1,0 +1,102 @@
+"""Variable-length (packed) attention: many sequences in one token stream, no padding.
+
+Two backends behind one signature, so the model never branches on the device:
+- ``"sdpa"`` (CPU and GPU): PyTorch SDPA. Short packs use one call with a block-diagonal
+  mask; long packs loop over sequences so memory stays O(sum of L_i^2), not O((sum L_i)^2).
+  Runs forward and backward on CPU (FlexAttention's backward does not, there).
+- ``"flash"`` (CUDA): flash-attn's ``flash_attn_varlen_func`` on the same cu_seqlens.
+
+Tensors are ``[tokens, heads, head_dim]``; K/V may have fewer heads than Q (GQA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+
+AttnBackend = Literal["sdpa", "flash"]
+
+# Above this many (tokens x tokens) mask entries the sdpa backend loops per sequence instead.
+_MASKED_CALL_MAX_ELEMENTS = 4096 * 4096
+
+
+@dataclass
+class VarlenMeta:
+    """Sequence boundaries of one packed stream, prepared once per forward and shared by
+    every layer (building the mask per layer would repeat O(N^2) work L times)."""
+
+    cu_seqlens: torch.Tensor  # [S + 1] int
+    max_seqlen: int
+    causal: bool
+    bounds: list[int] = field(default_factory=list)  # cu_seqlens as Python ints
+    mask: torch.Tensor | None = None  # block-diagonal mask, when one masked call is used
+
+
+def make_varlen_meta(cu_seqlens: torch.Tensor, *, causal: bool, backend: "AttnBackend" = "sdpa") -> VarlenMeta:
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    max_seqlen = max(lengths) if lengths else 0
+    meta = VarlenMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=causal, bounds=bounds)
+    total = bounds[-1] if bounds else 0
+    if backend == "sdpa" and len(lengths) > 1 and total * total <= _MASKED_CALL_MAX_ELEMENTS:
+        meta.mask = block_diagonal_mask(cu_seqlens, causal, cu_seqlens.device)
+    return meta
+
+
+class VarlenAttention(Protocol):
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, *, scale: float
+    ) -> torch.Tensor: ...
+
+
+def block_diagonal_mask(cu_seqlens: torch.Tensor, causal: bool, device: torch.device) -> torch.Tensor:
+    """Boolean [N, N] mask: token i may attend to j iff both lie in the same sequence (and j <= i)."""
+    total = int(cu_seqlens[-1])
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+    mask = segment[:, None] == segment[None, :]
+    if causal:
+        mask &= torch.ones(total, total, dtype=torch.bool, device=device).tril()
+    return mask
+
+
+def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, *, scale: float) -> torch.Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    # SDPA wants [batch, heads, tokens, dim]
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    if len(meta.bounds) <= 2:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=meta.causal, scale=scale, enable_gqa=gqa)
+    elif meta.mask is not None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=meta.mask, scale=scale, enable_gqa=gqa)
+    else:
+        b = meta.bounds
+        outs = [
+            F.scaled_dot_product_attention(
+                qh[:, :, s:e], kh[:, :, s:e], vh[:, :, s:e], is_causal=meta.causal, scale=scale, enable_gqa=gqa
+            )
+            for s, e in zip(b[:-1], b[1:])
+        ]
+        out = torch.cat(outs, dim=2)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, *, scale: float) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func  # CUDA-only dependency, imported on use
+
+    cu = meta.cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return flash_attn_varlen_func(
+        q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, softmax_scale=scale, causal=meta.causal
+    )
+
+
+def get_attention(backend: AttnBackend) -> VarlenAttention:
+    if backend == "sdpa":
+        return sdpa_varlen
+    if backend == "flash":
+        if not torch.cuda.is_available():
+            raise RuntimeError("attn_backend='flash' needs CUDA; use 'sdpa' on CPU")
+        return flash_varlen
+    raise ValueError(f"unknown attention backend {backend!r}; expected 'sdpa' or 'flash'")

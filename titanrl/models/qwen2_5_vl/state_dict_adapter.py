@@ -1,0 +1,202 @@
+"""HF Qwen2.5-VL safetensors <-> titanrl parameter names.
+
+On-disk names are those of the released checkpoints (Qwen2.5-VL-7B, MiMo-VL-7B):
+``visual.*``, ``model.layers.*``, ``model.embed_tokens.weight``, ``model.norm.weight``,
+``lm_head.weight``. Checkpoints written by transformers >= 4.52 use
+``model.visual.*`` / ``model.language_model.*``; both load. Saving always writes the
+original names, which transformers and vLLM both read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+
+from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
+
+# (HF regex, titanrl template); {i} is the block/layer index.
+_NAME_MAP: list[tuple[str, str]] = [
+    (r"visual\.patch_embed\.proj\.weight", "vision.patch_embed.weight"),
+    (r"visual\.blocks\.(\d+)\.norm1\.weight", "vision.blocks.{i}.norm1.weight"),
+    (r"visual\.blocks\.(\d+)\.norm2\.weight", "vision.blocks.{i}.norm2.weight"),
+    (r"visual\.blocks\.(\d+)\.attn\.qkv\.(weight|bias)", "vision.blocks.{i}.attn.qkv.{p}"),
+    (r"visual\.blocks\.(\d+)\.attn\.proj\.(weight|bias)", "vision.blocks.{i}.attn.proj.{p}"),
+    (r"visual\.blocks\.(\d+)\.mlp\.gate_proj\.(weight|bias)", "vision.blocks.{i}.mlp.w1.{p}"),
+    (r"visual\.blocks\.(\d+)\.mlp\.up_proj\.(weight|bias)", "vision.blocks.{i}.mlp.w3.{p}"),
+    (r"visual\.blocks\.(\d+)\.mlp\.down_proj\.(weight|bias)", "vision.blocks.{i}.mlp.w2.{p}"),
+    (r"visual\.merger\.ln_q\.weight", "vision.merger.norm.weight"),
+    (r"visual\.merger\.mlp\.0\.(weight|bias)", "vision.merger.fc1.{p}"),
+    (r"visual\.merger\.mlp\.2\.(weight|bias)", "vision.merger.fc2.{p}"),
+    (r"model\.embed_tokens\.weight", "tok_embeddings.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.(weight|bias)", "layers.{i}.attention.wq.{p}"),
+    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.(weight|bias)", "layers.{i}.attention.wk.{p}"),
+    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.(weight|bias)", "layers.{i}.attention.wv.{p}"),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.(weight)", "layers.{i}.attention.wo.{p}"),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.(weight)", "layers.{i}.feed_forward.w1.{p}"),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj\.(weight)", "layers.{i}.feed_forward.w3.{p}"),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.(weight)", "layers.{i}.feed_forward.w2.{p}"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.{i}.attention_norm.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{i}.ffn_norm.weight"),
+    (r"model\.norm\.weight", "norm.weight"),
+    (r"lm_head\.weight", "output.weight"),
+]
+_FROM_HF = [(re.compile(rf"^{pat}$"), tmpl) for pat, tmpl in _NAME_MAP]
+
+
+def _template_to_regex(tmpl: str) -> re.Pattern[str]:
+    body = re.escape(tmpl).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)")
+    return re.compile(rf"^{body}$")
+
+
+def _hf_pattern_to_template(pat: str) -> str:
+    """Turn the HF regex back into a format string with {i} / {p} holes."""
+    out = pat.replace(r"(\d+)", "{i}").replace("(weight|bias)", "{p}").replace("(weight)", "{p}")
+    return out.replace("\\.", ".")
+
+
+_TO_HF = [(_template_to_regex(tmpl), _hf_pattern_to_template(pat)) for pat, tmpl in _NAME_MAP]
+
+# transformers >= 4.52 writes these prefixes; map them to the original ones before matching.
+_NEW_HF_PREFIXES = [("model.visual.", "visual."), ("model.language_model.", "model.")]
+
+
+def canonical_hf_name(name: str) -> str:
+    for new, old in _NEW_HF_PREFIXES:
+        if name.startswith(new):
+            return old + name[len(new) :]
+    return name
+
+
+class Qwen2_5_VLStateDictAdapter(StateDictAdapter):
+    def __init__(self, model_args: Qwen2_5_VLArgs, hf_assets_path: str | None = None) -> None:
+        super().__init__(model_args, hf_assets_path)  # type: ignore[arg-type]
+        self.args = model_args
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        v = self.args.vision
+        out: dict[str, Any] = {}
+        unknown: list[str] = []
+        for raw_name, tensor in hf_state_dict.items():
+            name = canonical_hf_name(raw_name)
+            for regex, tmpl in _FROM_HF:
+                m = regex.match(name)
+                if m is None:
+                    continue
+                groups = m.groups()
+                i = groups[0] if "{i}" in tmpl else None
+                p = groups[-1] if "{p}" in tmpl else None
+                ours = tmpl.format(i=i, p=p)
+                if ours == "vision.patch_embed.weight":
+                    # Conv3d [E, C, T, P, P] -> Linear [E, C*T*P*P]; same flattening as the processor.
+                    tensor = tensor.reshape(v.hidden_size, -1)
+                out[ours] = tensor
+                break
+            else:
+                unknown.append(raw_name)
+        if unknown:
+            raise KeyError(f"HF checkpoint has tensors with no titanrl counterpart: {unknown[:10]}")
+        if self.args.text.tie_word_embeddings and "output.weight" not in out and "tok_embeddings.weight" in out:
+            out["output.weight"] = out["tok_embeddings.weight"]
+        return out
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        v = self.args.vision
+        out: dict[str, Any] = {}
+        for name, tensor in state_dict.items():
+            for regex, hf_tmpl in _TO_HF:
+                m = regex.match(name)
+                if m is None:
+                    continue
+                d = m.groupdict()
+                hf_name = hf_tmpl.format(i=d.get("i"), p=d.get("p"))
+                if name == "vision.patch_embed.weight":
+                    tensor = tensor.reshape(
+                        v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size
+                    )
+                out[hf_name] = tensor
+                break
+            else:
+                raise KeyError(f"titanrl parameter {name!r} has no HF name")
+        if self.args.text.tie_word_embeddings:
+            out.pop("lm_head.weight", None)
+        return out
+
+
+def read_hf_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF model directory (single file or sharded with an index)."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(path / f)))
+    return tensors
+
+
+def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Load an HF Qwen2.5-VL checkpoint into an unsharded titanrl model, strictly."""
+    adapter = Qwen2_5_VLStateDictAdapter(model.args)  # type: ignore[arg-type]
+    ours = adapter.from_hf(read_hf_safetensors(path))
+    expected = dict(model.state_dict())
+    missing = sorted(set(expected) - set(ours))
+    unexpected = sorted(set(ours) - set(expected))
+    if missing or unexpected:
+        raise KeyError(f"checkpoint {path} does not match the model: missing {missing[:10]}, unexpected {unexpected[:10]}")
+    for name, tensor in ours.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(
+                f"checkpoint {path}: {name} has shape {tuple(tensor.shape)}, model expects {tuple(expected[name].shape)}"
+            )
+    model.load_state_dict({k: t.to(expected[k].dtype) for k, t in ours.items()}, strict=True)
+
+
+_ASSET_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def save_hf_checkpoint(
+    state_dict: dict[str, torch.Tensor],
+    args: Qwen2_5_VLArgs,
+    outdir: str | Path,
+    *,
+    assets_from: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write an HF directory (weights under original names + config/tokenizer/processor files
+    copied from ``assets_from``) that transformers and vLLM load."""
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    hf = Qwen2_5_VLStateDictAdapter(args).to_hf(state_dict)
+    hf = {k: (t.to(dtype) if dtype is not None else t).detach().contiguous().cpu() for k, t in hf.items()}
+    save_file(hf, str(outdir / "model.safetensors"), metadata={"format": "pt"})
+    if assets_from is not None:
+        for name in _ASSET_FILES:
+            src = Path(assets_from) / name
+            if src.is_file() and src.resolve() != (outdir / name).resolve():
+                shutil.copy2(src, outdir / name)
+    elif args.hf_config:
+        (outdir / "config.json").write_text(json.dumps(args.hf_config, indent=2))
+    return outdir

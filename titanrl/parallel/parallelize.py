@@ -1,0 +1,90 @@
+"""Apply parallelism and training techniques to a Qwen2.5-VL model from the outside.
+
+Order, as in torchtitan: activation checkpointing -> per-block torch.compile -> FSDP2.
+Each vision block and each decoder layer is its own FSDP unit (all-gathered just in time,
+resharded after use); the root unit holds embeddings, merger, final norm and output.
+
+Gradient reduction is a plain SUM (divide factor 1, force-sum): the trainer normalises the
+loss by *global* token/sequence counts, so summing is exactly the single-process gradient
+whatever the per-rank batch sizes are (ranks get unequal microbatch counts under ODC-style
+balancing). Force-sum also avoids PREMUL_SUM, which gloo rejects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from titanrl.models.qwen2_5_vl.model import Qwen2_5_VLModel
+
+ActivationCheckpoint = Literal["none", "full"]
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    enable: bool = False
+    backend: str = "inductor"
+    dynamic: bool = True
+
+
+def transformer_blocks(model: Qwen2_5_VLModel) -> list[tuple[nn.ModuleDict, str]]:
+    """(container, key) of every repeated block: vision blocks then decoder layers."""
+    return [(model.vision.blocks, k) for k in model.vision.blocks] + [(model.layers, k) for k in model.layers]
+
+
+def apply_activation_checkpointing(model: Qwen2_5_VLModel, mode: ActivationCheckpoint) -> None:
+    if mode == "none":
+        return
+    if mode != "full":
+        raise ValueError(f"activation_checkpoint={mode!r}: expected 'none' or 'full'")
+    for container, key in transformer_blocks(model):
+        container[key] = checkpoint_wrapper(container[key], preserve_rng_state=False)
+
+
+def apply_compile(model: Qwen2_5_VLModel, options: CompileOptions) -> None:
+    """Compile each block separately: the blocks repeat, so one compiled graph serves them
+    all, and the data-dependent packing logic (masks, window permutation) stays eager."""
+    if not options.enable:
+        return
+    for container, key in transformer_blocks(model):
+        container[key].compile(backend=options.backend, dynamic=options.dynamic)
+
+
+def apply_fsdp(
+    model: Qwen2_5_VLModel,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+) -> None:
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for container, key in transformer_blocks(model):
+        fully_shard(container[key], mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def parallelize_qwen2_5_vl(
+    model: Qwen2_5_VLModel,
+    *,
+    dp_mesh: DeviceMesh | None,
+    compile_options: CompileOptions = CompileOptions(),
+    activation_checkpoint: ActivationCheckpoint = "none",
+    param_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+) -> Qwen2_5_VLModel:
+    apply_activation_checkpointing(model, activation_checkpoint)
+    apply_compile(model, compile_options)
+    if dp_mesh is not None:
+        apply_fsdp(model, dp_mesh, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward)
+    return model

@@ -26,8 +26,8 @@ def run(out: Path, nproc: int | None, *extra: str) -> dict:
         cmd = [sys.executable, str(SCRIPT)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", "0", str(SCRIPT)]
-    proc = subprocess.run(cmd + ["--out", str(out), *extra], env=env, capture_output=True, text=True, timeout=600)
+               "--standalone", str(SCRIPT)]
+    proc = subprocess.run(cmd + ["--out", str(out), *extra], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
 

@@ -107,10 +107,11 @@ class DataConfig:
     """Frames per second sampled from videos."""
     max_frames: int = 8
     """Upper bound on frames sampled per video."""
-    min_pixels: int = 3136
-    """Smallest image/frame area after resizing (pixels; 3136 = 4 patches of 28x28)."""
-    max_pixels: int = 12544
-    """Largest image/frame area after resizing (pixels; 12544 = 16 patches of 28x28)."""
+    min_pixels: int | None = None
+    """Smallest image/frame area after resizing (pixels); unset = the checkpoint's processor config,
+    which is what vLLM applies. When set, it overrides both the trainer's and vLLM's preprocessing."""
+    max_pixels: int | None = None
+    """Largest image/frame area after resizing (pixels); unset = the checkpoint's processor config."""
     num_decode_workers: int = 1
     """Background media-decode workers per loader (0 = decode inline)."""
     prefetch_batches: int = 2
@@ -126,8 +127,9 @@ class DataConfig:
             "num_samples": self.num_samples,
             "max_prompt_tokens": self.max_prompt_tokens,
             "max_frames": self.max_frames,
-            "min_pixels": self.min_pixels,
         }
+        if self.min_pixels is not None:
+            positive["min_pixels"] = self.min_pixels
         found += [f"data.{k} must be >= 1, got {v}" for k, v in positive.items() if v < 1]
         non_negative = {
             "num_decode_workers": self.num_decode_workers,
@@ -137,7 +139,7 @@ class DataConfig:
         found += [f"data.{k} must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
         if self.fps <= 0:
             found.append(f"data.fps must be > 0, got {self.fps}")
-        if self.max_pixels < self.min_pixels:
+        if self.min_pixels is not None and self.max_pixels is not None and self.max_pixels < self.min_pixels:
             found.append(
                 f"data.max_pixels ({self.max_pixels}) must be >= "
                 f"data.min_pixels ({self.min_pixels})"

@@ -1,0 +1,83 @@
+"""The product surface: ``python -m titanrl.train`` / torchrun, config errors, bad samples."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titanrl.data.synth import generate_dataset
+
+
+def run_train(tmp_path: Path, *overrides: str, nproc: int | None = None) -> subprocess.CompletedProcess:
+    base = [
+        "--config", "configs/tiny_cpu.toml",
+        f"--model.cache_dir={tmp_path / 'cache'}", f"--job.dump_folder={tmp_path / 'out'}", "--job.steps=2",
+    ]
+    if nproc is None:
+        cmd = [sys.executable, "-m", "titanrl.train"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "titanrl.train"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(cmd + base + list(overrides), cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_unknown_key_fails_fast_without_traceback(tmp_path):
+    proc = run_train(tmp_path, "--optimizer.lrr=3")
+    assert proc.returncode == 2
+    assert "did you mean 'optimizer.lr'" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+def test_single_process_run_writes_config_and_metrics(tmp_path):
+    proc = run_train(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "out" / "tiny_cpu"
+    assert (run_dir / "config.toml").is_file()
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines] == [1, 2]
+    assert "step 2/2" in proc.stdout
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_matches_one(tmp_path):
+    one = run_train(tmp_path / "a")
+    two = run_train(tmp_path / "b", nproc=2)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+
+    def losses(root):
+        return [json.loads(l)["loss"] for l in (root / "out" / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
+
+    for a, b in zip(losses(tmp_path / "a"), losses(tmp_path / "b")):
+        assert abs(a - b) < 1e-5
+
+
+@pytest.fixture()
+def corrupt_manifest(tmp_path):
+    manifest = generate_dataset(tmp_path / "data", "only-video", 4, seed=1)
+    first = json.loads(manifest.read_text().splitlines()[0])
+    (manifest.parent / first["media"][0]["path"]).write_bytes(b"\x00not a video")
+    return manifest, first["id"]
+
+
+def test_corrupt_video_is_skipped_and_counted(tmp_path, corrupt_manifest):
+    manifest, bad_id = corrupt_manifest
+    proc = run_train(tmp_path, f"--data.manifest={manifest}", "--data.on_bad_sample=skip", "--job.steps=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"skipping sample {bad_id!r}" in proc.stdout
+    metrics = json.loads((tmp_path / "out" / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["data/skipped"] == 1
+
+
+def test_corrupt_video_is_an_error_naming_the_sample(tmp_path, corrupt_manifest):
+    manifest, bad_id = corrupt_manifest
+    proc = run_train(tmp_path, f"--data.manifest={manifest}", "--data.on_bad_sample=error", "--job.steps=1")
+    assert proc.returncode != 0
+    assert bad_id in proc.stderr

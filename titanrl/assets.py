@@ -1,0 +1,71 @@
+"""Model and dataset a run needs, built on first use into the cache when the config names none.
+
+Rank 0 builds under a file lock (two runs sharing a cache never build the same thing at once);
+the other ranks wait at a barrier and then find it ready. A finished build is marked by a
+``.complete`` file, so a build killed half-way is redone, never used.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from titanrl.config import JobConfig
+from titanrl.distributed import DistInfo, barrier
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build_once(target: Path, build) -> Path:
+    marker = target / ".complete"
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if not marker.is_file():
+            if target.exists():
+                shutil.rmtree(target)
+            build(target)
+            marker.write_text("ok\n")
+    return target
+
+
+def model_dir(cfg: JobConfig, info: DistInfo) -> Path:
+    if cfg.model.path:
+        path = Path(cfg.model.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path={cfg.model.path!r} has no config.json")
+        return path
+    target = cfg.cache_dir / "models" / f"qwen2_5_vl_{cfg.model.flavor}_seed{cfg.job.seed}"
+    if info.is_main:
+        from titanrl.models.make_tiny import make_tiny_checkpoint
+
+        _build_once(target, lambda d: make_tiny_checkpoint(d, size=cfg.model.flavor, seed=cfg.job.seed))
+    barrier()
+    return target
+
+
+def manifest_path(cfg: JobConfig, info: DistInfo) -> Path:
+    if cfg.data.manifest:
+        path = Path(cfg.data.manifest).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"data.manifest={cfg.data.manifest!r} does not exist")
+        return path
+    target = cfg.cache_dir / "data" / f"{cfg.data.mixture}_n{cfg.data.num_samples}_seed{cfg.job.seed}"
+    if info.is_main:
+        from titanrl.data.synth import generate_dataset
+
+        _build_once(
+            target, lambda d: generate_dataset(d, cfg.data.mixture, cfg.data.num_samples, seed=cfg.job.seed)
+        )
+    barrier()
+    return target / "manifest.jsonl"

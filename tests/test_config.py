@@ -377,8 +377,8 @@ def test_all_problems_are_reported_together():
     assert "optimizer.lr must be > 0" in message and "checkpoint.interval must be > 0" in message
 
 
-def test_ppo_allows_a_single_response_and_the_model_path_may_be_empty():
-    overridden("--rl.algorithm=ppo", "--rollout.n=1", validate=True)
+def test_ppo_is_not_offered_and_the_model_path_may_be_empty():
+    assert "expects one of 'grpo'" in config_error("--rl.algorithm=ppo")
     assert load_config(REPO / "configs" / "qwen2_5_vl_7b.toml").model.path == ""
 
 

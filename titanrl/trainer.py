@@ -1,22 +1,27 @@
-"""The trainer's set-up (assets, model, parallelism, optimizer) and its step.
+"""The RL trainer: set-up (assets, model, parallelism, rollout engine, checkpoints) and one
+GRPO step, stage by stage, with the per-stage timings of the FlexRL paper's table 1.
 
-Until the RL loop lands, a step is the model/data smoke path: every rank prepares its share
-of a global batch of manifest prompts (decode, preprocess, tokenize), appends the reference
-answer, and takes one optimizer step on the answer tokens' log-likelihood, with the loss
-normalised by the global answer-token count (so FSDP's summed gradients equal the
-single-process gradient). It exercises everything the RL step will stand on.
+One step: the global batch of prompts (identical on every rank) is split across ranks by
+estimated cost; each rank prepares its prompts (decode + preprocess + tokenize), samples
+``rollout.n`` responses with its own engine, scores them with the reward function, computes
+old-policy (and reference) log-probs with titanrl's model, takes ``ppo_epochs`` x
+``minibatches`` optimizer steps on the PPO-clip objective, and pushes the new weights into its
+engine. Losses are normalised by global token/sequence counts of each minibatch, so the result
+does not depend on how prompts were split across ranks.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
 
 from titanrl import assets
+from titanrl.checkpoint import CallbackState, RNGState, build_checkpoint_manager
 from titanrl.config import JobConfig, save_resolved
 from titanrl.data.manifest import SampleRecord, read_manifest
 from titanrl.data.media import MediaError
@@ -24,12 +29,15 @@ from titanrl.data.preprocess import MediaSettings, PreparedSample, prepare_sampl
 from titanrl.data.prompt import PromptEncoder
 from titanrl.distributed import DistInfo, all_reduce_sum, build_dp_mesh
 from titanrl.metrics import MetricsLogger
-from titanrl.models.packed import pack_sequences
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights
-from titanrl.models.qwen2_5_vl.inputs import make_sequence_input
-from titanrl.models.qwen2_5_vl.model import LogprobTargets
 from titanrl.optim import build_lr_scheduler, build_optimizer
+from titanrl.parallel.balance import karmarkar_karp
 from titanrl.parallel.parallelize import CompileOptions, parallelize_qwen2_5_vl
+from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories, split_microbatches
+from titanrl.rl.grpo import group_advantages, ppo_clip_loss
+from titanrl.rl.rewards import exact_match, load_reward
+from titanrl.rl.weight_sync import WeightPusher
+from titanrl.rollout import RolloutRequest, build_rollout_engine, probe_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -54,6 +62,17 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 
+class StageTimer:
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.perf_counter() - t0
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig, info: DistInfo) -> None:
         self.cfg = cfg
@@ -76,45 +95,104 @@ class Trainer:
             min_pixels=cfg.data.min_pixels,
             max_pixels=cfg.data.max_pixels,
         )
+        self.reward_fn = load_reward(cfg.rl.reward)
 
         self.args = Qwen2_5_VLArgs.from_pretrained(self.model_dir)
-        model = Qwen2_5_VLModel(self.args)
-        load_hf_weights(model, self.model_dir)
-        model.set_attention_backend(cfg.model.attn_backend)
-        model.to(info.device)
         self.param_dtype = _DTYPES[cfg.model.dtype]
-        self.model = parallelize_qwen2_5_vl(
-            model,
-            dp_mesh=build_dp_mesh(info),
-            compile_options=CompileOptions(
-                enable=cfg.compile.enable and "model" in cfg.compile.components,
-                backend=cfg.compile.backend,
-                dynamic=cfg.compile.dynamic,
-            ),
-            activation_checkpoint="none" if cfg.parallelism.activation_checkpoint == "none" else "full",
-            param_dtype=self.param_dtype,
-            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-        )
+        mesh = build_dp_mesh(info)
+        self.model = self._build_model(mesh, trainable=True)
+        self.ref_model = self._build_model(mesh, trainable=False) if cfg.rl.kl_coef > 0 else None
         self.optimizer = build_optimizer(cfg, self.model.parameters())
         self.lr_scheduler = build_lr_scheduler(cfg, self.optimizer)
+
+        self.engine = build_rollout_engine(cfg, self.model_dir, info.rank)
+        self.pusher = WeightPusher(cfg.job.name, self.args, self.model_dir, info, self.param_dtype)
         self.metrics = MetricsLogger(
             cfg.run_dir, enabled=info.is_main, jsonl=cfg.metrics.jsonl, tensorboard=cfg.metrics.tensorboard,
             total_steps=cfg.job.steps,
         )
         self.skips = SkipCounter()
         self.step = 0
+        self.checkpointer = build_checkpoint_manager(
+            cfg,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            dataloader=CallbackState(self._data_state, self._load_data_state),
+            extra_states={
+                "trainer": CallbackState(lambda: {"step": self.step}, self._load_trainer_state),
+                "rng": RNGState(info.rank),
+            },
+        )
+        if cfg.checkpoint.enable and cfg.checkpoint.resume and self.checkpointer.load():
+            # The engine started from the initial checkpoint: give it the resumed weights.
+            self.pusher.push(self.model, self.engine)
+            if info.is_main:
+                print(f"[titanrl] resumed from step {self.step}", flush=True)
+
+    def _build_model(self, mesh, *, trainable: bool) -> Qwen2_5_VLModel:
+        cfg = self.cfg
+        model = Qwen2_5_VLModel(self.args)
+        load_hf_weights(model, self.model_dir)
+        model.set_attention_backend(cfg.model.attn_backend)
+        model.to(self.info.device)
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+        return parallelize_qwen2_5_vl(
+            model,
+            dp_mesh=mesh,
+            compile_options=CompileOptions(
+                enable=trainable and cfg.compile.enable and "model" in cfg.compile.components,
+                backend=cfg.compile.backend,
+                dynamic=cfg.compile.dynamic,
+            ),
+            activation_checkpoint="full" if trainable and cfg.parallelism.activation_checkpoint != "none" else "none",
+            param_dtype=self.param_dtype,
+            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+        )
+
+    # ------------------------------------------------------------------ state
+
+    def _data_state(self) -> dict:
+        # The data order is a pure function of (seed, position): the position is the whole state.
+        return {"samples_consumed": self.step * self.cfg.rl.global_batch_size}
+
+    def _load_data_state(self, state: dict) -> None:
+        expected = self.step * self.cfg.rl.global_batch_size
+        if int(state["samples_consumed"]) != expected:
+            raise RuntimeError(f"checkpoint data position {state['samples_consumed']} != {expected}")
+
+    def _load_trainer_state(self, state: dict) -> None:
+        self.step = int(state["step"])
 
     # ------------------------------------------------------------------ data
 
     def global_batch_indices(self, step: int) -> list[int]:
         n = len(self.records)
         bs = self.cfg.rl.global_batch_size
-        start = step * bs
         out = []
-        for i in range(start, start + bs):
+        for i in range(step * bs, (step + 1) * bs):
             epoch, pos = divmod(i, n)
             out.append(int(epoch_order(n, self.cfg.job.seed, epoch)[pos]))
         return out
+
+    def estimated_cost(self, index: int) -> float:
+        """Tokens a prompt will cost: prompt text + expected response, plus its media size from
+        file headers only (no decode). Used to split prompts across ranks' engines."""
+        record = self.records[index]
+        media_bytes = 0
+        for m in record.media:
+            try:
+                media_bytes += (self.manifest.parent / m.path).stat().st_size
+            except OSError:
+                pass
+        return len(record.prompt) / 4 + self.cfg.rollout.max_new_tokens * self.cfg.rollout.n + media_bytes / 256
+
+    def my_prompt_indices(self, step: int) -> list[int]:
+        batch = self.global_batch_indices(step)
+        parts = karmarkar_karp([self.estimated_cost(i) for i in batch], self.info.world_size, equal_size=False)
+        return sorted(batch[j] for j in parts[self.info.rank])
 
     def prepare(self, index: int) -> PreparedSample | None:
         record = self.records[index]
@@ -136,62 +214,199 @@ class Trainer:
         print(f"[titanrl] rank {self.info.rank}: skipping sample {record.id!r}: {detail}", flush=True)
         return None
 
+    # ------------------------------------------------------------------ stages
+
+    def rollout(self, prompts: list[PreparedSample]) -> list[Trajectory]:
+        r = self.cfg.rollout
+        requests = [
+            RolloutRequest(
+                prompt_text=self.encoder.render(p.record.prompt), prompt_ids=p.prompt_ids, media=p.media,
+                grids=p.grids, pixel_values=p.pixel_values,
+            )
+            for p in prompts
+        ]
+        seed = (r.seed if r.seed is not None else self.cfg.job.seed) * 1_000_003 + self.step * 4099 + self.info.rank
+        results = self.engine.generate(
+            requests, n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, seed=seed
+        ) if requests else []
+        trajs = []
+        for group, (prompt, samples) in enumerate(zip(prompts, results)):
+            for s in samples:
+                text = self.encoder.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+                trajs.append(Trajectory(
+                    prompt=prompt, group=group, response_ids=np.asarray(s.token_ids, dtype=np.int64),
+                    rollout_logprobs=np.asarray(s.logprobs, dtype=np.float32), finish_reason=s.finish_reason,
+                    response_text=text,
+                ))
+        return trajs
+
+    def score(self, trajs: list[Trajectory]) -> None:
+        for t in trajs:
+            t.reward = float(self.reward_fn(t.response_text, t.prompt.record))
+            t.extras["correct"] = exact_match(t.response_text, t.prompt.record)
+        if trajs:
+            adv = group_advantages(
+                torch.tensor([t.reward for t in trajs]), torch.tensor([t.group for t in trajs]),
+                std_normalize=self.cfg.rl.std_normalize,
+            )
+            for t, a in zip(trajs, adv.tolist()):
+                t.advantage = a
+
+    def _microbatches(self, trajs: list[Trajectory]) -> list[list[Trajectory]]:
+        """This rank's microbatches, padded (with None = a dummy) to the largest count of any rank,
+        because FSDP's collectives need every rank to run the same number of forwards."""
+        mbs: list = split_microbatches(trajs, self.cfg.balance.max_tokens_per_microbatch)
+        count = int(all_reduce_max(len(mbs)))
+        return mbs + [None] * (count - len(mbs))
+
+    @torch.no_grad()
+    def compute_logprobs(self, model, trajs: list[Trajectory], attr: str, with_entropy: bool = False) -> None:
+        temperature = self.cfg.rollout.temperature
+        for mb in self._microbatches(trajs):
+            if mb is None:
+                model(dummy_pack(self.args, self.info.device, self.param_dtype).batch)
+                continue
+            pack = pack_trajectories(mb, self.args, self.info.device, self.param_dtype, temperature=temperature)
+            out = model(pack.batch, pack.targets)
+            for t, lp in zip(mb, torch.split(out.logprobs.float().cpu(), [x.num_response_tokens for x in mb])):
+                setattr(t, attr, lp)
+
+    def update(self, trajs: list[Trajectory]) -> dict[str, float]:
+        cfg, rl = self.cfg, self.cfg.rl
+        # Minibatches by prompt group: a group's responses are updated together.
+        groups = sorted({t.group for t in trajs})
+        sums = {"pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+        steps = 0
+        for _ in range(rl.ppo_epochs):
+            for m in range(rl.minibatches):
+                chosen = set(groups[m :: rl.minibatches])
+                mine = [t for t in trajs if t.group in chosen]
+                counts = all_reduce_sum(torch.tensor(
+                    [float(sum(t.num_response_tokens for t in mine)), float(len(mine))], dtype=torch.float64))
+                global_tokens, global_seqs = max(counts[0].item(), 1.0), max(counts[1].item(), 1.0)
+                for mb in self._microbatches(mine):
+                    if mb is None:
+                        out = self.model(dummy_pack(self.args, self.info.device, self.param_dtype).batch)
+                        (out.hidden.sum() * 0.0).backward()
+                        continue
+                    pack = pack_trajectories(mb, self.args, self.info.device, self.param_dtype,
+                                             temperature=cfg.rollout.temperature, return_entropy=True)
+                    out = self.model(pack.batch, pack.targets)
+                    per_token = lambda xs: torch.cat([x for x in xs]).to(self.info.device)  # noqa: E731
+                    adv = torch.cat([torch.full((t.num_response_tokens,), t.advantage) for t in mb]).to(self.info.device)
+                    res = ppo_clip_loss(
+                        out.logprobs, per_token([t.old_logprobs for t in mb]), adv, pack.seq_index, pack.seq_lengths,
+                        clip_low=rl.clip_low, clip_high=rl.clip_high, mode=rl.loss_agg,
+                        global_tokens=global_tokens, global_seqs=global_seqs,
+                        ref_logp=per_token([t.ref_logprobs for t in mb]) if self.ref_model is not None else None,
+                        kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
+                        entropy=out.entropy, entropy_coef=rl.entropy_coef,
+                    )
+                    res.loss.backward()
+                    for k in ("pg_loss", "kl", "clip_fraction", "entropy"):
+                        sums[k] += getattr(res, k).item()
+                max_norm = cfg.optimizer.max_grad_norm or float("inf")
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+                sums["grad_norm"] += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                steps += 1
+        self.lr_scheduler.step()
+        reduced = all_reduce_sum(torch.tensor([sums["pg_loss"], sums["kl"], sums["clip_fraction"], sums["entropy"]],
+                                              dtype=torch.float64))
+        return {
+            "loss": reduced[0].item() / steps, "kl": reduced[1].item() / steps,
+            "clip_fraction": reduced[2].item() / steps, "entropy": reduced[3].item() / steps,
+            "grad_norm": sums["grad_norm"] / steps, "lr": self.lr_scheduler.get_last_lr()[0],
+        }
+
+    def probe(self, trajs: list[Trajectory]) -> float:
+        """max |vLLM - trainer| log-prob of a fixed response after the push (-1: nothing to probe).
+        Every rank runs the trainer forward (FSDP collectives); ranks without data run a dummy."""
+        t = trajs[0] if trajs else None
+        with torch.no_grad():
+            if t is None:
+                self.model(dummy_pack(self.args, self.info.device, self.param_dtype).batch)
+                return -1.0
+            request = RolloutRequest(prompt_text=self.encoder.render(t.prompt.record.prompt),
+                                     prompt_ids=t.prompt.prompt_ids, media=t.prompt.media, grids=t.prompt.grids,
+                                     pixel_values=t.prompt.pixel_values)
+            pack = pack_trajectories([t], self.args, self.info.device, self.param_dtype,
+                                     temperature=self.cfg.rollout.temperature)
+            ours = self.model(pack.batch, pack.targets).logprobs.float().cpu()
+        theirs = torch.tensor(probe_logprobs(self.engine, request, t.response_ids.tolist()))
+        return float((ours - theirs).abs().max()) if len(theirs) else 0.0
+
     # ------------------------------------------------------------------ step
 
-    def smoke_step(self) -> dict[str, float]:
-        t0 = time.perf_counter()
-        indices = self.global_batch_indices(self.step)[self.info.rank :: self.info.world_size]
-        prepared = [p for p in (self.prepare(i) for i in indices) if p is not None]
-        seqs, targets = [], []
-        offset = 0
-        for p in prepared:
-            answer = self.encoder.encode_text(p.record.answer + "<|im_end|>")
-            ids = np.concatenate([p.prompt_ids, answer])
-            pixels = torch.from_numpy(p.pixel_values) if p.pixel_values is not None else None
-            seqs.append(make_sequence_input(self.args, ids, p.grids, pixels))
-            # answer token j is predicted at position (its index - 1)
-            first = offset + len(p.prompt_ids)
-            targets.append(np.arange(first - 1, first - 1 + len(answer)))
-            offset += len(ids)
-        t_data = time.perf_counter() - t0
-
-        t1 = time.perf_counter()
-        local_targets = sum(len(t) for t in targets)
-        counts = all_reduce_sum(torch.tensor([float(local_targets), float(offset)]))
-        global_targets, global_tokens = counts.tolist()
-        if seqs:
-            batch = pack_sequences(seqs).to(self.info.device, self.param_dtype)
-            positions = torch.from_numpy(np.concatenate(targets)).to(self.info.device)
-            out = self.model(batch, LogprobTargets(positions=positions, token_ids=batch.input_ids[positions + 1]))
-            loss = -out.logprobs.sum() / max(global_targets, 1.0)
-        else:
-            raise BadSampleError(f"rank {self.info.rank} has no usable sample at step {self.step}")
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.cfg.optimizer.max_grad_norm or float("inf")
-        )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        t_update = time.perf_counter() - t1
-
-        reduced = all_reduce_sum(torch.tensor([loss.item(), float(self.skips.total())]))
+    def rl_step(self) -> dict[str, float]:
+        timer = StageTimer()
+        with timer("data"):
+            prompts = [p for p in (self.prepare(i) for i in self.my_prompt_indices(self.step)) if p is not None]
+        self.model.eval()
+        with timer("rollout"):
+            trajs = self.rollout(prompts)
+        with timer("reward"):
+            self.score(trajs)
+        with timer("old_logprob"):
+            self.compute_logprobs(self.model, trajs, "old_logprobs")
+        if self.ref_model is not None:
+            with timer("ref_logprob"):
+                self.compute_logprobs(self.ref_model, trajs, "ref_logprobs")
+        self.model.train()
+        with timer("update"):
+            stats = self.update(trajs)
+        self.model.eval()
+        with timer("weight_sync"):
+            stats.update(self.pusher.push(self.model, self.engine))
         self.step += 1
+        probe_every = self.cfg.rollout.probe_every
+        if probe_every and self.step % probe_every == 0:
+            diff = self.probe(trajs)
+            stats["probe/logprob_max_diff"] = float(all_reduce_max(diff))
+
+        local = torch.tensor([
+            sum(t.reward for t in trajs), sum(t.extras["correct"] for t in trajs), float(len(trajs)),
+            float(sum(t.num_response_tokens for t in trajs)), float(sum(t.num_tokens for t in trajs)),
+            float(self.skips.total()),
+        ], dtype=torch.float64)
+        total = all_reduce_sum(local)
+        n = max(total[2].item(), 1.0)
+        step_time = sum(v for k, v in timer.times.items())
         return {
-            "loss": reduced[0].item(),
-            "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
-            "lr": self.lr_scheduler.get_last_lr()[0],
-            "throughput/tokens_per_s": global_tokens / max(t_data + t_update, 1e-9),
-            "time/data": t_data,
-            "time/update": t_update,
-            "data/skipped": reduced[1].item(),
+            "reward/mean": total[0].item() / n,
+            "reward/accuracy": total[1].item() / n,
+            "response/length_mean": total[3].item() / n,
+            **stats,
+            "throughput/tokens_per_s": total[4].item() / max(step_time, 1e-9),
+            "data/skipped": total[5].item(),
+            **{k: all_reduce_max(v) for k, v in timer.times.items()},
         }
 
     def train(self) -> list[dict[str, float]]:
         history = []
-        while self.step < self.cfg.job.steps:
-            metrics = self.smoke_step()
-            history.append(metrics)
-            self.metrics.log(self.step, metrics)
-        self.metrics.close()
+        try:
+            while self.step < self.cfg.job.steps:
+                metrics = self.rl_step()
+                history.append(metrics)
+                self.metrics.log(self.step, metrics)
+                self.checkpointer.save(self.step, last_step=self.step == self.cfg.job.steps)
+            self.checkpointer.maybe_wait_for_saving()
+        finally:
+            self.close()
         return history
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.checkpointer.close()
+        self.engine.close()
+        self.pusher.close()
+
+
+def all_reduce_max(value: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()

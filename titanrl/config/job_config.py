@@ -246,8 +246,9 @@ class RolloutConfig:
 class RLConfig:
     """[rl] The RL objective: algorithm, reward, batch sizes and loss terms."""
 
-    algorithm: Literal["grpo", "ppo"] = "grpo"
-    """grpo = group-relative advantages, no critic; ppo = clipped PPO with token advantages."""
+    algorithm: Literal["grpo"] = "grpo"
+    """Advantage estimator: group-relative (GRPO) with the PPO-clip objective. A learned critic
+    (PPO with GAE) is not built yet."""
     reward: str = "titanrl.rl.rewards:exact_match"
     """Reward function as 'module:function', imported when training starts."""
     global_batch_size: int = 4

@@ -1,0 +1,124 @@
+"""GRPO advantages, PPO-clip loss, KL estimators and rewards against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from titanrl.data.manifest import SampleRecord
+from titanrl.rl.grpo import aggregate, group_advantages, kl_penalty, ppo_clip_loss
+from titanrl.rl.rewards import exact_match, exact_match_with_format, load_reward, math_answer
+
+
+def test_group_advantages_hand_computed():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    adv = group_advantages(rewards, groups, std_normalize=True, eps=0.0)
+    # group 0: mean 0.25, unbiased std sqrt(0.75/3) = 0.5 -> (0.75/0.5, -0.25/0.5 x3)
+    assert torch.allclose(adv[:4], torch.tensor([1.5, -0.5, -0.5, -0.5]))
+    # group 1: all equal -> no preference, advantage 0, no NaN
+    assert torch.equal(adv[4:], torch.zeros(2))
+    centred = group_advantages(rewards, groups, std_normalize=False)
+    assert torch.allclose(centred, torch.tensor([0.75, -0.25, -0.25, -0.25, 0.0, 0.0]))
+
+
+def test_kl_estimators():
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    assert torch.allclose(kl_penalty(logp, ref, "k1"), torch.tensor([0.5, -1.0]))
+    x = ref - logp
+    assert torch.allclose(kl_penalty(logp, ref, "k3"), torch.exp(x) - x - 1)
+    assert (kl_penalty(logp, ref, "k3") >= 0).all()
+
+
+def test_aggregation_modes_hand_computed():
+    values = torch.tensor([1.0, 2.0, 3.0, 10.0])  # seq 0 has 3 tokens, seq 1 has 1
+    seq_index, lengths = torch.tensor([0, 0, 0, 1]), torch.tensor([3, 1])
+    kw = dict(seq_index=seq_index, seq_lengths=lengths, global_tokens=4.0, global_seqs=2.0)
+    assert aggregate(values, mode="token-mean", **kw).item() == pytest.approx(16 / 4)
+    assert aggregate(values, mode="seq-mean-token-sum", **kw).item() == pytest.approx((6 + 10) / 2)
+    assert aggregate(values, mode="seq-mean-token-mean", **kw).item() == pytest.approx((2 + 10) / 2)
+
+
+def test_split_contributions_sum_to_the_whole():
+    """Two ranks with uneven shares, normalised globally, add up to the single-place loss."""
+    torch.manual_seed(0)
+    logp, old = torch.randn(10) * 0.1 - 1, torch.randn(10) * 0.1 - 1
+    adv = torch.randn(10)
+    seq_index, lengths = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3]), torch.tensor([3, 2, 4, 1])
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        kw = dict(clip_low=0.2, clip_high=0.28, mode=mode, global_tokens=10.0, global_seqs=4.0)
+        whole = ppo_clip_loss(logp, old, adv, seq_index, lengths, **kw).loss
+        a = ppo_clip_loss(logp[:3], old[:3], adv[:3], seq_index[:3], lengths[:1], **kw).loss
+        b = ppo_clip_loss(logp[3:], old[3:], adv[3:], seq_index[3:] - 1, lengths[1:], **kw).loss
+        assert (a + b).item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+def test_ppo_clip_hand_computed_and_masked_tokens():
+    # ratio e^{0.5} = 1.6487 clipped to 1.2 for A > 0 (min of gains), unclipped e^{-0.5} for A > 0
+    logp = torch.tensor([-0.5, -1.5, -1.0])
+    old = torch.tensor([-1.0, -1.0, -1.0])
+    adv = torch.tensor([1.0, 1.0, -2.0])
+    out = ppo_clip_loss(logp, old, adv, torch.tensor([0, 0, 1]), torch.tensor([2, 1]), clip_low=0.2,
+                        clip_high=0.2, mode="token-mean", global_tokens=3.0, global_seqs=2.0)
+    expected = (-1.2 + -math.exp(-0.5) + 2.0 * 1.0) / 3
+    assert out.loss.item() == pytest.approx(expected, rel=1e-6)
+    assert out.clip_fraction.item() == pytest.approx(1 / 3)
+    # A masked token is one that is not passed at all: response tokens only, no prompt tokens.
+    # Gradient flows only through the unclipped token 1 and token 2.
+    logp_req = logp.clone().requires_grad_(True)
+    ppo_clip_loss(logp_req, old, adv, torch.tensor([0, 0, 1]), torch.tensor([2, 1]), clip_low=0.2, clip_high=0.2,
+                  mode="token-mean", global_tokens=3.0, global_seqs=2.0).loss.backward()
+    assert logp_req.grad[0].item() == 0.0
+    assert logp_req.grad[1].item() == pytest.approx(-math.exp(-0.5) / 3, rel=1e-6)
+
+
+def test_degenerate_group_gives_zero_policy_gradient():
+    rewards, groups = torch.ones(4), torch.zeros(4, dtype=torch.long)
+    adv = group_advantages(rewards, groups)
+    logp = torch.full((4,), -1.0, requires_grad=True)
+    ppo_clip_loss(logp, logp.detach(), adv, torch.arange(4), torch.ones(4), clip_low=0.2, clip_high=0.2,
+                  mode="token-mean", global_tokens=4.0, global_seqs=4.0).loss.backward()
+    assert torch.equal(logp.grad, torch.zeros(4))
+
+
+def test_kl_term_in_loss():
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-2.0])
+    out = ppo_clip_loss(logp, logp, torch.zeros(1), torch.tensor([0]), torch.tensor([1]), clip_low=0.2,
+                        clip_high=0.2, mode="token-mean", global_tokens=1.0, global_seqs=1.0, ref_logp=ref,
+                        kl_coef=0.5, kl_estimator="k1")
+    assert out.loss.item() == pytest.approx(0.5 * 1.0)
+
+
+RECORD = SampleRecord(id="s", source="geo3k", prompt="<image>q", media=[], answer="red",
+                      answer_choices=["red", "green", "blue", "yellow"])
+
+
+@pytest.mark.parametrize("response,score", [("red", 1.0), ("Red.", 1.0), (" red green", 1.0), ("green", 0.0),
+                                            ("", 0.0), ("reddish", 0.0)])
+def test_exact_match(response, score):
+    assert exact_match(response, RECORD) == score
+
+
+def test_exact_match_with_format():
+    assert exact_match_with_format("red", RECORD) == pytest.approx(1.0)
+    assert exact_match_with_format("blue", RECORD) == pytest.approx(0.1)
+    assert exact_match_with_format("dog", RECORD) == 0.0
+
+
+@pytest.mark.parametrize("response,answer,score", [
+    (r"so \boxed{0.5}", "1/2", 1.0), (r"\boxed{\frac{1}{2}}", "0.5", 1.0), ("the area is 12", "12", 1.0),
+    (r"\boxed{13}", "12", 0.0), (r"\boxed{x+1}", "x + 1", 1.0),
+])
+def test_math_answer(response, answer, score):
+    rec = SampleRecord(id="m", source="geo3k", prompt="<image>q", media=[], answer=answer, answer_choices=[answer])
+    assert math_answer(response, rec) == score
+
+
+def test_load_reward_errors_name_the_spec():
+    assert load_reward("titanrl.rl.rewards:exact_match") is exact_match
+    with pytest.raises(ValueError, match="no_such"):
+        load_reward("titanrl.rl.rewards:no_such")
+    with pytest.raises(ValueError, match="cannot import"):
+        load_reward("titanrl.nope:f")

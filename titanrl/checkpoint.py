@@ -1,0 +1,115 @@
+"""Checkpoints through torchtitan's DCP ``CheckpointManager``: model, optimizer, LR schedule,
+data position and RNG states, in ``<run_dir>/<checkpoint.folder>/step-N``.
+
+The optimizer goes through ``get/set_optimizer_state_dict`` (FQN-keyed, FSDP-aware) rather than
+``optimizer.state_dict()`` (keyed by parameter index). RNG states differ per rank, so they are
+saved under a per-rank key: DCP deduplicates identical non-tensor keys across ranks.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.components.checkpointer.dcp import CheckpointManager
+
+from titanrl.config import JobConfig
+
+
+class OptimizerState(Stateful):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(
+            self.model, self.optimizer, state_dict, options=StateDictOptions(flatten_optimizer_state_dict=True)
+        )
+
+
+class SchedulerState(Stateful):
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict({**state_dict, "lr_lambdas": [None] * len(self.scheduler.lr_lambdas)})
+
+
+class RNGState(Stateful):
+    """Python, NumPy and torch generator states of this rank, under a per-rank key."""
+
+    def __init__(self, rank: int) -> None:
+        self.key = f"rank{rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            self.key: {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+            }
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        mine = state_dict.get(self.key)
+        if mine is None:
+            return  # resumed on a different world size: keep fresh generators
+        random.setstate(mine["python"])
+        np.random.set_state(mine["numpy"])
+        torch.set_rng_state(mine["torch"])
+
+
+class CallbackState(Stateful):
+    """A Stateful from two functions (the trainer's step counter, the loader position)."""
+
+    def __init__(self, get: Callable[[], dict[str, Any]], put: Callable[[dict[str, Any]], None]) -> None:
+        self._get, self._put = get, put
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._get()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._put(state_dict)
+
+
+def build_checkpoint_manager(
+    cfg: JobConfig,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+    dataloader: Stateful,
+    extra_states: dict[str, Stateful],
+) -> CheckpointManager:
+    c = cfg.checkpoint
+    manager_cfg = CheckpointManager.Config(
+        enable=c.enable,
+        folder=str(cfg.checkpoint_dir),
+        interval=c.interval,
+        keep_latest_k=c.keep_latest_k,
+        async_mode=c.async_mode,
+        last_save_model_only=False,
+    )
+    return CheckpointManager(
+        manager_cfg,
+        dataloader=dataloader,  # type: ignore[arg-type]
+        model_parts=[model],
+        optimizers=OptimizerState(model, optimizer),  # type: ignore[arg-type]
+        lr_schedulers=SchedulerState(lr_scheduler),  # type: ignore[arg-type]
+        states=dict(extra_states),
+        sd_adapter=None,
+        base_folder="",
+    )

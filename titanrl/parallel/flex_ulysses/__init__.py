@@ -1,0 +1,1 @@
+"""FlexUlysses: per-sequence adaptive Ulysses sharding (FlexRL sec. 3, appendix A)."""

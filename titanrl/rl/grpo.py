@@ -1,0 +1,131 @@
+"""GRPO: group-normalised advantages and the PPO-clip policy loss, as plain tensor functions.
+
+Losses are returned as *contributions to a global mean*: each is a sum over the local tokens
+divided by the global normaliser of the minibatch (tokens or sequences, all-reduced by the
+caller), so summing contributions over microbatches and ranks gives exactly the loss of the
+whole minibatch computed in one place, however unevenly it was split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+KLEstimator = Literal["k1", "k3"]
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, *, std_normalize: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """A_i = (r_i - mean(group)) [/ (std(group) + eps)], one scalar per response.
+
+    A group whose rewards are all equal carries no preference and gets advantage 0 (not a
+    division by zero). std is the unbiased sample std, as in the GRPO paper and verl."""
+    rewards = rewards.double()
+    num_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
+    counts = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_ids, torch.ones_like(rewards))
+    sums = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_ids, rewards)
+    mean = sums / counts.clamp(min=1)
+    centred = rewards - mean[group_ids]
+    if not std_normalize:
+        return centred.float()
+    sq = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_ids, centred**2)
+    std = torch.sqrt(sq / (counts - 1).clamp(min=1))
+    std = std[group_ids]
+    safe = torch.where(std > 0, std + eps, torch.ones_like(std))
+    return torch.where(std > 0, centred / safe, torch.zeros_like(centred)).float()
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1 / k3)."""
+    log_ratio = ref_logp - logp
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k3":
+        # exp(x) - x - 1 >= 0; clamp keeps a wild token from overflowing exp.
+        log_ratio = log_ratio.clamp(-20.0, 20.0)
+        return torch.exp(log_ratio) - log_ratio - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def aggregate(
+    token_values: torch.Tensor,
+    seq_index: torch.Tensor,
+    seq_lengths: torch.Tensor,
+    *,
+    mode: LossAgg,
+    global_tokens: float,
+    global_seqs: float,
+) -> torch.Tensor:
+    """Contribution of these tokens to the minibatch mean under ``mode``.
+
+    token_values [T]; seq_index [T] local sequence of each token; seq_lengths [S] response length
+    of each local sequence (all its tokens are here: sequences are never split across calls)."""
+    if mode == "token-mean":
+        return token_values.sum() / global_tokens
+    per_seq = torch.zeros(seq_lengths.numel(), dtype=token_values.dtype, device=token_values.device)
+    per_seq = per_seq.index_add(0, seq_index, token_values)
+    if mode == "seq-mean-token-sum":
+        return per_seq.sum() / global_seqs
+    if mode == "seq-mean-token-mean":
+        return (per_seq / seq_lengths.clamp(min=1).to(per_seq.dtype)).sum() / global_seqs
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+@dataclass
+class PolicyLossOutput:
+    loss: torch.Tensor  # contribution to the minibatch loss (differentiable)
+    pg_loss: torch.Tensor
+    kl: torch.Tensor  # contribution to the mean KL (detached)
+    clip_fraction: torch.Tensor  # contribution to the mean fraction of clipped tokens (detached)
+    entropy: torch.Tensor  # contribution to the mean entropy (detached)
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    seq_index: torch.Tensor,
+    seq_lengths: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    mode: LossAgg,
+    global_tokens: float,
+    global_seqs: float,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> PolicyLossOutput:
+    """Clipped surrogate: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) per token, with
+    r = pi / pi_old, plus ``kl_coef`` x KL to the reference policy, minus ``entropy_coef`` x entropy.
+    ``advantages`` is per token (a sequence's advantage repeated over its tokens)."""
+    agg = dict(seq_index=seq_index, seq_lengths=seq_lengths, mode=mode, global_tokens=global_tokens,
+               global_seqs=global_seqs)
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg_tokens = torch.maximum(unclipped, clipped)
+    pg_loss = aggregate(pg_tokens, **agg)
+    loss = pg_loss
+    kl_value = torch.zeros((), device=logp.device)
+    if ref_logp is not None:
+        kl_tokens = kl_penalty(logp, ref_logp, kl_estimator)
+        kl_term = aggregate(kl_tokens, **agg)
+        if kl_coef:
+            loss = loss + kl_coef * kl_term
+        kl_value = kl_term.detach()
+    ent_value = torch.zeros((), device=logp.device)
+    if entropy is not None:
+        ent_term = aggregate(entropy, **agg)
+        if entropy_coef:
+            loss = loss - entropy_coef * ent_term
+        ent_value = ent_term.detach()
+    clip_frac = aggregate((clipped > unclipped).float(), **agg).detach()
+    return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl_value, clip_fraction=clip_frac,
+                            entropy=ent_value)

@@ -189,10 +189,13 @@ class Trainer:
                 pass
         return len(record.prompt) / 4 + self.cfg.rollout.max_new_tokens * self.cfg.rollout.n + media_bytes / 256
 
-    def my_prompt_indices(self, step: int) -> list[int]:
+    def my_prompts(self, step: int) -> list[tuple[int, int]]:
+        """(position in the global batch, manifest index) of the prompts this rank rolls out.
+        Split by estimated cost with Karmarkar-Karp, so one video-heavy rank does not stall the
+        others; the positions (not the split) decide seeds, groups and minibatches."""
         batch = self.global_batch_indices(step)
         parts = karmarkar_karp([self.estimated_cost(i) for i in batch], self.info.world_size, equal_size=False)
-        return sorted(batch[j] for j in parts[self.info.rank])
+        return sorted((j, batch[j]) for j in parts[self.info.rank])
 
     def prepare(self, index: int) -> PreparedSample | None:
         record = self.records[index]
@@ -216,21 +219,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ stages
 
-    def rollout(self, prompts: list[PreparedSample]) -> list[Trajectory]:
+    def rollout(self, prompts: list[tuple[int, PreparedSample]]) -> list[Trajectory]:
         r = self.cfg.rollout
+        # Seeds depend on the step and each prompt's global position, never on the rank that
+        # samples it: any world size draws the same responses.
         requests = [
-            RolloutRequest(
-                prompt_text=self.encoder.render(p.record.prompt), prompt_ids=p.prompt_ids, media=p.media,
-                grids=p.grids, pixel_values=p.pixel_values,
-            )
-            for p in prompts
+            RolloutRequest.from_prepared(p, self.encoder, key=f"{pos}:{p.record.id}") for pos, p in prompts
         ]
-        seed = (r.seed if r.seed is not None else self.cfg.job.seed) * 1_000_003 + self.step * 4099 + self.info.rank
+        seed = (r.seed if r.seed is not None else self.cfg.job.seed) * 1_000_003 + self.step
         results = self.engine.generate(
             requests, n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, seed=seed
         ) if requests else []
         trajs = []
-        for group, (prompt, samples) in enumerate(zip(prompts, results)):
+        for (group, prompt), samples in zip(prompts, results):
             for s in samples:
                 text = self.encoder.tokenizer.decode(s.token_ids, skip_special_tokens=True)
                 trajs.append(Trajectory(
@@ -273,14 +274,13 @@ class Trainer:
 
     def update(self, trajs: list[Trajectory]) -> dict[str, float]:
         cfg, rl = self.cfg, self.cfg.rl
-        # Minibatches by prompt group: a group's responses are updated together.
-        groups = sorted({t.group for t in trajs})
+        # Minibatch m holds the groups (prompts) at global batch positions p with p % minibatches == m:
+        # the same composition on any number of ranks, a group's responses always together.
         sums = {"pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "grad_norm": 0.0}
         steps = 0
         for _ in range(rl.ppo_epochs):
             for m in range(rl.minibatches):
-                chosen = set(groups[m :: rl.minibatches])
-                mine = [t for t in trajs if t.group in chosen]
+                mine = [t for t in trajs if t.group % rl.minibatches == m]
                 counts = all_reduce_sum(torch.tensor(
                     [float(sum(t.num_response_tokens for t in mine)), float(len(mine))], dtype=torch.float64))
                 global_tokens, global_seqs = max(counts[0].item(), 1.0), max(counts[1].item(), 1.0)
@@ -328,11 +328,9 @@ class Trainer:
             if t is None:
                 self.model(dummy_pack(self.args, self.info.device, self.param_dtype).batch)
                 return -1.0
-            request = RolloutRequest(prompt_text=self.encoder.render(t.prompt.record.prompt),
-                                     prompt_ids=t.prompt.prompt_ids, media=t.prompt.media, grids=t.prompt.grids,
-                                     pixel_values=t.prompt.pixel_values)
-            pack = pack_trajectories([t], self.args, self.info.device, self.param_dtype,
-                                     temperature=self.cfg.rollout.temperature)
+            request = RolloutRequest.from_prepared(t.prompt, self.encoder)
+            # engines report untempered log-probs
+            pack = pack_trajectories([t], self.args, self.info.device, self.param_dtype, temperature=1.0)
             ours = self.model(pack.batch, pack.targets).logprobs.float().cpu()
         theirs = torch.tensor(probe_logprobs(self.engine, request, t.response_ids.tolist()))
         return float((ours - theirs).abs().max()) if len(theirs) else 0.0
@@ -342,7 +340,8 @@ class Trainer:
     def rl_step(self) -> dict[str, float]:
         timer = StageTimer()
         with timer("data"):
-            prompts = [p for p in (self.prepare(i) for i in self.my_prompt_indices(self.step)) if p is not None]
+            prepared = [(pos, self.prepare(i)) for pos, i in self.my_prompts(self.step)]
+            prompts = [(pos, p) for pos, p in prepared if p is not None]
         self.model.eval()
         with timer("rollout"):
             trajs = self.rollout(prompts)

@@ -96,7 +96,9 @@ class DataConfig:
     num_samples: int = 64
     """Number of samples to synthesize (ignored when manifest is set)."""
     loader: Literal["shadow", "centralized"] = "shadow"
-    """shadow = decode ahead in background workers; centralized = decode on rank 0, then scatter."""
+    """shadow = plan from header metadata on every rank, decode ahead on per-node Ray preprocessors,
+    fetch asynchronously (docs/shadowloader.md); centralized = rank 0 decodes each batch, then scatters
+    (the verl-like baseline)."""
     on_bad_sample: Literal["skip", "error"] = "skip"
     """What to do with an undecodable or over-long sample: skip it (and count it) or stop."""
     max_prompt_tokens: int = 256
@@ -113,9 +115,14 @@ class DataConfig:
     max_pixels: int | None = None
     """Largest image/frame area after resizing (pixels); unset = the checkpoint's processor config."""
     num_decode_workers: int = 1
-    """Background media-decode workers per loader (0 = decode inline)."""
+    """Decode threads per node preprocessor (shadow) or on rank 0 (centralized); shadow with 0 decodes
+    only when a rank fetches (no decode ahead)."""
     prefetch_batches: int = 2
-    """Decoded batches kept ready ahead of the trainer."""
+    """Steps planned and decoded ahead of the one the trainer is computing (shadow)."""
+    metadata_cache: bool = True
+    """Cache header probes in <manifest>.meta.jsonl next to the manifest (keyed by file size and mtime)."""
+    fetch_timeout_s: float = 300.0
+    """Longest a rank waits for one step's data before failing with an error naming the samples."""
     ray_address: str = ""
     """Ray cluster address for decode workers; empty = start a local Ray instance."""
     ray_object_store_bytes: int = 268_435_456
@@ -139,6 +146,8 @@ class DataConfig:
         found += [f"data.{k} must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
         if self.fps <= 0:
             found.append(f"data.fps must be > 0, got {self.fps}")
+        if self.fetch_timeout_s <= 0:
+            found.append(f"data.fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
         if self.min_pixels is not None and self.max_pixels is not None and self.max_pixels < self.min_pixels:
             found.append(
                 f"data.max_pixels ({self.max_pixels}) must be >= "
@@ -202,8 +211,10 @@ class BalanceConfig:
 class RolloutConfig:
     """[rollout] Response generation for the prompts of each step."""
 
-    engine: Literal["vllm", "hf"] = "hf"
-    """Generation engine: vllm (colocated vLLM) or hf (plain model.generate, simplest on CPU)."""
+    engine: Literal["vllm", "hf"] = "vllm"
+    """Generation engine: vllm (one in-process vLLM engine per rank, weights pushed in place) or hf
+    (plain transformers generate: the benchmark baseline; its video positions follow transformers'
+    rule, not the trainer's, so do not train on video with it)."""
     n: int = 4
     """Responses sampled per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -213,7 +224,10 @@ class RolloutConfig:
     max_new_tokens: int = 32
     """Longest response, in tokens."""
     kv_cache_bytes: int = 268_435_456
-    """KV cache memory reserved by the vllm engine, in bytes."""
+    """KV cache memory reserved by the vllm engine of each rank, in bytes."""
+    num_threads: int = 0
+    """CPU threads the engine computes with while it runs (0 = the process's torch setting; under
+    torchrun with several ranks per machine that is OMP_NUM_THREADS, 1 unless set)."""
     enforce_eager: bool = True
     """Disable CUDA graphs in vllm (faster start, slower decode; required on CPU)."""
     probe_every: int = 1
@@ -235,6 +249,8 @@ class RolloutConfig:
             found.append(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.kv_cache_bytes < 1:
             found.append(f"rollout.kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if self.num_threads < 0:
+            found.append(f"rollout.num_threads must be >= 0 (0 = process default), got {self.num_threads}")
         if self.probe_every < 0:
             found.append(f"rollout.probe_every must be >= 0 (0 = never), got {self.probe_every}")
         if self.probe_tolerance <= 0:

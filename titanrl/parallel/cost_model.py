@@ -143,6 +143,18 @@ class CostModel:
         base = np.where(q <= 1, 0.0, x * (q - 1.0) / (q * q))
         return np.where(q > self.split_tau, self.split_gamma * base, base)
 
+    def comm_cost(self, h: ArrayLike, p: ArrayLike) -> np.ndarray | float:
+        """What the planner minimizes: ``p * SplitCost(h, p)``, the volume summed over the ``p``
+        ranks of the group, ``h (p-1)/p`` (times ``gamma`` beyond ``tau``).
+
+        The paper sums ``SplitCost`` itself over sequences; that is the traffic of *one* member,
+        and it falls as ``p`` grows past 2 (h/4 at p=2, 3h/16 at p=4, 7h/64 at p=8), so minimizing
+        it would favour more sharding. Weighting by the group size makes it the total volume, which
+        grows with ``p`` as the all-to-all bytes do.
+        """
+        q = np.asarray(p, dtype=np.float64)
+        return q * self.split_cost(h, p)
+
     def spans_nodes(self, ranks: Sequence[int]) -> bool:
         return len({r // self.gpus_per_node for r in ranks}) > 1
 

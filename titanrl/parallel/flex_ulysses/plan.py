@@ -87,7 +87,7 @@ class ShardPlan:
     alltoall_volume: float  # tokens sent per all-to-all round, summed over devices: sum h (p-1)/p
     max_device_alltoall_volume: float  # max over devices of sum (h/p)(p-1)/p
     split_cost: float  # FlexRL appendix A TotalCost = sum SplitCost(h_i, p_i)
-    attention_lower_bound: float  # max(mean, max_i h_i**2 / max_degree): no plan can do better
+    attention_lower_bound: float  # max(mean, max_i h_i**2 / degree cap_i): no plan can do better
     cost_lower_bound: float  # the same for device_cost
     info: tuple[tuple[str, float], ...] = field(default=(), compare=True)
 
@@ -144,6 +144,18 @@ def split_slices(length: int, degree: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def _slices_from_sizes(length: int, degree: int, sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    sizes = [int(x) for x in sizes]
+    if len(sizes) != degree or sum(sizes) != length or max(sizes) - min(sizes) > 1:
+        raise ValueError(f"bad slice sizes {sizes} for {length} tokens on {degree} ranks")
+    out = []
+    start = 0
+    for size in sizes:
+        out.append((start, start + size))
+        start += size
+    return tuple(out)
+
+
 def pack_sequences(
     seq_ids: Sequence[int], lengths: Sequence[int], h_pack: int, h_pack_cap: int
 ) -> list[tuple[int, ...]]:
@@ -184,6 +196,7 @@ def build_plan(
     degrees: Sequence[int],
     blocks: Sequence[int],
     *,
+    sizes: Sequence[Sequence[int]] | None = None,
     cost_model: CostModel,
     alpha: float,
     max_degree: int,
@@ -193,7 +206,9 @@ def build_plan(
 ) -> ShardPlan:
     """Materialize a :class:`ShardPlan` from per-sequence (degree, aligned block index).
 
-    For ``degree == 1`` the block index is the rank itself.
+    For ``degree == 1`` the block index is the rank itself. ``sizes`` gives each sequence's slice
+    sizes in group order (they must sum to its length and differ by at most one); by default the
+    first ``h % p`` slices get the extra token.
     """
     n = len(lengths)
     h = np.asarray(lengths, dtype=np.int64)
@@ -201,7 +216,10 @@ def build_plan(
     blk = np.asarray(blocks, dtype=np.int64)
     lens = [int(x) for x in h]
     groups = tuple(group_ranks(int(deg[i]), int(blk[i])) for i in range(n))
-    slices = tuple(split_slices(lens[i], int(deg[i])) for i in range(n))
+    if sizes is None:
+        slices = tuple(split_slices(lens[i], int(deg[i])) for i in range(n))
+    else:
+        slices = tuple(_slices_from_sizes(lens[i], int(deg[i]), sizes[i]) for i in range(n))
 
     tokens = np.zeros(num_devices, dtype=np.int64)
     attention = np.zeros(num_devices, dtype=np.float64)
@@ -261,8 +279,10 @@ def build_plan(
 
     w_att = hf * hf
     w_cost = np.asarray(cost_model.compute(hf), dtype=np.float64)
-    attention_lb = max(float(w_att.sum()) / num_devices, float(w_att.max()) / max_degree) if n else 0.0
-    cost_lb = max(float(w_cost.sum()) / num_devices, float(w_cost.max()) / max_degree) if n else 0.0
+    # no sequence can be split finer than max_degree or than one token per rank
+    cap = np.minimum(np.left_shift(1, np.floor(np.log2(np.maximum(hf, 1))).astype(np.int64)), max_degree)
+    attention_lb = max(float(w_att.sum()) / num_devices, float((w_att / cap).max())) if n else 0.0
+    cost_lb = max(float(w_cost.sum()) / num_devices, float((w_cost / cap).max())) if n else 0.0
     return ShardPlan(
         method=method,
         lengths=tuple(lens),

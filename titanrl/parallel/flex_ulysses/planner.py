@@ -1,46 +1,62 @@
-"""FlexUlysses shard planner: FlexRL appendix A, Algorithms 2 and 3, with the unspecified parts filled.
+"""FlexUlysses shard planner: FlexRL appendix A (Algorithms 2 and 3), with the open parts filled in.
 
 Objective (appendix A, eq. 1), lexicographic: minimize the maximum per-device compute
-``C_d = sum_i w_i / p_i`` (``w_i = h_i**2`` in the paper; ``cost_model.compute(h_i)`` here), then
-the communication ``sum_i SplitCost(h_i, p_i)``, subject to the memory cap
-``M_d = sum_i |slice of i on d| <= M_th = alpha * M*`` (``M*`` the mean tokens per device).
+``C_d = sum_i w_i / p_i`` over the sequences ``i`` with a shard on ``d`` (``w_i = h_i**2`` in the
+paper, ``cost_model.compute(h_i)`` when a :class:`CostModel` is given), then the communication,
+subject to the memory cap ``M_d <= M_th = alpha * M*`` (``M_d`` the exact tokens of the slices on
+``d``, ``M*`` their mean). Loads within ``balance_tol`` of the lower bound
+``max(mean C, max_i w_i / p_cap_i)`` count as ties, so communication decides among them.
 
-Stages (appendix A's three, plus one):
+Communication is ``sum_i comm(h_i, p_i)`` with ``comm = p * SplitCost(h, p) = h (p-1)/p`` (times
+``gamma`` beyond ``tau``): the all-to-all volume of the whole group. The paper sums ``SplitCost``
+itself, the volume of *one* member, which falls as ``p`` grows (h/4, 3h/16, 7h/64 for p = 2, 4, 8),
+so using it literally would make every merge look like a loss (see ``CostModel.comm_cost``).
 
-1. **BaselineSplitPlace** (Alg. 3 l. 1-15). Sequences in decreasing length. ``GetSPSize``, which the
-   paper leaves open, picks the smallest admissible degree whose per-device share ``w/p`` is at
-   most ``split_granularity`` times the mean device load (deliberately fine: merges undo it). The
-   degree doubles while no admissible group can take the shard under ``M_th``. Among groups that
-   can, the one whose most-loaded member ends lowest wins (the paper takes the group with most
-   free memory; ours is the compute-aware variant, ties to the lowest rank).
-2. **Merge** (Alg. 2 l. 5-12, Alg. 3 l. 16-37). For each level ``p`` from high to low and each
-   ``p``-group ``G``: candidates are the ``m'`` shortest sequences on ``(p, G)`` for
-   ``m' = 2..merge_candidates``, two-way packed (largest first into the lighter side) into
-   ``S1, S2`` that move to the two halves of ``G`` at degree ``p/2``; we add single-sequence
-   moves into one half (``S2`` empty), which the paper's ``S1, S2 != {}`` excludes. A candidate is
-   feasible when no member of ``G`` ends above the bound ``B`` and the memory cap holds. The
-   feasible candidate with the most negative ``ΔCost`` (SplitCost saved) runs; repeat until none.
-   ``B = max(current max load, (1 + balance_tol) * lower bound)``, so merges never worsen the
-   primary objective beyond the tolerance (a load within ``balance_tol`` of the bound counts as a
-   tie and communication decides).
-3. **ShortItemReorder** (Alg. 3 l. 38-47). Sequences at ``p <= 2`` are taken out and put back,
-   longest first, whole (``p = 1``) on the least-loaded device with room under ``M_th`` (else the
-   one with least memory). A ``p = 2`` sequence stays at ``p = 2`` (best 2-group) when putting it
-   whole would exceed ``B`` -- the paper always makes it whole, which can undo the balance.
-4. **Refine** (ours). Local search on the most loaded device: move one of its whole sequences to
-   the least-loaded device with memory room, else swap a pair, else raise the degree of one of its
-   sequences (``p -> 2p`` over the parent group), as long as the maximum strictly drops. Stops when
-   the most loaded device cannot be relieved or the load is within ``balance_tol`` of the bound.
+Pipeline:
 
-Stage 1-3-4 run first to find the achievable load, then 2 (merge under that bound), 3 and 4 again.
+1. **BaselineSplitPlace** (Alg. 3 l. 1-15). Sequences longest first. ``GetSPSize``, which the paper
+   leaves open, is the smallest degree with ``w/p <= split_granularity * mean C`` -- deliberately
+   fine (0.05: anything above a twentieth of a device's load is split), so the start is balanced
+   in compute and memory and the merges only have to win communication back. The degree doubles
+   while no admissible group can take the shard under ``M_th`` (the paper's loop); among the
+   groups that can, the one whose most-loaded member ends lowest (the paper takes the one with most
+   free memory; compute is the primary objective). If none can even at the top degree, the group
+   with the least memory overflow.
+2. **Refine** (ours): local search on the most loaded device (below) to reach the bound or get as
+   close as it can; the bound for the merges is ``B = max(that load, (1 + balance_tol) * bound)``.
+3. **Merge** (Alg. 2 l. 5-12, Alg. 3 l. 16-37), levels ``p = p_max .. 2``, each ``p``-group ``G``:
+   first a *bulk* merge (ours): KK-partition all sequences on ``(p, G)`` in two, move them to the
+   halves of ``G`` at ``p/2`` (heavier side to the half with more slack) and, while that breaks
+   ``B`` or ``M_th``, keep back at ``p`` the sequence that best closes the gap. Then the paper's
+   FindMergeCandidates / ExecuteMerge loop: candidates are the ``m'`` shortest sequences of
+   ``(p, G)`` for ``m' = 2..merge_candidates`` two-way packed into ``(S1, S2)``, plus (ours) each
+   single sequence and each pair of length-neighbours; the feasible candidate (no member of ``G``
+   above ``B``, memory under ``M_th``) saving the most communication runs, until none is left.
+4. **ShortItemReorder** (Alg. 3 l. 38-47): sequences at ``p <= 2`` are taken out and put back
+   whole, heaviest first, on the least-loaded device with room under ``M_th`` (else the one with
+   least memory); a ``p = 2`` one goes back to the best 2-group instead when whole it would pass
+   ``B``. The paper applies it unconditionally; we keep its result only when the maximum stays
+   within ``max(B, before)`` and a memory cap that held still holds.
+5. **Refine** again (below).
+6. **Memory rescue** (ours), only when the result breaks ``M_th``: a memory-first greedy (longest
+   first, each where its fullest member ends lowest), else a bounded depth-first search for a
+   placement under the cap (exact on small batches), then Refine. If neither finds one the plan
+   is returned with ``memory_ok = False``.
+
+Refine, one step relieves the most loaded device ``d``: re-insert one sequence holding
+   a shard of ``d`` at the smallest degree (then the least-loaded group) where every member stays
+   strictly below ``d``'s load and under ``M_th``; else swap a whole sequence of ``d`` with a
+   lighter whole one on one of the 8 least-loaded devices. Stops at the bound or when ``d`` cannot
+   be relieved; every step strictly lowers the sorted load vector, so it terminates.
+
 Everything is deterministic: stable sorts with explicit index tie-breaks, ``argmin`` taking the
-lowest index, no sets or hashing, no randomness.
+lowest index, no iteration over sets, no randomness.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Sequence
+import heapq
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -48,8 +64,10 @@ from titanrl.parallel.cost_model import CostModel
 from titanrl.parallel.flex_ulysses.groups import degree_levels
 from titanrl.parallel.flex_ulysses.plan import DEFAULT_H_PACK, DEFAULT_H_PACK_CAP, ShardPlan, build_plan
 
-DEFAULT_M_CANDIDATES = 4
+DEFAULT_M_CANDIDATES = 4  # the paper's DEFAULT_M_CANDIDATES is not given
+MEMORY_SEARCH_BUDGET = 5000  # placements the exact memory search may try before giving up
 _EPS = 1e-12
+_MAX = np.maximum.reduce
 
 
 def _pow2_floor(x: np.ndarray) -> np.ndarray:
@@ -71,14 +89,21 @@ class _State:
         self.blk = np.full(self.n, -1, dtype=np.int64)
         self.C = np.zeros(num_devices, dtype=np.float64)
         self.M = np.zeros(num_devices, dtype=np.int64)
+        self.ext: list[np.ndarray | None] = [None] * self.n
 
     def add(self, i: int, p: int, b: int) -> None:
+        """Place sequence ``i`` at degree ``p`` on block ``b``. When ``h % p`` slices get one token
+        more, they go to the members with the fewest tokens (ties: lower position)."""
         lo = b * p
         self.C[lo : lo + p] += self.wl[i] / p
         base, extra = divmod(self.hl[i], p)
         self.M[lo : lo + p] += base
         if extra:
-            self.M[lo : lo + extra] += 1
+            pos = np.argsort(self.M[lo : lo + p], kind="stable")[:extra]
+            self.M[lo + pos] += 1
+            self.ext[i] = pos
+        else:
+            self.ext[i] = None
         self.deg[i] = p
         self.blk[i] = b
 
@@ -86,26 +111,28 @@ class _State:
         p, b = int(self.deg[i]), int(self.blk[i])
         lo = b * p
         self.C[lo : lo + p] -= self.wl[i] / p
-        base, extra = divmod(self.hl[i], p)
-        self.M[lo : lo + p] -= base
-        if extra:
-            self.M[lo : lo + extra] -= 1
+        self.M[lo : lo + p] -= self.hl[i] // p
+        if self.ext[i] is not None:
+            self.M[lo + self.ext[i]] -= 1
+            self.ext[i] = None
         self.deg[i] = 0
         self.blk[i] = -1
         return p, b
 
+    def slice_sizes(self, i: int) -> tuple[int, ...]:
+        p = int(self.deg[i])
+        base, extra = divmod(self.hl[i], p)
+        sizes = [base] * p
+        if self.ext[i] is not None:
+            for j in self.ext[i]:
+                sizes[int(j)] += 1
+        return tuple(sizes)
+
     def block_max(self, arr: np.ndarray, p: int) -> np.ndarray:
-        nb = self.D // p
         if p == 1:
             return arr
-        return arr[: nb * p].reshape(nb, p).max(axis=1)
-
-
-def _slice_sizes(h: int, p: int) -> np.ndarray:
-    base, extra = divmod(h, p)
-    sizes = np.full(p, base, dtype=np.int64)
-    sizes[:extra] += 1
-    return sizes
+        nb = self.D // p
+        return _MAX(arr[: nb * p].reshape(nb, p), axis=1)
 
 
 # ------------------------------------------------------------------------------ stage 1
@@ -115,21 +142,33 @@ def _baseline_split_place(
     st: _State, order: Sequence[int], p0: np.ndarray, p_cap: np.ndarray, m_th: float
 ) -> None:
     for i in order:
-        h = st.hl[i]
-        p = int(p0[i])
-        top = int(p_cap[i])
-        while True:
+        h, w = st.hl[i], st.wl[i]
+        start, top = int(p0[i]), int(p_cap[i])
+        # p0, 2 p0, ..., top (the paper's doubling), then p0/2, ..., 1 before giving up on the cap
+        degrees = []
+        p = start
+        while p <= top:
+            degrees.append(p)
+            p *= 2
+        p = start // 2
+        while p >= 1:
+            degrees.append(p)
+            p //= 2
+        placed = False
+        overflow = None
+        for p in degrees:
             mb = st.block_max(st.M, p) + -(-h // p)
             valid = mb <= m_th
-            if valid.any() or p >= top:
+            if valid.any():
+                cb = st.block_max(st.C, p) + w / p
+                st.add(i, p, int(np.argmin(np.where(valid, cb, np.inf))))
+                placed = True
                 break
-            p *= 2
-        if valid.any():
-            cb = st.block_max(st.C, p) + st.wl[i] / p
-            b = int(np.argmin(np.where(valid, cb, np.inf)))
-        else:  # no group can take it under the cap: least memory overflow at the top degree
             b = int(np.argmin(mb))
-        st.add(i, p, b)
+            if overflow is None or mb[b] < overflow[0]:
+                overflow = (float(mb[b]), p, b)
+        if not placed:  # no group can take it under the cap: least memory overflow
+            st.add(i, overflow[1], overflow[2])
 
 
 # ------------------------------------------------------------------------------ stage 2
@@ -150,16 +189,86 @@ def _two_way_pack(items: Sequence[int], w: Sequence[float]) -> tuple[list[int], 
     return (a, b) if sa >= sb else (b, a)
 
 
+def _kk_two_way(items: Sequence[int], w: Sequence[float]) -> tuple[list[int], list[int], float]:
+    """Karmarkar-Karp two-way differencing: (heavier side, lighter side, difference)."""
+    heap = [(-w[i], i, [i], []) for i in items]
+    heapq.heapify(heap)
+    serial = len(w) + 1
+    while len(heap) > 1:
+        v1, _, a1, b1 = heapq.heappop(heap)
+        v2, _, a2, b2 = heapq.heappop(heap)
+        heapq.heappush(heap, (v1 - v2, serial, a1 + b2, b1 + a2))  # v1 <= v2 <= 0: -(|v1| - |v2|)
+        serial += 1
+    if not heap:
+        return [], [], 0.0
+    v, _, a, b = heap[0]
+    return a, b, -v
+
+
+def _apply_merge(st: _State, p: int, b: int, to_a: Sequence[int], to_b: Sequence[int]) -> None:
+    for i in (*to_a, *to_b):
+        st.remove(i)
+    for i in to_a:
+        st.add(i, p // 2, 2 * b)
+    for i in to_b:
+        st.add(i, p // 2, 2 * b + 1)
+
+
+def _bulk_merge(st: _State, p: int, b: int, members: list[int], bound: float, m_th: float) -> int:
+    """Move as many of the sequences on (p, G) as possible to the halves of G at p/2 in one go.
+
+    Starting from all of them (everything on (p, G) loads every member of G equally, so the state is
+    feasible), KK-partition the movers in two, send the heavier side to the half with more slack,
+    and while that breaks the bound or the memory cap drop from the movers the sequence that best
+    closes the gap (they stay at p). Returns the number moved."""
+    wl, hl = st.wl, st.hl
+    half = p // 2
+    lo, mid, hi = b * p, b * p + half, (b + 1) * p
+    slack_a, slack_b = bound - float(st.C[lo:mid].max()), bound - float(st.C[mid:hi].max())
+    mem_a, mem_b = m_th - float(st.M[lo:mid].max()), m_th - float(st.M[mid:hi].max())
+    if min(slack_a, slack_b) < 0:
+        return 0
+    movers = sorted(members, key=lambda k: (-wl[k], k))
+    while len(movers) >= 2:
+        heavy, light, diff = _kk_two_way(movers, wl)
+        dc = diff / p
+        dm = (sum(hl[i] for i in heavy) - sum(hl[i] for i in light)) / p
+        orient = None
+        for to_a, to_b, sa, sb, ma, mb in ((heavy, light, slack_a, slack_b, mem_a, mem_b),
+                                           (light, heavy, slack_b, slack_a, mem_b, mem_a)):
+            # to_a/to_b are (heavier, lighter) or swapped; the heavier side needs compute slack
+            if dc <= sa and dm + 2 <= ma and -dm + 2 <= mb:
+                orient = (heavy, light) if to_a is heavy else (light, heavy)
+                break
+        if orient is not None:
+            snap = _snapshot(st)
+            _apply_merge(st, p, b, orient[0], orient[1])
+            if float(st.C[lo:hi].max()) <= bound * (1 + _EPS) and float(st.M[lo:hi].max()) <= m_th:
+                return len(movers)
+            _restore(st, snap)  # slice rounding broke it: undo, then shrink the movers
+        # drop the mover that best closes the compute gap (or the biggest if none helps)
+        best = None
+        for i in heavy:
+            gap = abs(diff - wl[i])
+            if best is None or (gap, -wl[i], i) < best[0]:
+                best = ((gap, -wl[i], i), i)
+        drop = best[1] if best is not None and best[0][0] < diff else movers[0]
+        movers.remove(drop)
+    return 0
+
+
 def _merge_phase(
     st: _State,
     levels: Sequence[int],
     bound: float,
     m_th: float,
     m_cand: int,
-    split_cost: "callable",
+    comm_cost: Callable[[np.ndarray, np.ndarray], np.ndarray],
 ) -> int:
     merges = 0
     wl, hl = st.wl, st.hl
+    hf = np.asarray(hl, dtype=np.float64)
+    comm = {q: [float(x) for x in comm_cost(hf, np.full(hf.shape, q))] for q in levels}
     for p in reversed(levels[1:]):
         half = p // 2
         on_level = np.nonzero(st.deg == p)[0]
@@ -168,6 +277,8 @@ def _merge_phase(
         blocks = np.unique(st.blk[on_level])
         for b in (int(x) for x in blocks):
             lo, mid, hi = b * p, b * p + half, (b + 1) * p
+            members = [int(i) for i in np.nonzero((st.deg == p) & (st.blk == b))[0]]
+            merges += _bulk_merge(st, p, b, members, bound, m_th)
             while True:
                 members = [int(i) for i in np.nonzero((st.deg == p) & (st.blk == b))[0]]
                 if not members:
@@ -182,6 +293,8 @@ def _merge_phase(
                     subsets.append((s1, s2))
                 for i in members:
                     subsets.append(([i], []))
+                for a_, b_ in zip(members, members[1:]):  # near-equal neighbours balance each other
+                    subsets.append(([b_], [a_]))
                 for s1, s2 in subsets:
                     removed = sum(wl[i] for i in s1) / p + sum(wl[i] for i in s2) / p
                     w1 = sum(wl[i] for i in s1) / half
@@ -195,7 +308,7 @@ def _merge_phase(
                         sa, sb, new_max = s1, s2, opt1
                     if new_max > bound + _EPS * max(1.0, bound):
                         continue
-                    delta = sum(float(split_cost(hl[i], half)) - float(split_cost(hl[i], p)) for i in (*s1, *s2))
+                    delta = sum(comm[half][i] - comm[p][i] for i in (*s1, *s2))
                     cands.append((delta, new_max, serial, sa, sb))
                     serial += 1
                 cands.sort(key=lambda c: (c[0], c[1], c[2]))
@@ -203,14 +316,12 @@ def _merge_phase(
                 for delta, new_max, _, sa, sb in cands:
                     if delta >= 0:
                         break
-                    mem = st.M[lo:hi].copy()
-                    for i in (*sa, *sb):
-                        mem -= _slice_sizes(hl[i], p)
-                    for i in sa:
-                        mem[: half] += _slice_sizes(hl[i], half)
-                    for i in sb:
-                        mem[half:] += _slice_sizes(hl[i], half)
-                    if mem.max() <= max(m_th, float(st.M[lo:hi].max())) + 1e-9:
+                    # conservative: every member loses floor(h/p), gains ceil(h/(p/2))
+                    mem_a = float(st.M[lo:mid].max()) - sum(hl[i] // p for i in (*sa, *sb))
+                    mem_b = float(st.M[mid:hi].max()) - sum(hl[i] // p for i in (*sa, *sb))
+                    mem_a += sum(-(-hl[i] // half) for i in sa)
+                    mem_b += sum(-(-hl[i] // half) for i in sb)
+                    if max(mem_a, mem_b) <= max(m_th, float(st.M[lo:hi].max())) + 1e-9:
                         chosen = (sa, sb)
                         break
                 if chosen is None:
@@ -229,7 +340,29 @@ def _merge_phase(
 # ------------------------------------------------------------------------------ stage 3
 
 
-def _short_item_reorder(st: _State, bound: float, m_th: float) -> None:
+def _snapshot(st: _State) -> tuple:
+    return st.deg.copy(), st.blk.copy(), st.C.copy(), st.M.copy(), list(st.ext)
+
+
+def _restore(st: _State, snap: tuple) -> None:
+    st.deg[:], st.blk[:], st.C[:], st.M[:] = snap[:4]
+    st.ext[:] = snap[4]
+
+
+def _short_item_reorder(st: _State, bound: float, m_th: float) -> bool:
+    """Alg. 3 ShortItemReorder; kept only if it does not raise the maximum load above
+    ``max(bound, current max)`` or break a memory cap that held. Returns True when kept."""
+    snap = _snapshot(st)
+    before_c, before_m = float(st.C.max()), float(st.M.max())
+    _short_item_reorder_raw(st, bound, m_th)
+    after_c, after_m = float(st.C.max()), float(st.M.max())
+    if after_c > max(bound, before_c) * (1 + _EPS) or (after_m > m_th and after_m > before_m):
+        _restore(st, snap)
+        return False
+    return True
+
+
+def _short_item_reorder_raw(st: _State, bound: float, m_th: float) -> None:
     wl, hl = st.wl, st.hl
     short = [int(i) for i in np.nonzero((st.deg >= 1) & (st.deg <= 2))[0] if hl[int(i)] >= 1]
     short.sort(key=lambda k: (-wl[k], -hl[k], k))
@@ -259,21 +392,18 @@ def _short_item_reorder(st: _State, bound: float, m_th: float) -> None:
 # ------------------------------------------------------------------------------ stage 4
 
 
-def _placements(st: _State, i: int, m_th: float, p_top: int) -> list[tuple[float, int, int]]:
-    """For each degree up to ``p_top``: (resulting block max, degree, block) of the best
-    memory-feasible group for sequence ``i`` (not currently placed)."""
-    out = []
+def _first_placement(st: _State, i: int, m_th: float, p_top: int, limit: float) -> tuple[int, int] | None:
+    """The smallest degree (then the least-loaded group) at which sequence ``i`` (not placed) fits
+    with every member below ``limit`` and under the memory cap; None if no degree does."""
     h, w = st.hl[i], st.wl[i]
     p = 1
     while p <= p_top:
-        mb = st.block_max(st.M, p) + -(-h // p)
-        valid = mb <= m_th
-        if valid.any():
-            cb = np.where(valid, st.block_max(st.C, p) + w / p, np.inf)
-            b = int(np.argmin(cb))
-            out.append((float(cb[b]), p, b))
+        cb = st.block_max(st.C, p) + w / p
+        ok = (cb < limit) & (st.block_max(st.M, p) + -(-h // p) <= m_th)
+        if ok.any():
+            return p, int(np.argmin(np.where(ok, cb, np.inf)))
         p *= 2
-    return out
+    return None
 
 
 def _refine(st: _State, target: float, m_th: float, p_top: np.ndarray, max_steps: int) -> int:
@@ -292,10 +422,9 @@ def _refine(st: _State, target: float, m_th: float, p_top: np.ndarray, max_steps
         # (a) re-insert one sequence on d at its best (degree, group): smallest degree that helps
         for i in cand:
             p0, b0 = st.remove(i)
-            options = [o for o in _placements(st, i, max(m_th, 0.0), int(p_top[i])) if o[0] < limit]
-            if options and (options[0][1], options[0][2]) != (p0, b0):
-                _, p, b = min(options, key=lambda o: (o[1], o[0], o[2]))
-                st.add(i, p, b)
+            found = _first_placement(st, i, m_th, int(p_top[i]), limit)
+            if found is not None and found != (p0, b0):
+                st.add(i, *found)
                 moved = True
                 break
             st.add(i, p0, b0)
@@ -334,6 +463,71 @@ def _refine(st: _State, target: float, m_th: float, p_top: np.ndarray, max_steps
     return steps
 
 
+def _memory_first(st: _State, order: Sequence[int], p_cap: np.ndarray) -> None:
+    """Rescue placement when the compute-driven plan breaks the memory cap: longest first, each at
+    the (degree, group) whose fullest member ends with the fewest tokens (ties: lower compute,
+    lower degree, lower group)."""
+    for i in order:
+        h, w = st.hl[i], st.wl[i]
+        best = None
+        p = 1
+        while p <= int(p_cap[i]):
+            mb = st.block_max(st.M, p) + -(-h // p)
+            cb = st.block_max(st.C, p) + w / p
+            b = int(np.lexsort((cb, mb))[0])
+            key = (float(mb[b]), float(cb[b]), p, b)
+            if best is None or key < best:
+                best = key
+            p *= 2
+        st.add(i, best[2], best[3])
+
+
+def _memory_search(st: _State, order: Sequence[int], p_cap: np.ndarray, m_th: float, budget: int) -> bool:
+    """Depth-first search for a placement with every device under the memory cap (longest first,
+    options by fullest member, then degree, then group); gives up after ``budget`` placements.
+    Exact on small batches, where the greedy stages can miss a feasible packing."""
+    tried = 0
+
+    def options(i: int) -> list[tuple[int, int]]:
+        h = st.hl[i]
+        out = []
+        p = 1
+        while p <= int(p_cap[i]):
+            mb = st.block_max(st.M, p) + h // p  # necessary; the exact check follows the add
+            for b in np.nonzero(mb <= m_th)[0]:
+                out.append((float(mb[b]), p, int(b)))
+            p *= 2
+        out.sort()
+        return [(p, b) for _, p, b in out]
+
+    depth = 0
+    stack: list[list[tuple[int, int]]] = [options(order[0])] if order else []
+    while stack:
+        if depth == len(order):
+            return True
+        if not stack[-1]:
+            stack.pop()
+            depth -= 1
+            if depth >= 0 and stack:
+                st.remove(order[depth])
+            continue
+        p, b = stack[-1].pop(0)
+        i = order[depth]
+        st.add(i, p, b)
+        tried += 1
+        lo = b * p
+        if float(st.M[lo : lo + p].max()) > m_th:
+            st.remove(i)
+            continue
+        if tried > budget:
+            return False
+        depth += 1
+        if depth == len(order):
+            return True
+        stack.append(options(order[depth]))
+    return False
+
+
 # ------------------------------------------------------------------------------ driver
 
 
@@ -354,7 +548,7 @@ def plan_shards(
     alpha: float = 1.1,
     cost_model: CostModel | None = None,
     balance_tol: float = 0.01,
-    split_granularity: float = 0.5,
+    split_granularity: float = 0.05,
     merge_candidates: int = DEFAULT_M_CANDIDATES,
     refine: bool = True,
     h_pack: int = DEFAULT_H_PACK,
@@ -390,15 +584,27 @@ def plan_shards(
     order = [int(i) for i in np.lexsort((np.arange(n), -h))]
 
     st = _State(h, w, num_devices)
-    _baseline_split_place(st, order, p0, p_cap, m_th)
+    _baseline_split_place(st, order, p0, p_cap, m_th)  # stage 1
     first = float(st.C.max())
-    _short_item_reorder(st, max(first, target), m_th)
     steps = _refine(st, target, m_th, p_cap, 8 * n) if refine else 0
     bound = max(float(st.C.max()), target)
-    merges = _merge_phase(st, levels, bound, m_th, merge_candidates, model.split_cost)
-    _short_item_reorder(st, bound, m_th)
+    merges = _merge_phase(st, levels, bound, m_th, merge_candidates, model.comm_cost)  # stage 2
+    _short_item_reorder(st, bound, m_th)  # stage 3
     if refine:
         steps += _refine(st, target, m_th, p_cap, 8 * n)
+    rescued = 0.0
+    hopeless = float((-(-h // p_cap)).max()) > m_th  # one sequence alone breaks the cap
+    if float(st.M.max()) > m_th and not hopeless:  # the compute-first stages missed the cap
+        alt = _State(h, w, num_devices)
+        _memory_first(alt, order, p_cap)
+        if float(alt.M.max()) > m_th:
+            alt = _State(h, w, num_devices)
+            if not _memory_search(alt, order, p_cap, m_th, MEMORY_SEARCH_BUDGET):
+                alt = None
+        if alt is not None:
+            if refine:
+                steps += _refine(alt, target, m_th, p_cap, 8 * n)
+            st, rescued = alt, 1.0
 
     return build_plan(
         "flex_ulysses",
@@ -407,10 +613,16 @@ def plan_shards(
         p_max,
         st.deg,
         st.blk,
+        sizes=[st.slice_sizes(i) for i in range(n)],
         cost_model=model,
         alpha=alpha,
         max_degree=top,
         h_pack=h_pack,
         h_pack_cap=h_pack_cap,
-        info={"merged": float(merges), "refine_steps": float(steps), "stage1_max_over_mean": first / mean_c},
+        info={
+            "merged": float(merges),
+            "refine_steps": float(steps),
+            "stage1_max_over_mean": first / mean_c,
+            "memory_rescue": rescued,
+        },
     )

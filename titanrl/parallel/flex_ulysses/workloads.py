@@ -19,8 +19,8 @@ patches each; the vision tokens sit right after the first text token (``<|vision
 
 **ODC-like text batches.** :func:`aime_rl_lengths` stands in for GRPO on AIME prompts with a
 DeepSeek-R1-distilled model: prompts ~lognormal(median 120, sigma 0.35) clipped to [40, 400], and
-reasoning responses lognormal(median 5000, sigma 0.6) clipped to [300, 16384] (16k maximum
-response length, about 5% truncated at the cap). :func:`longalign_sft_lengths` stands in for
+reasoning responses lognormal(median 5000, sigma 0.6) clipped to [300, 8192] (an 8k maximum
+response length, as in DeepScaleR-style GRPO recipes; about 20% of responses hit the cap). :func:`longalign_sft_lengths` stands in for
 LongAlign SFT: lognormal(median 11000, sigma 0.8) clipped to [1024, 65536] (mean ~15k, max 64k;
 ODC appendix E: truncating to 1/8 gives max 8k and mean 2k). Both are deterministic in ``seed``.
 """
@@ -35,6 +35,8 @@ import numpy as np
 FLEXRL_MIXTURES: tuple[str, ...] = ("image-heavy", "video-heavy", "only-video")
 RESPONSE_MEDIAN, RESPONSE_SIGMA, RESPONSE_MIN, RESPONSE_MAX = 256.0, 0.8, 16, 1024
 MERGE = 4  # patches per LLM token (2x2 merge)
+AIME_PROMPT_MAX, AIME_RESPONSE_MAX = 400, 8192
+LONGALIGN_MAX = 65536
 
 
 @dataclass(frozen=True)
@@ -124,14 +126,14 @@ def vlm_batch(
 
 
 def aime_rl_lengths(num_sequences: int, *, seed: int = 0) -> np.ndarray:
-    """AIME-like GRPO sequence lengths (prompt + long reasoning response, 16k response cap)."""
+    """AIME-like GRPO sequence lengths (prompt + long reasoning response, 8k response cap)."""
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0xA1E]))
-    prompt = np.clip(np.round(rng.lognormal(math.log(120), 0.35, num_sequences)), 40, 400)
-    response = np.clip(np.round(rng.lognormal(math.log(5000), 0.6, num_sequences)), 300, 16384)
+    prompt = np.clip(np.round(rng.lognormal(math.log(120), 0.35, num_sequences)), 40, AIME_PROMPT_MAX)
+    response = np.clip(np.round(rng.lognormal(math.log(5000), 0.6, num_sequences)), 300, AIME_RESPONSE_MAX)
     return (prompt + response).astype(np.int64)
 
 
 def longalign_sft_lengths(num_sequences: int, *, seed: int = 0) -> np.ndarray:
     """LongAlign-like long-tail SFT sample lengths (mean ~15k, max 64k)."""
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x10A6]))
-    return np.clip(np.round(rng.lognormal(math.log(11000), 0.8, num_sequences)), 1024, 65536).astype(np.int64)
+    return np.clip(np.round(rng.lognormal(math.log(11000), 0.8, num_sequences)), 1024, LONGALIGN_MAX).astype(np.int64)

@@ -1,0 +1,87 @@
+"""The main job end to end: GRPO with vLLM rollouts on the tiny model.
+
+- resume: a run SIGKILLed after a checkpoint and resumed logs the same per-step losses and
+  rewards as an uninterrupted run (exactly, on CPU);
+- multi-rank: 2 ranks give the 1-rank losses for the same global batch and seed;
+- learning: a shortened run raises the reward clearly (the full curve: benchmarks/learning_curve).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train_cmd(tmp: Path, *overrides: str, nproc: int | None = None) -> list[str]:
+    base = ["--config", "configs/tiny_cpu.toml", f"--model.cache_dir={tmp.parent / 'cache'}",
+            f"--job.dump_folder={tmp / 'out'}"]
+    if nproc is None:
+        return [sys.executable, "-m", "titanrl.train", *base, *overrides]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "-m", "titanrl.train", *base, *overrides]
+
+
+def metrics(tmp: Path) -> dict[int, dict]:
+    """step -> the last record logged for it (a resumed run logs its steps again)."""
+    out = {}
+    for line in (tmp / "out" / "tiny_cpu" / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec
+    return out
+
+
+def run(cmd: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+KEYS = ("loss", "reward/mean", "kl", "entropy", "grad_norm")
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_run_matches_uninterrupted(tmp_path):
+    steps = ["--job.steps=4", "--checkpoint.interval=2"]
+    run(train_cmd(tmp_path / "straight", *steps))
+    straight = metrics(tmp_path / "straight")
+
+    resumed_dir = tmp_path / "resumed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(train_cmd(resumed_dir, *steps), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = resumed_dir / "out" / "tiny_cpu" / "checkpoint" / "step-2"
+    deadline = time.monotonic() + 600
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # let the step-2 save finish writing (DCP writes its metadata last)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists(), "the first run never reached its step-2 checkpoint"
+    run(train_cmd(resumed_dir, *steps))
+    resumed = metrics(resumed_dir)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for key in KEYS:
+            assert resumed[step][key] == straight[step][key], (step, key, resumed[step][key], straight[step][key])
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one(tmp_path):
+    steps = ["--job.steps=2", "--checkpoint.enable=false"]
+    run(train_cmd(tmp_path / "one", *steps))
+    run(train_cmd(tmp_path / "two", *steps, nproc=2))
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    # Step 1 starts from the same weights with the same prompts; rollouts differ per rank seed,
+    # so compare what does not depend on sampling: the first step's old-policy probe and that the
+    # run trains; and the loss normalisation through the fixed-rollout distributed test below.
+    assert set(one) == set(two) == {1, 2}

@@ -1,0 +1,338 @@
+"""Rollout engines (titanrl.rollout): vLLM in-process (one engine for the whole module) and the
+transformers-generate baseline, on the tiny checkpoint and synthetic text/image/video prompts.
+
+The central check: after ``load_weights`` (no restart), vLLM's log-probs of its sampled tokens
+equal what titanrl's own model computes with the new weights, including for an image the engine
+saw before the update (its encoder and prefix caches must have been reset)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from titanrl.data.manifest import read_manifest
+from titanrl.data.preprocess import MediaSettings, prepare_sample
+from titanrl.data.prompt import PromptEncoder
+from titanrl.rollout import (
+    PromptMismatchError,
+    RolloutRequest,
+    WeightsMismatchError,
+    mm_limits_for,
+    probe_logprobs,
+    request_seed,
+)
+from titanrl.rollout.types import check_prompt_ids
+from titanrl.rollout.weights import (
+    QWEN2_5_VL_PACKED_MODULES,
+    check_update,
+    engine_module,
+    read_header,
+    read_headers,
+)
+
+TOL = 1e-4
+FPS, MAX_FRAMES = 4.0, 8  # the synthetic clip's sampled fps is then not 2: second_per_grid != 1
+PERTURBED = {  # titanrl name -> HF name
+    "output.weight": "lm_head.weight",
+    "layers.0.attention.wv.weight": "model.layers.0.self_attn.v_proj.weight",
+    "vision.merger.fc2.weight": "visual.merger.mlp.2.weight",
+}
+SAMPLING = dict(n=3, temperature=1.0, top_p=1.0, max_new_tokens=8)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: a text, an image and a video request from the synthetic generator via prepare_sample
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    from titanrl.data.synth import generate_dataset
+
+    return generate_dataset(tmp_path_factory.mktemp("rollout_data"), "image-heavy", 3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_ckpt) -> PromptEncoder:
+    return PromptEncoder.from_pretrained(tiny_ckpt)
+
+
+def make_requests(tiny_ckpt, dataset, encoder, settings=None) -> dict[str, RolloutRequest]:
+    settings = settings or MediaSettings.from_checkpoint(tiny_ckpt, fps=FPS, max_frames=MAX_FRAMES)
+    records = read_manifest(dataset)
+    out = {}
+    for record in records:
+        kind = record.media[0].kind
+        if kind not in out:
+            out[kind] = RolloutRequest.from_prepared(prepare_sample(record, dataset.parent, encoder, settings), encoder)
+    # Long enough (> vLLM's KV block size) that prefix caching really caches its blocks.
+    question = records[0].prompt.replace("<image>", "").replace("<video>", "").strip()
+    text_prompt = " ".join([question] * 12)
+    out["text"] = RolloutRequest(encoder.render(text_prompt), encoder.encode(text_prompt, []))
+    assert set(out) == {"text", "image", "video"}
+    assert out["video"].grids[0].second_per_grid != 1.0
+    return {k: out[k] for k in ("text", "image", "video")}
+
+
+@pytest.fixture(scope="module")
+def requests_(tiny_ckpt, dataset, encoder) -> dict[str, RolloutRequest]:
+    return make_requests(tiny_ckpt, dataset, encoder)
+
+
+# ----------------------------------------------------------------------------------------------
+# titanrl's model as the reference scorer (as in test_vllm_parity)
+# ----------------------------------------------------------------------------------------------
+
+def titanrl_model(ckpt: Path):
+    from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights
+
+    args = Qwen2_5_VLArgs.from_pretrained(ckpt)
+    model = Qwen2_5_VLModel(args)
+    load_hf_weights(model, ckpt)
+    return model.eval()
+
+
+def titanrl_logprobs(model, items: list[tuple[RolloutRequest, list[int]]]) -> list[torch.Tensor]:
+    from titanrl.models.packed import pack_sequences
+    from titanrl.models.qwen2_5_vl.inputs import make_sequence_input
+    from titanrl.models.qwen2_5_vl.model import LogprobTargets
+
+    seqs, positions, offset = [], [], 0
+    for request, completion in items:
+        pixels = torch.from_numpy(request.pixel_values) if request.pixel_values is not None else None
+        ids = np.concatenate([request.prompt_ids, np.asarray(completion, dtype=np.int64)])
+        seqs.append(make_sequence_input(model.args, ids, request.grids, pixels))
+        n_prompt = len(request.prompt_ids)
+        positions.append(np.arange(offset + n_prompt - 1, offset + n_prompt - 1 + len(completion)))
+        offset += len(ids)
+    batch = pack_sequences(seqs)
+    pos = torch.from_numpy(np.concatenate(positions))
+    with torch.no_grad():
+        out = model(batch, LogprobTargets(positions=pos, token_ids=batch.input_ids[pos + 1]))
+    return list(torch.split(out.logprobs, [len(c) for _, c in items]))
+
+
+def perturbed_checkpoint(ckpt: Path, outdir: Path, scale: float = 0.5) -> Path:
+    """The checkpoint with lm_head, a value projection (so cached KV blocks go stale) and the
+    vision merger's last layer (so cached vision embeddings go stale) perturbed, saved through
+    titanrl's state-dict adapter (weights only: an update needs no config files)."""
+    from titanrl.models.qwen2_5_vl import save_hf_checkpoint
+
+    model = titanrl_model(ckpt)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name in PERTURBED:
+            p = model.get_parameter(name)
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return save_hf_checkpoint(model.state_dict(), model.args, outdir)
+
+
+# ----------------------------------------------------------------------------------------------
+# No engine
+# ----------------------------------------------------------------------------------------------
+
+def test_request_seed_depends_on_seed_and_request_only(requests_):
+    text, image, video = requests_.values()
+    assert request_seed(3, image) == request_seed(3, dataclasses.replace(image))
+    assert len({request_seed(3, r) for r in (text, image, video)}) == 3
+    assert request_seed(3, image) != request_seed(4, image)
+    # An explicit key separates identical prompts.
+    assert request_seed(3, dataclasses.replace(image, key="a")) != request_seed(3, dataclasses.replace(image, key="b"))
+    assert all(0 <= request_seed(s, image) < 2**62 for s in (0, 1, 2**40))
+
+
+def test_prompt_check_names_the_difference():
+    check_prompt_ids(np.array([1, 2, 3]), [1, 2, 3], what="r", image_token_id=9, video_token_id=8)
+    with pytest.raises(PromptMismatchError, match=r"lengths 4 \(engine\) vs 3 \(request\).*2 image.*1 image.*index 2"):
+        check_prompt_ids(np.array([1, 9, 3]), [1, 9, 9, 3], what="r", image_token_id=9, video_token_id=8)
+
+
+def test_update_check(tiny_ckpt, tmp_path):
+    ref = read_headers(tiny_ckpt)
+    check_update(ref, {"lm_head.weight": ref["lm_head.weight"]}, where="partial")  # partial is fine
+    new_style = {"model.language_model.norm.weight": ref["model.norm.weight"]}
+    check_update(ref, new_style, where="transformers>=4.52 prefixes")
+    bad = {"lm_head.weight": dataclasses.replace(ref["lm_head.weight"], shape=(3, 4)), "nope.weight": ref["model.norm.weight"]}
+    with pytest.raises(WeightsMismatchError, match=r"1 unknown tensor.*nope\.weight.*1 shape mismatch.*lm_head\.weight: \[3, 4\]"):
+        check_update(ref, bad, where="x")
+    # Partial updates must cover whole engine modules (fused q/k/v, weight with bias).
+    packed = QWEN2_5_VL_PACKED_MODULES
+    qkv = {f"model.layers.1.self_attn.{p}_proj.{w}": ref[f"model.layers.1.self_attn.{p}_proj.{w}"]
+           for p in "qkv" for w in ("weight", "bias")}
+    check_update(ref, qkv, where="whole", packed=packed)
+    with pytest.raises(WeightsMismatchError, match=r"model\.layers\.1\.self_attn\.qkv_proj \(missing \['model\.layers\.1\.self_attn\.k_proj\.bias'"):
+        check_update(ref, {k: v for k, v in qkv.items() if k != "model.layers.1.self_attn.k_proj.bias"}, where="split", packed=packed)
+    with pytest.raises(WeightsMismatchError, match=r"visual\.merger\.mlp\.2 \(missing \['visual\.merger\.mlp\.2\.bias'\]"):
+        check_update(ref, {"visual.merger.mlp.2.weight": ref["visual.merger.mlp.2.weight"]}, where="split", packed=packed)
+    truncated = tmp_path / "model.safetensors"
+    data = (tiny_ckpt / "model.safetensors").read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(WeightsMismatchError, match="past the end of the file"):
+        read_header(truncated)
+
+
+def test_mm_limits_for(dataset):
+    records = read_manifest(dataset)
+    assert mm_limits_for(records) == {"image": 1, "video": 1}
+    two = dataclasses.replace(records[0], media=records[0].media * 2)
+    assert mm_limits_for([two])["image"] == 2
+
+
+def test_hf_baseline_engine(tiny_ckpt, requests_, tmp_path):
+    """The transformers-generate baseline: n samples, seeded, its log-probs equal titanrl's for
+    text and images (not video: transformers' positions rule), and updates in place."""
+    from titanrl.rollout.hf_engine import HFGenerateEngine
+
+    engine = HFGenerateEngine(tiny_ckpt, fps=FPS, max_frames=MAX_FRAMES)
+    reqs = [requests_["text"], requests_["image"]]
+    out = engine.generate(reqs, seed=5, **SAMPLING)
+    assert [len(g) for g in out] == [3, 3]
+    assert out == engine.generate(reqs, seed=5, **SAMPLING)
+    for g in out:
+        for s in g:
+            assert 1 <= len(s.token_ids) == len(s.logprobs) <= 8 and s.finish_reason in ("stop", "length")
+    model = titanrl_model(tiny_ckpt)
+    ours = titanrl_logprobs(model, [(r, g[0].token_ids) for r, g in zip(reqs, out)])
+    for r, g, mine in zip(reqs, out, ours):
+        assert (mine - torch.tensor(g[0].logprobs)).abs().max() < TOL
+        assert np.allclose(probe_logprobs(engine, r, g[0].token_ids), g[0].logprobs, atol=TOL)
+    new = perturbed_checkpoint(tiny_ckpt, tmp_path / "new")
+    engine.load_weights(new)
+    ours = titanrl_logprobs(titanrl_model(new), [(reqs[1], out[1][0].token_ids)])[0]
+    assert np.allclose(engine.score(reqs[1], out[1][0].token_ids), ours.numpy(), atol=TOL)
+    engine.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM: one engine for the module
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_ckpt):
+    import os
+
+    from titanrl.rollout.vllm_engine import VLLM_ENV, VLLMEngine
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") and k not in VLLM_ENV}
+    set_num_threads, threads, rng = torch.set_num_threads, torch.get_num_threads(), torch.get_rng_state()
+    engine = VLLMEngine(tiny_ckpt, dtype="float32", max_model_len=1024, kv_cache_bytes=64 << 20, seed=0)
+    # Starting vLLM in this process left it as it was (vLLM reseeds, patches set_num_threads,
+    # rewrites LOCAL_WORLD_SIZE / LD_PRELOAD / TORCHINDUCTOR_* while it starts).
+    assert {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") and k not in VLLM_ENV} == env
+    assert torch.set_num_threads is set_num_threads and torch.get_num_threads() == threads
+    assert torch.equal(torch.get_rng_state(), rng)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.slow
+def test_vllm_generates_reproducibly(vllm_engine, requests_):
+    reqs = list(requests_.values())
+    rng = torch.get_rng_state()
+    out = vllm_engine.generate(reqs, seed=11, **SAMPLING)
+    assert torch.equal(torch.get_rng_state(), rng)  # vLLM's sampler draws from it; restored
+    assert [len(g) for g in out] == [3, 3, 3]
+    for g in out:
+        for s in g:
+            assert 1 <= len(s.token_ids) == len(s.logprobs) <= 8
+            assert s.finish_reason == ("length" if len(s.token_ids) == 8 else "stop")
+            assert all(lp <= 0 for lp in s.logprobs)
+            assert not {vllm_engine.image_token_id, vllm_engine.video_token_id} & set(s.token_ids)
+        assert len({tuple(s.token_ids) for s in g}) == 3  # the n samples differ
+    # Same seed: the same samples; alone or in another batch order: the same tokens.
+    assert [[s.token_ids for s in g] for g in vllm_engine.generate(reqs, seed=11, **SAMPLING)] == \
+        [[s.token_ids for s in g] for g in out]
+    alone = vllm_engine.generate([reqs[2]], seed=11, **SAMPLING)[0]
+    assert [s.token_ids for s in alone] == [s.token_ids for s in out[2]]
+    assert [s.token_ids for s in vllm_engine.generate(reqs, seed=12, **SAMPLING)[0]] != [s.token_ids for s in out[0]]
+
+
+@pytest.mark.slow
+def test_vllm_rejects_prompt_mismatch(vllm_engine, tiny_ckpt, dataset, encoder, requests_):
+    # The trainer preprocessed with other pixel limits than the engine: other grid, other ids.
+    small = MediaSettings.from_checkpoint(tiny_ckpt, fps=FPS, max_frames=MAX_FRAMES, max_pixels=56 * 56)
+    image = make_requests(tiny_ckpt, dataset, encoder, small)["image"]
+    assert len(image.prompt_ids) < len(requests_["image"].prompt_ids)
+    with pytest.raises(PromptMismatchError, match=r"request 1: .*12 image / 0 video pad tokens vs 3 image.*first difference at index 19"):
+        vllm_engine.generate([requests_["text"], image], seed=0, **SAMPLING)
+    dropped = dataclasses.replace(requests_["text"], prompt_ids=requests_["text"].prompt_ids[:-1])
+    with pytest.raises(PromptMismatchError, match="request 0"):
+        vllm_engine.generate([dropped], seed=0, **SAMPLING)
+
+
+@pytest.mark.slow
+def test_vllm_weight_update_matches_titanrl(vllm_engine, tiny_ckpt, requests_, tmp_path):
+    reqs = list(requests_.values())
+    before = vllm_engine.generate(reqs, seed=21, **SAMPLING)  # the engine sees the image first
+    new = perturbed_checkpoint(tiny_ckpt, tmp_path / "update")
+    model = titanrl_model(new)
+    engine_id = id(vllm_engine.llm)
+    seconds = vllm_engine.load_weights(new)
+    assert 0 < seconds < 30 and id(vllm_engine.llm) == engine_id  # in place, no restart
+
+    after = vllm_engine.generate(reqs, seed=21, **SAMPLING)
+    items = [(r, s.token_ids) for r, g in zip(reqs, after) for s in g]
+    ours = titanrl_logprobs(model, items)
+    theirs = [torch.tensor(s.logprobs) for g in after for s in g]
+    err = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
+    print(f"update: load {seconds:.3f} s, max |titanrl - vLLM| {err:.2e} over {len(items)} samples")
+    assert err < TOL
+    # The probe (prompt log-probs of given tokens) on the tokens sampled before the update: they
+    # moved, to exactly titanrl's values, for text, image and video.
+    old = [(r, g[0].token_ids) for r, g in zip(reqs, before)]
+    for (request, tokens), group, mine in zip(old, before, titanrl_logprobs(model, old)):
+        probe = torch.tensor(probe_logprobs(vllm_engine, request, tokens))
+        assert (probe - torch.tensor(group[0].logprobs)).abs().max() > 100 * TOL
+        assert (probe - mine).abs().max() < TOL
+
+    # Back to the original weights (a partial update: only the changed tensors).
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    from safetensors.torch import load_file, save_file
+
+    original = load_file(str(tiny_ckpt / "model.safetensors"))
+    modules = {engine_module(k, QWEN2_5_VL_PACKED_MODULES) for k in PERTURBED.values()}
+    restore = {k: v for k, v in original.items() if engine_module(k, QWEN2_5_VL_PACKED_MODULES) in modules}
+    assert len(restore) == 1 + 6 + 2  # lm_head; q/k/v weights and biases; merger fc2 weight, bias
+    save_file(restore, str(partial / "model.safetensors"))
+    vllm_engine.load_weights(partial)
+    again = vllm_engine.generate(reqs, seed=21, **SAMPLING)
+    assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in before]
+    assert max(abs(a - b) for g, h in zip(again, before) for s, t in zip(g, h) for a, b in zip(s.logprobs, t.logprobs)) < TOL
+
+
+@pytest.mark.slow
+def test_vllm_rejects_bad_weights_and_keeps_working(vllm_engine, tiny_ckpt, requests_, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    reqs = list(requests_.values())
+    before = vllm_engine.generate(reqs, seed=31, **SAMPLING)
+    original = load_file(str(tiny_ckpt / "model.safetensors"))
+    cases = {
+        "wrong_shape": ({"lm_head.weight": original["lm_head.weight"][:, :-1].contiguous()}, r"shape mismatch.*lm_head\.weight"),
+        "unknown_name": ({"model.layers.7.mlp.up_proj.weight": original["model.layers.0.mlp.up_proj.weight"]}, "unknown tensor"),
+        "not_float": ({"lm_head.weight": original["lm_head.weight"].to(torch.int32)}, "non-floating"),
+        # v_proj alone would leave q/k of the fused qkv_proj uninitialised after the reload.
+        "split_module": ({"model.layers.0.self_attn.v_proj.weight": original["model.layers.0.self_attn.v_proj.weight"]},
+                         r"given only in part.*qkv_proj"),
+    }
+    for name, (tensors, message) in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        save_file(tensors, str(d / "model.safetensors"))
+        with pytest.raises(WeightsMismatchError, match=message):
+            vllm_engine.load_weights(d)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_ckpt, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(WeightsMismatchError, match="truncated"):
+        vllm_engine.load_weights(truncated)
+    with pytest.raises(WeightsMismatchError, match="no \\*.safetensors"):
+        vllm_engine.load_weights(tmp_path)
+    after = vllm_engine.generate(reqs, seed=31, **SAMPLING)
+    assert [[s.token_ids for s in g] for g in after] == [[s.token_ids for s in g] for g in before]

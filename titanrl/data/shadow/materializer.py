@@ -1,0 +1,218 @@
+"""Rank side of ShadowLoader: turn planned samples (or cut placeholders) into real arrays.
+
+The materializer asks the preprocessor that the routing table names for each sample (no lookup
+round trip: every rank computed the same table), maps the decoded uint8 frames out of the object
+store, and does the last, cheap step itself: resize, normalise and patchify with
+``preprocess.media_to_patches``, the very function the inline path uses, so the result is bit-equal
+to ``prepare_sample``. Patchifying late keeps transfers at uint8 (4x smaller than float32 rows) and
+lets a rank that needs only some frames fetch only those.
+
+Faults: a preprocessor that dies is restarted by Ray (``max_restarts``); a fetch that fails because
+of it (actor died/unavailable, object lost with its owner) is retried against the restarted actor,
+which re-decodes the sample on demand. A fetch that outlives ``fetch_timeout_s`` raises
+``DataUnavailableError`` naming the samples, never hangs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from titanrl.data.preprocess import DecodedMedia, MediaSettings, media_to_patches
+from titanrl.data.shadow.metadata import SampleMeta
+from titanrl.data.shadow.placeholder import PixelPlaceholder
+from titanrl.data.shadow.plan import Route
+from titanrl.data.shadow.preprocessor import DecodeTask, FetchReply
+from titanrl.data.vision import _video_max_pixels  # the processor's rule itself, not a copy
+from titanrl.data.shadow.types import BadSample, DataUnavailableError, Materialized, bad_from_meta
+
+
+@dataclass
+class StepPlan:
+    """Everything one rank knows about a planned step."""
+
+    step: int
+    metas: list[SampleMeta]
+    assignment: list[list[int]]
+    routes: list[Route | None]
+    tasks: dict[int, DecodeTask]  # position -> task, for routed samples
+    state: dict[str, Any]  # loader state that resumes at this step
+    future: Any = None  # this rank's background fetch (concurrent.futures.Future)
+    released: bool = False
+    index_of: dict[tuple[int, int], int] = field(default_factory=dict)  # (epoch, index) -> position
+
+    def position_of(self, placeholder: PixelPlaceholder) -> int:
+        if not self.index_of:
+            self.index_of = {(m.epoch, m.index): p for p, m in enumerate(self.metas)}
+        try:
+            return self.index_of[(placeholder.epoch, placeholder.index)]
+        except KeyError:
+            raise KeyError(f"{placeholder.describe()} is not in step {self.step}") from None
+
+
+def assemble_sample(position: int, meta: SampleMeta, media: list[DecodedMedia], settings: MediaSettings) -> Materialized:
+    """Decoded frames -> model inputs, exactly as ``preprocess.prepare_sample`` builds them."""
+    patches = [media_to_patches(m, settings) for m in media]
+    grids = [g for _, g in patches]
+    pixel_values = np.concatenate([p for p, _ in patches]).astype(np.float32) if patches else None
+    if grids != meta.grids:
+        raise RuntimeError(f"sample {meta.sample_id!r}: decoded grids {grids} differ from planned {meta.grids}")
+    return Materialized(position, meta, meta.prompt_ids, grids, pixel_values, media)
+
+
+def _retryable_errors() -> tuple[type[BaseException], ...]:
+    import ray.exceptions as rex
+
+    return tuple(
+        getattr(rex, name) for name in ("RayActorError", "ActorUnavailableError", "ObjectLostError",
+                                        "OwnerDiedError", "ObjectFetchTimedOutError")
+        if hasattr(rex, name)
+    )
+
+
+class Materializer:
+    def __init__(
+        self,
+        handles: Sequence[Any],
+        settings: MediaSettings,
+        *,
+        fetch_timeout_s: float = 300.0,
+        max_attempts: int = 4,
+    ) -> None:
+        self.handles = list(handles)
+        self.settings = settings
+        self.fetch_timeout_s = fetch_timeout_s
+        self.max_attempts = max_attempts
+        self.stats: dict[str, float] = {"fetch_s": 0.0, "patchify_s": 0.0, "fetched_bytes": 0.0, "retries": 0.0,
+                                        "samples": 0.0}
+
+    # ------------------------------------------------------------------------------- fetching
+
+    def _fetch_replies(
+        self, plan: StepPlan, requests: list[tuple[int, dict[int, tuple[int, int]] | None]]
+    ) -> dict[int, tuple[FetchReply, list[np.ndarray]]]:
+        """Fetch (position, frame_ranges) requests, retrying those hit by a preprocessor failure.
+        Returns position -> (reply, frames per returned media)."""
+        import ray
+
+        retryable = _retryable_errors()
+        deadline = time.monotonic() + self.fetch_timeout_s
+        pending = list(requests)
+        out: dict[int, tuple[FetchReply, list[np.ndarray]]] = {}
+        for attempt in range(self.max_attempts):
+            refs = [
+                self.handles[plan.routes[pos].preprocessor].fetch.remote(plan.tasks[pos], ranges, False)  # type: ignore[union-attr]
+                for pos, ranges in pending
+            ]
+            failed = []
+            for (pos, ranges), ref in zip(pending, refs):
+                remaining = deadline - time.monotonic()
+                try:
+                    if remaining <= 0:
+                        raise ray.exceptions.GetTimeoutError("deadline passed")
+                    reply: FetchReply = ray.get(ref, timeout=remaining)
+                    frames = [
+                        m.data if isinstance(m.data, np.ndarray) else ray.get(m.data, timeout=max(remaining, 1.0))
+                        for m in reply.media
+                    ] if reply.ok else []
+                    out[pos] = (reply, frames)
+                except ray.exceptions.GetTimeoutError:
+                    ids = [plan.metas[p].sample_id for p, _ in pending if p not in out]
+                    raise DataUnavailableError(
+                        f"step {plan.step}: no data for samples {ids} after data.fetch_timeout_s="
+                        f"{self.fetch_timeout_s:.0f} s"
+                    ) from None
+                except retryable as error:
+                    failed.append(((pos, ranges), error))
+            if not failed:
+                return out
+            self.stats["retries"] += len(failed)
+            pending = [req for req, _ in failed]
+            self._wait_for_restart({plan.routes[pos].preprocessor for pos, _ in pending}, deadline)  # type: ignore[union-attr]
+        ids = [plan.metas[p].sample_id for p, _ in pending]
+        raise DataUnavailableError(
+            f"step {plan.step}: preprocessor failed {self.max_attempts} times for samples {ids}: {failed[-1][1]}"
+        )
+
+    def _wait_for_restart(self, preprocessors: set[int], deadline: float) -> None:
+        import ray
+
+        for i in preprocessors:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(self.handles[i].ping.remote(), timeout=5.0)
+                    break
+                except Exception:
+                    time.sleep(0.2)
+
+    # ------------------------------------------------------------------------------- samples
+
+    def fetch_samples(self, plan: StepPlan, positions: Sequence[int]) -> list[Materialized | BadSample]:
+        """Whole samples at `positions` of the step, in that order."""
+        t0 = time.perf_counter()
+        wanted = [p for p in positions if plan.metas[p].problem is None]
+        replies = self._fetch_replies(plan, [(p, None) for p in wanted]) if wanted else {}
+        t1 = time.perf_counter()
+        out: list[Materialized | BadSample] = []
+        for pos in positions:
+            meta = plan.metas[pos]
+            if meta.problem is not None:
+                out.append(bad_from_meta(pos, meta))
+                continue
+            reply, frames = replies[pos]
+            if not reply.ok:
+                out.append(BadSample(pos, meta.index, meta.sample_id, reply.error_kind, reply.error_detail))
+                continue
+            media = [DecodedMedia(m.kind, f, m.sampled_fps) for m, f in zip(reply.media, frames)]  # type: ignore[arg-type]
+            out.append(assemble_sample(pos, meta, media, self.settings))
+            self.stats["fetched_bytes"] += sum(f.nbytes for f in frames)
+        self.stats["fetch_s"] += t1 - t0
+        self.stats["patchify_s"] += time.perf_counter() - t1
+        self.stats["samples"] += len(positions)
+        return out
+
+    # ------------------------------------------------------------------------------- slices
+
+    def fetch_slices(self, plan: StepPlan, placeholders: Sequence[PixelPlaceholder]) -> list[np.ndarray]:
+        """The pixel rows of each cut placeholder, fetching only the frames each one needs."""
+        requests: list[tuple[int, dict[int, tuple[int, int]] | None]] = []
+        spans = []
+        for ph in placeholders:
+            pos = plan.position_of(ph)
+            meta = plan.metas[pos]
+            if meta.problem is not None or pos not in plan.tasks:
+                raise ValueError(f"{ph.describe()}: sample is bad ({meta.problem}) or not routed")
+            mm = meta.media[ph.media_index]
+            f0, f1 = ph.frame_span()
+            f1 = min(f1, mm.sampled_frames)
+            spans.append((pos, f0))
+            requests.append((pos, {ph.media_index: (f0, f1)}))
+        out = []
+        for (pos, f0), ph, req in zip(spans, placeholders, requests):
+            reply, frames = self._fetch_replies(plan, [req])[pos]
+            if not reply.ok:
+                raise ValueError(f"{ph.describe()}: {reply.error_kind}: {reply.error_detail}")
+            mm = plan.metas[pos].media[ph.media_index]
+            settings = self._settings_for_clip(mm.sampled_frames)
+            pixels, grid = media_to_patches(DecodedMedia(mm.kind, frames[0], mm.sampled_fps), settings)
+            if (grid.h, grid.w) != (mm.grid.h, mm.grid.w):
+                raise RuntimeError(f"{ph.describe()}: frame-range resize gave grid {grid}, planned {mm.grid}")
+            first_row = (f0 // (ph.temporal_patch_size if mm.kind == "video" else 1)) * ph.rows_per_group
+            out.append(pixels[ph.row_start - first_row: ph.row_stop - first_row])
+            self.stats["fetched_bytes"] += frames[0].nbytes
+        return out
+
+    def _settings_for_clip(self, clip_frames: int) -> MediaSettings:
+        """Settings under which a run of frames resizes exactly as inside the whole clip: with
+        cap_pixels_per_frame the per-frame pixel limit depends on the clip's length, so it is fixed
+        here (by the processor's own rule) for the whole clip's frame count."""
+        s = self.settings
+        if not s.cap_pixels_per_frame:
+            return s
+        frame_max = _video_max_pixels(clip_frames, s.video_min_pixels, s.video_max_pixels,
+                                      s.patch_size * s.merge_size, s.temporal_patch_size, True, s.max_video_tokens)
+        return dataclasses.replace(s, video_max_pixels=frame_max, cap_pixels_per_frame=False)

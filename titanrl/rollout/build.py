@@ -1,0 +1,69 @@
+"""``build_rollout_engine``: the engine a job's config asks for, on one rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from titanrl.config import JobConfig
+from titanrl.data.manifest import SampleRecord
+
+
+def mm_limits_for(records: Iterable[SampleRecord]) -> dict[str, int]:
+    """Most images and most videos any one prompt has (at least 1 each), for vLLM's
+    ``limit_mm_per_prompt``: its memory profiling and encoder budget are sized by it."""
+    limits = {"image": 1, "video": 1}
+    for r in records:
+        for kind in limits:
+            limits[kind] = max(limits[kind], sum(1 for m in r.media if m.kind == kind))
+    return limits
+
+
+def build_rollout_engine(
+    cfg: JobConfig,
+    model_dir: str | Path,
+    rank: int,
+    *,
+    mm_limits: dict[str, int] | None = None,
+):
+    """The rollout engine of ``cfg.rollout.engine`` for this rank, on the checkpoint in
+    ``model_dir``. vLLM: every rank must call this at the same point (see vllm_engine).
+
+    ``mm_limits``: most images/videos per prompt (``mm_limits_for(records)``); unset = read
+    ``cfg.data.manifest`` when set, else 1 of each (the synthetic mixtures)."""
+    ro = cfg.rollout
+    if mm_limits is None:
+        mm_limits = {"image": 1, "video": 1}
+        if cfg.data.manifest:
+            from titanrl.data.manifest import read_manifest
+
+            mm_limits = mm_limits_for(read_manifest(Path(cfg.data.manifest).expanduser(), check_files=False))
+    seed = ro.seed if ro.seed is not None else cfg.job.seed
+    if ro.engine == "vllm":
+        from titanrl.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            model_dir,
+            dtype=cfg.model.dtype,
+            max_model_len=cfg.model.max_seq_len,
+            kv_cache_bytes=ro.kv_cache_bytes,
+            enforce_eager=ro.enforce_eager,
+            mm_limits=mm_limits,
+            min_pixels=cfg.data.min_pixels,
+            max_pixels=cfg.data.max_pixels,
+            num_threads=ro.num_threads,
+            seed=seed + rank,
+        )
+    if ro.engine == "hf":
+        from titanrl.rollout.hf_engine import HFGenerateEngine
+
+        return HFGenerateEngine(
+            model_dir,
+            dtype=cfg.model.dtype,
+            fps=cfg.data.fps,
+            max_frames=cfg.data.max_frames,
+            min_pixels=cfg.data.min_pixels,
+            max_pixels=cfg.data.max_pixels,
+            num_threads=ro.num_threads,
+        )
+    raise ValueError(f"unknown rollout.engine {ro.engine!r}")

@@ -1,0 +1,199 @@
+"""Baseline rollout engine: transformers' ``Qwen2_5_VLForConditionalGeneration.generate``.
+
+A plain HF generate loop with its KV cache, one request at a time with its ``n`` samples as one
+batch (``num_return_sequences``; no padding needed). It is what the benchmark compares vLLM
+against, and a fallback that needs no vLLM.
+
+Not for training on video: transformers 5 places text after a video at the video's start +
+max(h, w) instead of after its last temporal position (vLLM's and the trainer's rule), so its
+video log-probs differ from the trainer's by ~0.1. Images and text agree with the trainer.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from titanrl.data.preprocess import MediaSettings, media_to_patches
+from titanrl.models.qwen2_5_vl.state_dict_adapter import canonical_hf_name
+from titanrl.rollout.types import RolloutRequest, RolloutSample, request_seed
+from titanrl.rollout.weights import check_update, read_headers, weight_files
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _hf_param_name(name: str) -> str:
+    """Checkpoint name (either prefix style) -> transformers 5 module name."""
+    name = canonical_hf_name(name)
+    if name.startswith("visual."):
+        return "model." + name
+    if name.startswith("model."):
+        return "model.language_model." + name[len("model."):]
+    return name
+
+
+class HFGenerateEngine:
+    """``RolloutEngine`` on transformers' generate (the baseline)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str = "float32",
+        fps: float = 2.0,
+        max_frames: int = 8,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        num_threads: int = 0,
+        banned_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        from transformers import AutoTokenizer, GenerationConfig, Qwen2_5_VLForConditionalGeneration
+
+        self.model_dir = Path(model_dir)
+        self.num_threads = num_threads
+        t0 = time.perf_counter()
+        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            str(self.model_dir), dtype=_DTYPES[dtype]
+        ).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        gen = GenerationConfig.from_pretrained(str(self.model_dir))
+        eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_ids = set([eos] if isinstance(eos, int) else list(eos))
+        self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else min(self.eos_ids)
+        cfg = self.model.config
+        self.image_token_id, self.video_token_id = cfg.image_token_id, cfg.video_token_id
+        # As in the vLLM engine: never sample a vision pad token.
+        banned = (self.image_token_id, self.video_token_id) if banned_token_ids is None else banned_token_ids
+        self.suppress = [int(t) for t in banned] or None
+        self.settings = MediaSettings.from_checkpoint(
+            self.model_dir, fps=fps, max_frames=max_frames, min_pixels=min_pixels, max_pixels=max_pixels
+        )
+        self._reference = read_headers(self.model_dir)
+        self.start_s = time.perf_counter() - t0
+
+    @contextmanager
+    def _threads(self) -> Iterator[None]:
+        if self.num_threads <= 0:
+            yield
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.num_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    def _vision_kwargs(self, request: RolloutRequest, ids: np.ndarray) -> dict[str, Any]:
+        grids, pixels = request.grids, request.pixel_values
+        if request.media and (pixels is None or len(grids) != len(request.media)):
+            patches = [media_to_patches(m, self.settings) for m in request.media]
+            grids = [g for _, g in patches]
+            pixels = np.concatenate([p for p, _ in patches]).astype(np.float32)
+        if not grids:
+            return {}
+        dtype = self.model.dtype
+        chunks = torch.split(torch.from_numpy(np.asarray(pixels, dtype=np.float32)), [g.num_patches for g in grids])
+        kwargs: dict[str, Any] = {}
+        images = [(c, g) for c, g in zip(chunks, grids) if not g.is_video]
+        videos = [(c, g) for c, g in zip(chunks, grids) if g.is_video]
+        if images:
+            kwargs["pixel_values"] = torch.cat([c for c, _ in images]).to(dtype)
+            kwargs["image_grid_thw"] = torch.tensor([[g.t, g.h, g.w] for _, g in images])
+        if videos:
+            kwargs["pixel_values_videos"] = torch.cat([c for c, _ in videos]).to(dtype)
+            kwargs["video_grid_thw"] = torch.tensor([[g.t, g.h, g.w] for _, g in videos])
+            kwargs["second_per_grid_ts"] = torch.tensor([g.second_per_grid for _, g in videos])
+        mm = np.zeros_like(ids)
+        mm[ids == self.image_token_id] = 1
+        mm[ids == self.video_token_id] = 2
+        kwargs["mm_token_type_ids"] = torch.from_numpy(mm)[None]
+        return kwargs
+
+    def generate(
+        self,
+        requests: Sequence[RolloutRequest],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int,
+    ) -> list[list[RolloutSample]]:
+        out = []
+        with self._threads(), torch.no_grad():
+            for request in requests:
+                ids = np.asarray(request.prompt_ids, dtype=np.int64)
+                kwargs = self._vision_kwargs(request, ids)
+                sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 \
+                    else dict(do_sample=False)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(request_seed(seed, request) % (2**63))
+                    res = self.model.generate(
+                        input_ids=torch.from_numpy(ids)[None],
+                        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                        max_new_tokens=max_new_tokens,
+                        num_return_sequences=n,
+                        top_k=0,
+                        suppress_tokens=self.suppress,
+                        pad_token_id=self.pad_id,
+                        eos_token_id=sorted(self.eos_ids),
+                        return_dict_in_generate=True,
+                        output_logits=True,  # raw logits: log-probs before temperature, like vLLM
+                        use_cache=True,
+                        **sampling,
+                        **kwargs,
+                    )
+                new = res.sequences[:, len(ids):]
+                logits = torch.stack(res.logits, dim=1).float()  # [n, steps, V]
+                lps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None])[..., 0]
+                samples = []
+                for j in range(n):
+                    toks = new[j].tolist()
+                    end = next((k + 1 for k, t in enumerate(toks) if t in self.eos_ids), None)
+                    reason = "stop" if end is not None else "length"
+                    end = end if end is not None else len(toks)
+                    text = self.tokenizer.decode(toks[:end], skip_special_tokens=True)
+                    samples.append(RolloutSample(toks[:end], lps[j, :end].tolist(), reason, text))
+                out.append(samples)
+        return out
+
+    def score(self, request: RolloutRequest, completion_ids: Sequence[int]) -> list[float]:
+        completion = [int(t) for t in completion_ids]
+        if not completion:
+            return []
+        ids = np.concatenate([np.asarray(request.prompt_ids, dtype=np.int64), np.asarray(completion, dtype=np.int64)])
+        with self._threads(), torch.no_grad():
+            logits = self.model(input_ids=torch.from_numpy(ids)[None], **self._vision_kwargs(request, ids)).logits[0]
+        start = len(ids) - len(completion)
+        lp = torch.log_softmax(logits[start - 1 : len(ids) - 1].float(), dim=-1)
+        return lp.gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+    def load_weights(self, hf_dir: str | Path) -> float:
+        from safetensors import safe_open
+
+        t0 = time.perf_counter()
+        check_update(self._reference, read_headers(hf_dir), where=str(hf_dir))
+        params = dict(self.model.state_dict())
+        updates = {}
+        for path in weight_files(hf_dir):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    target = _hf_param_name(name)
+                    if target not in params:
+                        raise KeyError(f"{hf_dir}: {name} has no parameter {target} in the HF model")
+                    updates[target] = f.get_tensor(name)
+        with torch.no_grad():
+            for target, tensor in updates.items():
+                params[target].copy_(tensor)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.model = None
+
+
+__all__ = ["HFGenerateEngine"]

@@ -1,0 +1,380 @@
+"""vLLM rollout engine: one in-process vLLM engine per data-parallel rank.
+
+The engine lives in the rank's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no engine-core
+or worker processes, 2-7 s to start on the tiny model (plus ~5 s for the first ``import vllm``),
+and weights are reloaded in place from a safetensors file (``load_weights``).
+What that costs, and how it is contained:
+
+- vLLM's worker calls ``torch.distributed``: in a torchrun rank it finds the trainer's process
+  group and makes its own (size-1) groups from it -- ``new_group`` is collective, so **every
+  rank must build its engine at the same point** (the trainer's init). Outside torchrun it starts
+  a world-of-one group over a ``file://`` store in the temp dir: no TCP port is opened, so
+  several engines on one machine never collide on ports.
+- While it starts, vLLM reseeds the global RNGs, replaces ``torch.set_num_threads`` with a no-op
+  and rewrites ``LOCAL_WORLD_SIZE``, ``LD_PRELOAD`` and some ``TORCHINDUCTOR_*`` variables. The
+  engine restores all of them afterwards, and restores the torch RNG after each call (vLLM's CPU
+  sampler draws from it even when every request is seeded).
+- Threads: no core binding in-process; vLLM computes with the process's torch intra-op pool
+  (torchrun sets ``OMP_NUM_THREADS=1`` per rank when several run on one machine), or with
+  ``rollout.num_threads`` threads while the engine runs when that is set.
+- Memory: ``rollout.kv_cache_bytes`` is per engine (per rank). vLLM's multi-modal processor
+  cache is off (it would default to 4 GiB per engine). vLLM's CPU worker sets the process's
+  memory policy to bind to the NUMA node of its first allowed CPU (``init_cpu_memory_env``),
+  and the engine core ``gc.freeze()``s the heap at start (undone by ``close``); on a one-node
+  machine the first is moot.
+- Shutdown: call ``close()``. vLLM's own shutdown (also run if the engine is garbage-collected)
+  destroys the default process group; ``close`` keeps the trainer's.
+- Logs: vLLM logs at INFO on every rank; set ``VLLM_LOGGING_LEVEL=WARNING`` to quiet it.
+
+Environment set before vLLM is imported (only where unset; see ``VLLM_ENV``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from titanrl.data.preprocess import DecodedMedia
+from titanrl.rollout.types import (
+    PromptMismatchError,
+    RolloutRequest,
+    RolloutSample,
+    WeightsMismatchError,
+    check_prompt_ids,
+    request_seed,
+)
+from titanrl.rollout.weights import QWEN2_5_VL_PACKED_MODULES, check_update, read_header, read_headers, weight_files
+
+log = logging.getLogger(__name__)
+
+VLLM_ENV: dict[str, str] = {
+    # In-process engine core + worker: starts in seconds, no child processes, shares the rank.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # Never pin threads to cores: the rank process owns its affinity, and several ranks (each
+    # with an engine) may share a machine. (Only the multiprocess executor binds; belt and braces.)
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    # Reserve no core for vLLM's own frontend (1.4-1.7x throughput on 2 cores).
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    # Anything vLLM would bind or advertise stays on loopback.
+    "VLLM_HOST_IP": "127.0.0.1",
+    # No usage reporting (and no network access is needed at all).
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+# Legacy variable that would silently override rollout.kv_cache_bytes (in GiB).
+_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def set_vllm_env() -> dict[str, str]:
+    """Apply ``VLLM_ENV`` where unset (call before importing vllm); return what is in effect."""
+    for k, v in VLLM_ENV.items():
+        os.environ.setdefault(k, v)
+    if os.environ.get(_KV_ENV):
+        warnings.warn(f"ignoring {_KV_ENV}={os.environ[_KV_ENV]!r}: rollout.kv_cache_bytes sizes the KV cache")
+        del os.environ[_KV_ENV]
+    return {k: os.environ[k] for k in VLLM_ENV}
+
+
+@contextmanager
+def _contain_global_state(restore_rng: bool = True) -> Iterator[None]:
+    """Undo what vLLM changes in the process while it starts (env, RNGs, set_num_threads)."""
+    env_before = dict(os.environ)
+    set_num_threads = torch.set_num_threads
+    threads = torch.get_num_threads()
+    rng = (torch.get_rng_state(), np.random.get_state(), random.getstate()) if restore_rng else None
+    try:
+        yield
+    finally:
+        for k in set(os.environ) | set(env_before):
+            if k.startswith("VLLM_"):
+                continue  # vLLM's own settings may be read again later
+            if k not in env_before:
+                os.environ.pop(k, None)
+            elif os.environ.get(k) != env_before[k]:
+                os.environ[k] = env_before[k]
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != threads:
+            set_num_threads(threads)
+        if rng is not None:
+            torch.set_rng_state(rng[0])
+            np.random.set_state(rng[1])
+            random.setstate(rng[2])
+
+
+def _reload_worker(worker: Any, files: list[str]) -> None:
+    """Runs inside vLLM's worker (collective_rpc): stream tensors from safetensors files into the
+    model with vLLM's layer-wise in-place reload (plain model.load_weights breaks prepacked
+    CPU GEMM weights). Files are passed by path: rpc arguments may not carry tensors intact."""
+    from safetensors import safe_open
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    worker.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+
+
+def video_metadata(media: DecodedMedia, temporal_patch_size: int) -> dict[str, Any]:
+    """vLLM's (frames, metadata) for already-sampled frames. vLLM sets second_per_grid to
+    temporal_patch_size / fps, so fps = the sampled fps makes it equal the trainer's
+    (media_to_patches uses 1.0 s when the fps is unknown, hence the fallback)."""
+    n = int(media.frames.shape[0])
+    fps = float(media.sampled_fps) if media.sampled_fps > 0 else float(temporal_patch_size)
+    return {
+        "fps": fps,
+        "duration": n / fps,
+        "total_num_frames": n,
+        "frames_indices": list(range(n)),
+        "video_backend": "opencv",
+        "do_sample_frames": False,
+    }
+
+
+class VLLMEngine:
+    """``RolloutEngine`` on an in-process vLLM ``LLM``."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        kv_cache_bytes: int = 256 << 20,
+        enforce_eager: bool = True,
+        mm_limits: dict[str, int] | None = None,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        num_threads: int = 0,
+        seed: int = 0,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int | None = None,
+        banned_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.num_threads = num_threads
+        self.env = set_vllm_env()
+        self._reference = read_headers(self.model_dir)  # what the engine loaded: names/shapes
+        cfg = json.loads((self.model_dir / "config.json").read_text())
+        self.image_token_id = int(cfg["image_token_id"])
+        self.video_token_id = int(cfg["video_token_id"])
+        self.temporal_patch_size = int((cfg.get("vision_config") or {}).get("temporal_patch_size", 2))
+        # Never sample the vision pad tokens: a response holding one cannot be laid out by the
+        # trainer (pads mark where vision features go). Reported log-probs stay unprocessed.
+        banned = (self.image_token_id, self.video_token_id) if banned_token_ids is None else banned_token_ids
+        self.logit_bias = {int(t): -100.0 for t in banned} or None
+        mm_kwargs = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+        self.mm_processor_kwargs = mm_kwargs or None
+        self.mm_limits = dict(mm_limits or {"image": 1, "video": 1})
+
+        import torch.distributed as dist
+
+        # Whose default process group will vLLM use? Ours to tear down only if vLLM made it.
+        self._owns_process_group = not (dist.is_available() and dist.is_initialized())
+        t0 = time.perf_counter()
+        with self._threads(), _contain_global_state():
+            from vllm import LLM, SamplingParams
+
+            self._SamplingParams = SamplingParams
+            kwargs: dict[str, Any] = dict(
+                model=str(self.model_dir),
+                dtype=dtype,
+                enforce_eager=enforce_eager,
+                kv_cache_memory_bytes=int(kv_cache_bytes),
+                max_model_len=int(max_model_len),
+                limit_mm_per_prompt=self.mm_limits,
+                mm_processor_kwargs=self.mm_processor_kwargs,
+                mm_processor_cache_gb=0,
+                enable_prefix_caching=enable_prefix_caching,
+                seed=seed,
+                disable_log_stats=True,
+                # A prompt prefilled in chunks makes vLLM rewind the seeded generator of the
+                # partial request with Generator.set_offset, which CPU generators do not support
+                # ("CPU Generator does not use offset"): schedule whole prompts only.
+                enable_chunked_prefill=False,
+            )
+            if max_num_seqs is not None:
+                kwargs["max_num_seqs"] = max_num_seqs
+            self.llm = LLM(**kwargs)
+        self.start_s = time.perf_counter() - t0
+        self.weight_version = 0
+        # Fused modules of the engine's model: partial updates must cover them whole.
+        packed = self.llm.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {}) or {}))
+        self.packed_modules = (packed[0] if packed else None) or dict(QWEN2_5_VL_PACKED_MODULES)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    @contextmanager
+    def _threads(self) -> Iterator[None]:
+        if self.num_threads <= 0:
+            yield
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.num_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        rng = torch.get_rng_state()
+        try:
+            with self._threads():
+                yield
+        finally:
+            torch.set_rng_state(rng)
+
+    def _prompt(self, request: RolloutRequest, completion_ids: Sequence[int] | None = None) -> dict[str, Any]:
+        images = [m.frames[0] for m in request.media if m.kind == "image"]
+        videos = [(m.frames, video_metadata(m, self.temporal_patch_size)) for m in request.media if m.kind == "video"]
+        for kind, items in (("image", images), ("video", videos)):
+            if len(items) > self.mm_limits.get(kind, 0):
+                raise ValueError(
+                    f"request has {len(items)} {kind}(s); the engine was built for at most "
+                    f"{self.mm_limits.get(kind, 0)} per prompt (build_rollout_engine's mm_limits)"
+                )
+        prompt: dict[str, Any]
+        if completion_ids is None:
+            prompt = {"prompt": request.prompt_text}
+        else:
+            tok = self.llm.get_tokenizer()
+            ids = list(tok(request.prompt_text, add_special_tokens=False)["input_ids"]) + [int(t) for t in completion_ids]
+            prompt = {"prompt_token_ids": ids}
+        mm: dict[str, Any] = {}
+        if images:
+            mm["image"] = images if len(images) > 1 else images[0]
+        if videos:
+            mm["video"] = videos if len(videos) > 1 else videos[0]
+        if mm:
+            prompt["multi_modal_data"] = mm
+        return prompt
+
+    def _check(self, request: RolloutRequest, got: Sequence[int], index: int, extra: Sequence[int] = ()) -> None:
+        expected = np.concatenate([np.asarray(request.prompt_ids, dtype=np.int64), np.asarray(extra, dtype=np.int64)])
+        check_prompt_ids(expected, got, what=f"request {index}" + (f" (key {request.key!r})" if request.key else ""),
+                         image_token_id=self.image_token_id, video_token_id=self.video_token_id)
+
+    # -- RolloutEngine ----------------------------------------------------------------------
+
+    def generate(
+        self,
+        requests: Sequence[RolloutRequest],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int,
+    ) -> list[list[RolloutSample]]:
+        if not requests:
+            return []
+        prompts = [self._prompt(r) for r in requests]
+        params = [
+            self._SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=0,
+                max_tokens=max_new_tokens,
+                logprobs=0,
+                seed=request_seed(seed, r),
+                logit_bias=self.logit_bias,
+            )
+            for r in requests
+        ]
+        with self._call():
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        result = []
+        for i, (request, out) in enumerate(zip(requests, outputs)):
+            self._check(request, out.prompt_token_ids, i)
+            samples = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                lps = [float(step[t].logprob) for t, step in zip(ids, c.logprobs)]
+                reason = "stop" if c.finish_reason == "stop" else "length"
+                samples.append(RolloutSample(ids, lps, reason, c.text))
+            result.append(samples)
+        return result
+
+    def score(self, request: RolloutRequest, completion_ids: Sequence[int]) -> list[float]:
+        completion_ids = [int(t) for t in completion_ids]
+        if not completion_ids:
+            return []
+        params = self._SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, logprobs=None)
+        with self._call():
+            (out,) = self.llm.generate([self._prompt(request, completion_ids)], params, use_tqdm=False)
+        self._check(request, out.prompt_token_ids, 0, extra=completion_ids)
+        start = len(out.prompt_token_ids) - len(completion_ids)
+        return [float(out.prompt_logprobs[start + i][t].logprob) for i, t in enumerate(completion_ids)]
+
+    def load_weights(self, hf_dir: str | Path) -> float:
+        t0 = time.perf_counter()
+        files = weight_files(hf_dir)
+        update: dict = {}
+        for f in files:
+            part = read_header(f)
+            dup = set(part) & set(update)
+            if dup:
+                raise WeightsMismatchError(f"{hf_dir}: tensors in several files: {sorted(dup)[:5]}")
+            update.update(part)
+        check_update(self._reference, update, where=str(hf_dir), packed=self.packed_modules)
+        with self._call():
+            self.llm.collective_rpc(_reload_worker, args=([str(f) for f in files],))
+            # Stale vision embeddings / KV blocks computed with the old weights must go, or the
+            # next request with a seen image hits "Encoder cache miss" (or reuses old KV).
+            self.llm.llm_engine.reset_encoder_cache()
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
+            self.llm.reset_mm_cache()
+        self.weight_version += 1
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory. Call it explicitly: vLLM's own shutdown
+        (also run when the engine is garbage-collected) destroys the *default* process group,
+        which under torchrun is the trainer's; here vLLM's groups go but the trainer's stays."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        from vllm.distributed import parallel_state as ps
+
+        destroy_env = ps.destroy_distributed_environment
+
+        def destroy_vllm_groups_only() -> None:
+            if ps._WORLD is not None:
+                ps._WORLD.destroy()
+            ps._WORLD = None
+            ps._NODE_COUNT = None
+
+        if not self._owns_process_group:
+            ps.destroy_distributed_environment = destroy_vllm_groups_only
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            ps.destroy_distributed_environment = destroy_env
+        del llm
+        import gc
+
+        gc.collect()
+
+    def __enter__(self) -> "VLLMEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["VLLMEngine", "VLLM_ENV", "set_vllm_env", "PromptMismatchError", "video_metadata"]

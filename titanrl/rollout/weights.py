@@ -1,0 +1,201 @@
+"""Weight files for engine updates: read safetensors headers, check an update, write one.
+
+A vLLM reload that fails half-way leaves the engine dead, so every update is checked against the
+names, shapes and dtypes of the checkpoint the engine was started from *before* the engine sees
+it. Only headers are read (no tensor data), so the check costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from titanrl.models.qwen2_5_vl.state_dict_adapter import canonical_hf_name
+from titanrl.rollout.types import WeightsMismatchError
+
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype string: F32, BF16, ...
+
+
+def weight_files(hf_dir: str | Path) -> list[Path]:
+    """The *.safetensors files of an HF model directory (sharded with an index, or not)."""
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise WeightsMismatchError(f"{hf_dir} is not a directory")
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [hf_dir / n for n in names]
+    else:
+        files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightsMismatchError(f"no *.safetensors weights in {hf_dir}")
+    return files
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Tensor names -> shape/dtype of one safetensors file, checking the header is complete and
+    the data section really holds every tensor (a truncated file is caught here)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise WeightsMismatchError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > size - 8 or header_len > 100_000_000:
+            raise WeightsMismatchError(f"{path}: not a safetensors file (bad header length {header_len})")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as e:
+            raise WeightsMismatchError(f"{path}: unreadable safetensors header ({e})") from None
+    data_len = size - 8 - header_len
+    out: dict[str, TensorInfo] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = meta["data_offsets"]
+        if end > data_len:
+            raise WeightsMismatchError(f"{path}: tensor {name} lies past the end of the file (truncated?)")
+        out[name] = TensorInfo(tuple(int(d) for d in meta["shape"]), str(meta["dtype"]))
+    return out
+
+
+def read_headers(hf_dir: str | Path) -> dict[str, TensorInfo]:
+    out: dict[str, TensorInfo] = {}
+    for f in weight_files(hf_dir):
+        out.update(read_header(f))
+    return out
+
+
+# vLLM's Qwen2.5-VL fuses these checkpoint modules into one (its ``packed_modules_mapping``).
+QWEN2_5_VL_PACKED_MODULES: dict[str, list[str]] = {
+    "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    "gate_up_proj": ["gate_proj", "up_proj"],
+}
+
+
+def engine_module(name: str, packed: Mapping[str, list[str]]) -> str:
+    """The engine module a checkpoint tensor loads into: its parent module path, with fused
+    projections (q/k/v, gate/up) mapped to the fused module."""
+    module = canonical_hf_name(name).rpartition(".")[0]
+    parent, _, leaf = module.rpartition(".")
+    for fused, parts in packed.items():
+        if leaf in parts:
+            leaf = fused
+            break
+    return f"{parent}.{leaf}" if parent else leaf
+
+
+def check_update(
+    reference: Mapping[str, TensorInfo],
+    update: Mapping[str, TensorInfo],
+    *,
+    where: str,
+    packed: Mapping[str, list[str]] | None = None,
+) -> None:
+    """Every tensor of ``update`` must be a known weight (HF name, either prefix style) with the
+    reference shape and a floating dtype. A partial update (a subset of names) is allowed only in
+    whole engine modules (``packed``: the engine's fused modules): vLLM's layer-wise reload
+    rebuilds every module it touches from scratch, so a module given only in part (say v_proj
+    without q_proj/k_proj, or a weight without its bias) would keep uninitialised memory."""
+    ref = {canonical_hf_name(k): v for k, v in reference.items()}
+    if not update:
+        raise WeightsMismatchError(f"{where}: the update holds no tensors")
+    unknown = [k for k in update if canonical_hf_name(k) not in ref]
+    bad_shape = [
+        f"{k}: {list(v.shape)} (engine has {list(ref[canonical_hf_name(k)].shape)})"
+        for k, v in update.items()
+        if canonical_hf_name(k) in ref and v.shape != ref[canonical_hf_name(k)].shape
+    ]
+    bad_dtype = [f"{k}: {v.dtype}" for k, v in update.items() if v.dtype not in _FLOAT_DTYPES]
+    split = []
+    if packed is not None:
+        given = {canonical_hf_name(k) for k in update}
+        modules: dict[str, set[str]] = {}
+        for k in ref:
+            modules.setdefault(engine_module(k, packed), set()).add(k)
+        for module in sorted({engine_module(k, packed) for k in given if k in ref}):
+            missing = sorted(modules[module] - given)
+            if missing:
+                split.append(f"{module} (missing {missing})")
+    problems = []
+    if unknown:
+        problems.append(f"{len(unknown)} unknown tensor name(s), e.g. {unknown[:5]}")
+    if bad_shape:
+        problems.append(f"{len(bad_shape)} shape mismatch(es): {bad_shape[:5]}")
+    if bad_dtype:
+        problems.append(f"{len(bad_dtype)} non-floating tensor(s): {bad_dtype[:5]}")
+    if split:
+        problems.append(
+            f"{len(split)} engine module(s) given only in part (a partial update must hold every "
+            f"tensor of each module it touches): {split[:5]}"
+        )
+    if problems:
+        raise WeightsMismatchError(
+            f"{where}: rejected weight update, nothing was loaded: " + "; ".join(problems)
+        )
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A plain CPU tensor of a parameter that may be an FSDP2 DTensor shard (a collective)."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach()
+
+
+def default_sync_dir(rank: int) -> Path:
+    """A per-process, per-rank folder in /dev/shm (RAM) when it exists, else the temp dir."""
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return root / f"titanrl_rollout_{os.getpid()}_rank{rank}"
+
+
+@dataclass
+class SyncTimings:
+    gather_s: float  # DTensor -> full tensors (0 without FSDP)
+    write_s: float  # HF names + safetensors into sync_dir
+    load_s: float  # engine.load_weights: check + in-place reload + cache resets
+    bytes: int
+
+    @property
+    def total_s(self) -> float:
+        return self.gather_s + self.write_s + self.load_s
+
+
+def push_weights(engine, state_dict: Mapping[str, torch.Tensor], args, sync_dir: str | Path,
+                 dtype: torch.dtype | None = None) -> SyncTimings:
+    """titanrl state dict (FSDP-sharded or not) -> HF safetensors in ``sync_dir`` -> engine.
+
+    Every rank must call it (gathering DTensors is a collective). ``sync_dir`` is emptied and
+    reused; keep it per rank (``default_sync_dir``)."""
+    from safetensors.torch import save_file
+
+    from titanrl.models.qwen2_5_vl.state_dict_adapter import Qwen2_5_VLStateDictAdapter
+
+    t0 = time.perf_counter()
+    full = {k: full_tensor(v) for k, v in state_dict.items()}
+    t1 = time.perf_counter()
+    hf = Qwen2_5_VLStateDictAdapter(args).to_hf(full)
+    hf = {k: (v.to(dtype) if dtype is not None else v).contiguous().cpu() for k, v in hf.items()}
+    sync_dir = Path(sync_dir)
+    if sync_dir.exists():
+        shutil.rmtree(sync_dir)
+    sync_dir.mkdir(parents=True)
+    save_file(hf, str(sync_dir / "model.safetensors"), metadata={"format": "pt"})
+    t2 = time.perf_counter()
+    load_s = engine.load_weights(sync_dir)
+    size = (sync_dir / "model.safetensors").stat().st_size
+    return SyncTimings(gather_s=t1 - t0, write_s=t2 - t1, load_s=load_s, bytes=size)

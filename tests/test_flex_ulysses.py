@@ -3,7 +3,6 @@ deadlock freedom by simulation, determinism across processes, baselines, vision 
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import subprocess
@@ -41,10 +40,6 @@ lengths_st = st.lists(
 devices_st = st.integers(1, 20)
 pmax_st = st.sampled_from([1, 2, 4, 8, 16])
 alpha_st = st.sampled_from([1.0, 1.1, 1.5])
-
-
-def _fingerprint(obj: object) -> str:
-    return hashlib.sha256(repr(obj).encode()).hexdigest()
 
 
 def _check_coverage(plan: ShardPlan) -> None:
@@ -153,6 +148,19 @@ def test_memory_cap_holds_whenever_feasible(lengths, num_devices, p_max, alpha):
     assert plan.memory_ok == (max(plan.device_tokens) <= plan.memory_cap + 1e-9)
 
 
+def test_edge_cases_empty_batch_single_device_tiny_sequences():
+    empty = plan_shards([], 4)
+    assert empty.degrees == () and empty.device_tokens == (0, 0, 0, 0) and empty.memory_ok
+    one = plan_shards([5, 3000, 7], 1)
+    assert one.degrees == (1, 1, 1) and one.device_tokens == (3012,)
+    tiny = plan_shards([1, 1, 1, 2], 8)  # cannot split below one token per rank
+    assert all(p <= h for h, p in zip(tiny.lengths, tiny.degrees))
+    with pytest.raises(ValueError):
+        plan_shards([0, 5], 2)
+    with pytest.raises(ValueError):
+        plan_shards([5], 2, p_max=3)
+
+
 def test_plan_says_when_the_cap_cannot_hold():
     # one 100-token sequence may not be split (p_max=1): the mean is 55, the cap 60.5
     plan = plan_shards([100, 10], 2, p_max=1)
@@ -189,6 +197,9 @@ def test_schedule_is_highest_sharding_first_and_packs_under_caps():
     for sg in plan.sequence_groups:
         if len(sg.seq_ids) > 1:
             assert sg.tokens <= 8192 and all(plan.lengths[i] <= 4096 for i in sg.seq_ids)
+    used = {g for g, p in zip(plan.groups, plan.degrees) if p > 1}
+    assert set(plan.collective_groups) == used
+    assert [len(g) for g in plan.collective_groups] == sorted((len(g) for g in used), reverse=True)
 
 
 def test_plans_256_sequences_on_128_devices_quickly():
@@ -378,3 +389,19 @@ def test_alltoall_seconds_uses_inter_node_bandwidth_across_nodes():
     m = CostModel(gpus_per_node=4)
     assert m.alltoall_seconds(8192, (0, 1, 2, 3)) < m.alltoall_seconds(8192, (2, 3, 4, 5))
     assert m.alltoall_seconds(8192, (0,)) == 0.0
+
+
+# ------------------------------------------------------------------------------ workloads
+
+
+def test_paper_shaped_batches_are_seeded_and_skewed():
+    from titanrl.parallel.flex_ulysses.workloads import aime_rl_lengths, longalign_sft_lengths, vlm_batch
+
+    a = vlm_batch("image-heavy", 64, seed=0)
+    assert np.array_equal(a.lengths, vlm_batch("image-heavy", 64, seed=0).lengths)
+    assert a.sources.count("geo3k") == 40 and a.sources.count("longvila") == 8
+    assert a.lengths.max() > 20 * np.median(a.lengths)  # the image-heavy long tail
+    group = vlm_batch("only-video", 4, seed=1, responses_per_prompt=8)
+    assert len(group.lengths) == 32 and group.frames_per_sample[0] == group.frames_per_sample[7]
+    assert aime_rl_lengths(100, seed=2).max() <= 400 + 8192
+    assert longalign_sft_lengths(100, seed=2).max() <= 65536

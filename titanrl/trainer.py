@@ -124,7 +124,14 @@ class Trainer:
                 "rng": RNGState(info.rank),
             },
         )
+        self._resumed_data_position: int | None = None
         if cfg.checkpoint.enable and cfg.checkpoint.resume and self.checkpointer.load():
+            expected = self.step * cfg.rl.global_batch_size
+            if self._resumed_data_position != expected:
+                raise RuntimeError(
+                    f"checkpoint holds data position {self._resumed_data_position} but step {self.step} x "
+                    f"rl.global_batch_size {cfg.rl.global_batch_size} = {expected}: was the batch size changed?"
+                )
             # The engine started from the initial checkpoint: give it the resumed weights.
             self.pusher.push(self.model, self.engine)
             if info.is_main:
@@ -159,9 +166,7 @@ class Trainer:
         return {"samples_consumed": self.step * self.cfg.rl.global_batch_size}
 
     def _load_data_state(self, state: dict) -> None:
-        expected = self.step * self.cfg.rl.global_batch_size
-        if int(state["samples_consumed"]) != expected:
-            raise RuntimeError(f"checkpoint data position {state['samples_consumed']} != {expected}")
+        self._resumed_data_position = int(state["samples_consumed"])
 
     def _load_trainer_state(self, state: dict) -> None:
         self.step = int(state["step"])

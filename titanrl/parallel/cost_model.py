@@ -202,11 +202,13 @@ class CostModel:
                 coef[active] = solution
                 break
             active.pop(int(np.argmin(solution)))
+        if coef[0] <= 0 and coef[1] <= 0:
+            raise ValueError("the fit found no positive attention or linear coefficient")
         base = base or cls()
         return dataclasses.replace(
             base,
             attention_coef=float(coef[0]),
-            linear_coef=float(coef[1]) if coef[0] > 0 or coef[1] > 0 else 1e-30,
+            linear_coef=float(coef[1]),
             vision_linear_coef=float(coef[2]) if sum_patches is not None else 0.0,
             vision_attention_coef=0.0,
             flops_per_second=1.0,

@@ -70,7 +70,7 @@ class WeightPusher:
         t1 = time.perf_counter()
         engine.load_weights(path)
         t2 = time.perf_counter()
-        return {"time/weight_export": t1 - t0, "time/weight_load": t2 - t1}
+        return {"sync/export_s": t1 - t0, "sync/load_s": t2 - t1}
 
     def close(self) -> None:
         barrier()

@@ -105,9 +105,10 @@ class ShadowLoader:
             plan = self._plan_next()
             self._plans[plan.step] = plan
 
-    def _release(self, plan: StepPlan) -> None:
+    def _release(self, plan: StepPlan) -> list[Any]:
+        """Tell the preprocessors this rank is done with the plan's samples; returns the call refs."""
         if plan.released:
-            return
+            return []
         plan.released = True
         if plan.future is not None:
             plan.future.cancel()
@@ -116,11 +117,13 @@ class ShadowLoader:
             route = plan.routes[pos]
             if route is not None:
                 by_preprocessor[route.preprocessor].append(plan.tasks[pos].key)
+        refs = []
         for i, keys in by_preprocessor.items():
             try:
-                self.session.handles[i].release.remote(keys)
+                refs.append(self.session.handles[i].release.remote(keys))
             except Exception:
                 pass  # a dead preprocessor holds nothing to release
+        return refs
 
     # ------------------------------------------------------------------------------ public API
 
@@ -180,11 +183,17 @@ class ShadowLoader:
         if self._closed:
             return
         self._closed = True
-        for plan in list(self._plans.values()) + ([self._current] if self._current else []):
-            self._release(plan)
+        import ray
+
         self._executor.shutdown(wait=False, cancel_futures=True)
-        running = [p.future for p in self._plans.values() if p.future is not None and p.future.running()]
+        plans = list(self._plans.values()) + ([self._current] if self._current else [])
+        running = [p.future for p in plans if p.future is not None and not p.future.done()]
         concurrent.futures.wait(running, timeout=10.0)  # bounded: a stuck fetch must not block tear-down
+        refs = [ref for plan in plans for ref in self._release(plan)]
+        try:
+            ray.get(refs, timeout=5.0)
+        except Exception:
+            pass
         shutdown(self.session, self.comm)
 
     def __enter__(self) -> "ShadowLoader":

@@ -139,15 +139,24 @@ class Materializer:
         )
 
     def _wait_for_restart(self, preprocessors: set[int], deadline: float) -> None:
+        """Until each preprocessor answers again (Ray queues calls while it restarts); a preprocessor
+        that keeps failing at once is dead for good (restarts exhausted)."""
         import ray
 
         for i in preprocessors:
-            while time.monotonic() < deadline:
+            failures = 0
+            while True:
                 try:
-                    ray.get(self.handles[i].ping.remote(), timeout=5.0)
+                    ray.get(self.handles[i].ping.remote(), timeout=max(1.0, min(10.0, deadline - time.monotonic())))
                     break
-                except Exception:
-                    time.sleep(0.2)
+                except ray.exceptions.GetTimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise DataUnavailableError(f"preprocessor {i} did not come back before the fetch deadline") from None
+                except ray.exceptions.RayActorError as error:
+                    failures += 1
+                    if failures >= 5 or time.monotonic() >= deadline:
+                        raise DataUnavailableError(f"preprocessor {i} is gone: {error}") from None
+                    time.sleep(0.5)
 
     # ------------------------------------------------------------------------------- samples
 

@@ -222,6 +222,7 @@ def start_preprocessors(
     import ray
 
     specs: list[dict[str, str]] | dict[str, str] | None = None
+    actors: list[Any] = []
     if comm.rank == 0:
         try:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -231,7 +232,7 @@ def start_preprocessors(
             else:
                 nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
             cls = _preprocessor_class()
-            actors, specs = [], []
+            specs = []
             job = uuid.uuid4().hex[:8]  # two loaders in one namespace (tests, a second loader) never clash
             for i, node in enumerate(nodes):
                 name = f"titanrl-preprocessor-{job}-{i}"
@@ -253,7 +254,10 @@ def start_preprocessors(
         raise DataUnavailableError(f"rank 0 could not start the preprocessors: {specs['error']}")
     assert specs is not None
     session.preprocessors = [PreprocessorSpec(s["name"], s["node_id"]) for s in specs]
-    session.handles = [ray.get_actor(s.name, namespace=session.namespace) for s in session.preprocessors]
+    # Rank 0 keeps the creating handles: they own the actors (an actor whose owner's handles are all
+    # gone is destroyed, name or not); the other ranks look them up by name.
+    session.handles = actors if comm.rank == 0 else [
+        ray.get_actor(s.name, namespace=session.namespace) for s in session.preprocessors]
 
 
 # -------------------------------------------------------------------------------------- shutdown

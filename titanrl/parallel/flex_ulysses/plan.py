@@ -124,8 +124,15 @@ class ShardPlan:
     def admissible_groups(self) -> dict[int, tuple[tuple[int, ...], ...]]:
         return admissible_groups(self.num_devices, self.p_max)
 
-    def rank_of(self, seq_id: int, position: int) -> int:
-        return self.groups[seq_id][position]
+    @property
+    def collective_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The distinct groups with ``p > 1`` this plan uses, in HSF order (what needs a process
+        group / DeviceMesh submesh this step)."""
+        seen: dict[tuple[int, ...], None] = {}
+        for sg in self.sequence_groups:
+            if sg.degree > 1:
+                seen.setdefault(sg.ranks, None)
+        return tuple(seen)
 
 
 # ---------------------------------------------------------------------------------- building
@@ -221,23 +228,21 @@ def build_plan(
     else:
         slices = tuple(_slices_from_sizes(lens[i], int(deg[i]), sizes[i]) for i in range(n))
 
-    tokens = np.zeros(num_devices, dtype=np.int64)
-    attention = np.zeros(num_devices, dtype=np.float64)
-    cost = np.zeros(num_devices, dtype=np.float64)
-    a2a_dev = np.zeros(num_devices, dtype=np.float64)
     hf = h.astype(np.float64)
-    attn_per = hf * hf / deg
-    cost_per = np.asarray(cost_model.compute(hf), dtype=np.float64) / deg
-    a2a_per = hf / deg * (deg - 1) / deg
-    for i in range(n):
-        g = groups[i]
-        lo, hi = g[0], g[-1] + 1
-        attention[lo:hi] += attn_per[i]
-        cost[lo:hi] += cost_per[i]
-        a2a_dev[lo:hi] += a2a_per[i]
-        for r, (s, e) in zip(g, slices[i]):
-            tokens[r] += e - s
+    # per-device sums: one entry per (sequence, member rank), summed with bincount
+    flat_ranks = np.asarray([r for g in groups for r in g], dtype=np.int64)
+    flat_sizes = np.asarray([e - s for sl in slices for s, e in sl], dtype=np.float64)
 
+    def per_device(per_seq: np.ndarray) -> np.ndarray:
+        if not n:
+            return np.zeros(num_devices)
+        return np.bincount(flat_ranks, weights=np.repeat(per_seq, deg), minlength=num_devices)
+
+    attention = per_device(hf * hf / deg)
+    cost = per_device(np.asarray(cost_model.compute(hf), dtype=np.float64) / deg)
+    a2a_dev = per_device(hf / deg * (deg - 1) / deg)
+    tokens = (np.bincount(flat_ranks, weights=flat_sizes, minlength=num_devices).round().astype(np.int64)
+              if n else np.zeros(num_devices, dtype=np.int64))
     mean_tokens = float(h.sum()) / num_devices
     memory_cap = alpha * mean_tokens
     memory_ok = bool(tokens.max() <= memory_cap + 1e-9) if n else True

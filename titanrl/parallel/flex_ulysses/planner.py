@@ -16,7 +16,7 @@ Pipeline:
 
 1. **BaselineSplitPlace** (Alg. 3 l. 1-15). Sequences longest first. ``GetSPSize``, which the paper
    leaves open, is the smallest degree with ``w/p <= split_granularity * mean C`` -- deliberately
-   fine (0.05: anything above a twentieth of a device's load is split), so the start is balanced
+   fine (0.02: anything above a fiftieth of a device's load is split), so the start is balanced
    in compute and memory and the merges only have to win communication back. The degree doubles
    while no admissible group can take the shard under ``M_th`` (the paper's loop); among the
    groups that can, the one whose most-loaded member ends lowest (the paper takes the one with most
@@ -68,6 +68,7 @@ DEFAULT_M_CANDIDATES = 4  # the paper's DEFAULT_M_CANDIDATES is not given
 MEMORY_SEARCH_BUDGET = 5000  # placements the exact memory search may try before giving up
 _EPS = 1e-12
 _MAX = np.maximum.reduce
+_MIN = np.minimum.reduce
 
 
 def _pow2_floor(x: np.ndarray) -> np.ndarray:
@@ -157,6 +158,11 @@ def _baseline_split_place(
         placed = False
         overflow = None
         for p in degrees:
+            if float(_MAX(st.M)) + -(-h // p) <= m_th:  # memory cannot bind: every group is valid
+                cb = st.block_max(st.C, p)
+                st.add(i, p, int(np.argmin(cb)))
+                placed = True
+                break
             mb = st.block_max(st.M, p) + -(-h // p)
             valid = mb <= m_th
             if valid.any():
@@ -233,12 +239,13 @@ def _bulk_merge(st: _State, p: int, b: int, members: list[int], bound: float, m_
         heavy, light, diff = _kk_two_way(movers, wl)
         dc = diff / p
         dm = (sum(hl[i] for i in heavy) - sum(hl[i] for i in light)) / p
+        # the half taking the heavier side gains dc compute and dm tokens per member, the other
+        # loses them (+2 tokens of slack for slice rounding; the exact check follows)
         orient = None
-        for to_a, to_b, sa, sb, ma, mb in ((heavy, light, slack_a, slack_b, mem_a, mem_b),
-                                           (light, heavy, slack_b, slack_a, mem_b, mem_a)):
-            # to_a/to_b are (heavier, lighter) or swapped; the heavier side needs compute slack
-            if dc <= sa and dm + 2 <= ma and -dm + 2 <= mb:
-                orient = (heavy, light) if to_a is heavy else (light, heavy)
+        for heavy_to_a in (True, False):
+            s_heavy, m_heavy, m_light = (slack_a, mem_a, mem_b) if heavy_to_a else (slack_b, mem_b, mem_a)
+            if dc <= s_heavy and dm + 2 <= m_heavy and -dm + 2 <= m_light:
+                orient = (heavy, light) if heavy_to_a else (light, heavy)
                 break
         if orient is not None:
             snap = _snapshot(st)
@@ -274,13 +281,14 @@ def _merge_phase(
         on_level = np.nonzero(st.deg == p)[0]
         if on_level.size == 0:
             continue
-        blocks = np.unique(st.blk[on_level])
-        for b in (int(x) for x in blocks):
+        by_block: dict[int, list[int]] = {}
+        for i in (int(x) for x in on_level):  # ascending index, so each list is in index order
+            by_block.setdefault(int(st.blk[i]), []).append(i)
+        for b in sorted(by_block):
             lo, mid, hi = b * p, b * p + half, (b + 1) * p
-            members = [int(i) for i in np.nonzero((st.deg == p) & (st.blk == b))[0]]
-            merges += _bulk_merge(st, p, b, members, bound, m_th)
+            merges += _bulk_merge(st, p, b, list(by_block[b]), bound, m_th)
             while True:
-                members = [int(i) for i in np.nonzero((st.deg == p) & (st.blk == b))[0]]
+                members = [i for i in by_block[b] if st.deg[i] == p and st.blk[i] == b]
                 if not members:
                     break
                 members.sort(key=lambda k: (wl[k], hl[k], k))
@@ -409,6 +417,7 @@ def _first_placement(st: _State, i: int, m_th: float, p_top: int, limit: float) 
 def _refine(st: _State, target: float, m_th: float, p_top: np.ndarray, max_steps: int) -> int:
     """Relieve the most loaded device until it cannot be relieved (see module docstring)."""
     wl, hl = st.wl, st.hl
+    top_all = int(p_top.max()) if len(p_top) else 1
     steps = 0
     while steps < max_steps:
         d = int(np.argmax(st.C))
@@ -419,8 +428,36 @@ def _refine(st: _State, target: float, m_th: float, p_top: np.ndarray, max_steps
         touching = np.nonzero((st.deg >= 1) & (st.blk * st.deg <= d) & (d < (st.blk + 1) * st.deg))[0]
         cand = sorted((int(i) for i in touching), key=lambda k: (-wl[k] / st.deg[k], k))
         moved = False
+        # A cheap necessary test before trying a sequence: after removing it (degree p0, share
+        # w/p0 on each member) a group that does not overlap its old one keeps its maximum (at
+        # least the lightest group's), and one that does ends at least at its maximum minus the
+        # share; degree q can only help if one of them plus w/q stays under the limit. Groups
+        # at q >= p0 that overlap contain d (load cmax). Tokens likewise against the cap.
+        lightest, emptiest = {}, {}
+        q = 1
+        while q <= top_all:
+            lightest[q] = float(_MIN(st.block_max(st.C, q)))
+            emptiest[q] = float(_MIN(st.block_max(st.M, q)))
+            q *= 2
         # (a) re-insert one sequence on d at its best (degree, group): smallest degree that helps
         for i in cand:
+            p_i = int(st.deg[i])
+            share, held = wl[i] / p_i, -(-hl[i] // p_i)
+            q, hopeful = 1, False
+            lo0 = int(st.blk[i]) * p_i
+            while q <= int(p_top[i]):
+                add = wl[i] / q
+                if q < p_i:  # sub-groups of its old group
+                    ovl = float(_MIN(_MAX(st.C[lo0 : lo0 + p_i].reshape(-1, q), axis=1))) if q > 1 else float(
+                        _MIN(st.C[lo0 : lo0 + p_i]))
+                else:
+                    ovl = cmax
+                if min(lightest[q], ovl - share) + add < limit and emptiest[q] - held + hl[i] // q <= m_th:
+                    hopeful = True
+                    break
+                q *= 2
+            if not hopeful:
+                continue
             p0, b0 = st.remove(i)
             found = _first_placement(st, i, m_th, int(p_top[i]), limit)
             if found is not None and found != (p0, b0):
@@ -548,7 +585,7 @@ def plan_shards(
     alpha: float = 1.1,
     cost_model: CostModel | None = None,
     balance_tol: float = 0.01,
-    split_granularity: float = 0.05,
+    split_granularity: float = 0.02,
     merge_candidates: int = DEFAULT_M_CANDIDATES,
     refine: bool = True,
     h_pack: int = DEFAULT_H_PACK,

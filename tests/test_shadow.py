@@ -1,0 +1,318 @@
+"""ShadowLoader without Ray: metadata, cache, placeholders, planning, resume, the preprocessor core and
+the centralized baseline. (Ray and multi-rank: tests/test_shadow_ray.py, tests/test_shadow_dist.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "dist"))
+from shadow_common import BAD_SAMPLES, assert_same_sample, job_config, make_dataset  # noqa: E402
+
+from titanrl.data.manifest import read_manifest  # noqa: E402
+from titanrl.data.preprocess import MediaSettings, prepare_sample  # noqa: E402
+from titanrl.data.prompt import PromptEncoder  # noqa: E402
+from titanrl.data.shadow import (  # noqa: E402
+    BadSample,
+    BadSampleError,
+    CentralizedLoader,
+    Materialized,
+    PixelPlaceholder,
+    ProxyLoader,
+    assign_balanced,
+    assign_round_robin,
+    epoch_permutation,
+    load_metadata,
+    placeholders_for_token_range,
+)
+from titanrl.data.shadow.comm import Comm  # noqa: E402
+from titanrl.data.shadow.metadata import cache_path_for  # noqa: E402
+from titanrl.data.shadow.placeholder import media_token_offsets  # noqa: E402
+from titanrl.data.shadow.plan import check_assignment, consumers_of, route_samples  # noqa: E402
+from titanrl.data.shadow.preprocessor import DecodeTask, PreprocessorCore  # noqa: E402
+from titanrl.models.qwen2_5_vl.positions import VisionGrid  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("shadow_data"), num_samples=12)
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_ckpt) -> PromptEncoder:
+    return PromptEncoder.from_pretrained(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def settings(tiny_ckpt) -> MediaSettings:
+    return MediaSettings.from_checkpoint(tiny_ckpt, fps=2.0, max_frames=8)
+
+
+@pytest.fixture(scope="module")
+def table(dataset, settings, encoder):
+    return load_metadata(dataset, settings, encoder, max_prompt_tokens=256)
+
+
+# ------------------------------------------------------------------------------------ metadata
+
+
+def test_metadata_equals_what_decoding_gives(dataset, table, settings, encoder):
+    # a truncated stream has a valid header: only decoding finds it
+    good = [m for m in table.metas if m.problem is None and m.sample_id != "nextqa-truncated"]
+    assert len(good) == 12 and len(table.metas) == 12 + len(BAD_SAMPLES)
+    for meta in good:
+        prepared = prepare_sample(meta.record, dataset.parent, encoder, settings)
+        assert meta.grids == prepared.grids
+        assert np.array_equal(meta.prompt_ids, prepared.prompt_ids) and meta.num_tokens == len(prepared.prompt_ids)
+        assert prepared.pixel_values.shape == (meta.num_patches, meta.patch_dim)
+        for mm, dm in zip(meta.media, prepared.media):
+            assert mm.sampled_frames == dm.frames.shape[0] and (mm.height, mm.width) == dm.frames.shape[1:3]
+            assert mm.sampled_fps == dm.sampled_fps
+        assert [p.shape for p in meta.placeholders] == [(g.num_patches, meta.patch_dim) for g in meta.grids]
+
+
+def test_bad_samples_are_classified_from_headers(table):
+    problems = {m.sample_id: m.problem.kind for m in table.metas if m.problem}
+    assert problems == {k: v for k, v in BAD_SAMPLES.items() if k != "nextqa-truncated"}
+    missing = next(m for m in table.metas if m.sample_id == "geo3k-missing")
+    assert "missing.png" in missing.problem.detail and "does not exist" in missing.problem.detail
+
+
+def test_too_long_prompts_are_flagged(dataset, settings, encoder):
+    t = load_metadata(dataset, settings, encoder, max_prompt_tokens=60, use_cache=False)
+    long = [m for m in t.metas if m.problem and m.problem.kind == "too_long"]
+    assert long and all(m.num_tokens > 60 and "data.max_prompt_tokens=60" in m.problem.detail for m in long)
+
+
+def test_metadata_cache_skips_probes_and_notices_changes(tmp_path, settings, encoder):
+    manifest = make_dataset(tmp_path, num_samples=6, mixture="image-heavy", with_bad=False)
+    first = load_metadata(manifest, settings, encoder)
+    assert first.stats.probes == 6 and first.stats.cache_hits == 0 and cache_path_for(manifest).is_file()
+    second = load_metadata(manifest, settings, encoder)
+    assert second.stats.probes == 0 and second.stats.cache_hits == 6
+    assert [m.signature() for m in first.metas] == [m.signature() for m in second.metas]
+    # a file that changes (size/mtime) is probed again
+    path = manifest.parent / read_manifest(manifest)[0].media[0].path
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10_000_000_000))
+    third = load_metadata(manifest, settings, encoder)
+    assert third.stats.probes == 1 and third.stats.cache_hits == 5
+    # a damaged cache is rebuilt, not trusted
+    cache_path_for(manifest).write_text("{not json\n")
+    assert load_metadata(manifest, settings, encoder).stats.probes == 6
+
+
+# ------------------------------------------------------------------------------------ placeholders
+
+
+def test_placeholder_slicing():
+    grid = VisionGrid(4, 6, 8, is_video=True, second_per_grid=1.0)  # 8 frames, 48 rows per group
+    ph = PixelPlaceholder.whole(3, 1, "v", 0, grid, 1176)
+    assert ph.shape == (192, 1176) and ph.meta.device.type == "meta" and ph.meta.shape == (192, 1176)
+    f = ph.frames(2, 6)
+    assert (f.row_start, f.row_stop) == (48, 144) and f.frame_span() == (2, 6) and f.group_span() == (1, 3)
+    t = ph.tokens(10, 20)  # 4 rows per token
+    assert (t.row_start, t.row_stop) == (40, 80) and t.group_span() == (0, 2) and t.frame_span() == (0, 4)
+    assert t.rows(4, 8).row_start == 44 and t.rows(4, 8).num_tokens == 1
+    with pytest.raises(ValueError):
+        ph.frames(1, 4)  # not on a temporal-patch boundary
+    with pytest.raises(IndexError):
+        ph.tokens(40, 49)
+    image = PixelPlaceholder.whole(0, 0, "i", 1, VisionGrid(1, 4, 4), 1176)
+    assert image.frames(0, 1).shape == (16, 1176) and image.tokens(1, 3).frame_span() == (0, 1)
+
+
+def test_token_range_maps_to_media_rows(table):
+    meta = next(m for m in table.metas if m.problem is None and m.media[0].kind == "video")
+    offsets = media_token_offsets(meta.pad_positions, [m.tokens for m in meta.media])
+    ids = meta.prompt_ids
+    first = offsets[0]
+    assert ids[first] in (151655, 151656) or ids[first] == ids[first + 1]  # a pad run starts there
+    n = meta.media[0].tokens
+    cut = placeholders_for_token_range(meta.placeholders, offsets, first + 3, first + n + 5)
+    assert len(cut) == 1 and cut[0].row_start == 3 * 4 and cut[0].row_stop == n * 4
+    assert placeholders_for_token_range(meta.placeholders, offsets, 0, first) == []
+
+
+# ------------------------------------------------------------------------------------ planning
+
+
+def test_proxy_loader_is_deterministic_and_follows_the_epoch_permutation(table):
+    a, b = ProxyLoader(table, 5, seed=3), ProxyLoader(table, 5, seed=3)
+    n = len(table)
+    expected = np.concatenate([epoch_permutation(n, 3, e) for e in range(3)])
+    got = []
+    for step in range(7):  # 35 samples: crosses two epoch boundaries (n = 16)
+        sa, ma, _ = a.next_batch()
+        _, mb, _ = b.next_batch()
+        assert sa == step and [m.signature() for m in ma] == [m.signature() for m in mb]
+        got += [(m.epoch, m.index) for m in ma]
+    flat = [(e, int(i)) for e in range(3) for i in epoch_permutation(n, 3, e)]
+    assert got == flat[:35] and [i for _, i in got] == expected[:35].tolist()
+
+
+@pytest.mark.parametrize("stop_after", [1, 3, 4])  # mid-epoch, and exactly at an epoch boundary (16 = 4 x 4)
+def test_proxy_loader_resumes_exactly(table, stop_after):
+    straight = ProxyLoader(table, 4, seed=0)
+    sequence = [[m.key for m in straight.next_batch()[1]] for _ in range(8)]
+    first = ProxyLoader(table, 4, seed=0)
+    for _ in range(stop_after):
+        first.next_batch()
+    state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint stores
+    resumed = ProxyLoader(table, 4, seed=0)
+    resumed.load_state_dict(state)
+    assert [[m.key for m in resumed.next_batch()[1]] for _ in range(8 - stop_after)] == sequence[stop_after:]
+    with pytest.raises(ValueError, match="global_batch_size"):
+        ProxyLoader(table, 3, seed=0).load_state_dict(state)
+
+
+def test_assignments(table):
+    metas = ProxyLoader(table, 8, seed=0).next_batch()[1]
+    for fn in (assign_balanced, assign_round_robin):
+        parts = check_assignment(fn(metas, 3), len(metas), 3)
+        assert sorted(p for part in parts for p in part) == list(range(8))
+    assert assign_round_robin(metas, 3)[1] == [1, 4, 7]
+    costs = [sum(metas[p].num_tokens for p in part if metas[p].problem is None) for part in assign_balanced(metas, 2)]
+    single = sorted((m.num_tokens for m in metas if m.problem is None), reverse=True)
+    assert max(costs) - min(costs) <= single[0]  # greedy LPT bound
+    with pytest.raises(ValueError):
+        check_assignment([[0, 9]], 8, 1)
+
+
+def test_routing_is_least_loaded_and_prefers_the_consumers_node(table):
+    metas = [m for m in ProxyLoader(table, 16, seed=0).next_batch()[1]]
+    consumers = consumers_of(assign_round_robin(metas, 4), len(metas))
+    routes = route_samples(metas, consumers, ["n0", "n1"], ["n0", "n0", "n1", "n1"])
+    assert all((r is None) == (m.problem is not None) for r, m in zip(routes, metas))
+    local = sum(1 for r in routes if r is not None and ["n0", "n1"][r.preprocessor] == ["n0", "n0", "n1", "n1"][
+        r.consumers[0]])
+    assert local >= 0.75 * sum(r is not None for r in routes)
+    one_node = route_samples(metas, consumers, ["n0", "n0"], ["n0"] * 4)
+    loads = [0.0, 0.0]
+    from titanrl.data.shadow.plan import decode_cost
+
+    for r, m in zip(one_node, metas):
+        if r is not None:
+            loads[r.preprocessor] += decode_cost(m)
+    assert max(loads) - min(loads) <= max(decode_cost(m) for m in metas)
+
+
+# ------------------------------------------------------------------------------------ preprocessor core
+
+
+def _tasks(table, step=0, consumers=1):
+    return {m.sample_id: DecodeTask(f"{step}:{i}:{m.sample_id}", step, m.record, consumers)
+            for i, m in enumerate(table.metas)}
+
+
+def test_preprocessor_core_decodes_serves_and_evicts(dataset, table, settings):
+    tasks = _tasks(table, consumers=2)
+    core = PreprocessorCore(str(dataset.parent), settings, num_threads=2, cache_bytes=1 << 30)
+    good = [m for m in table.metas if m.problem is None][:4]
+    assert core.prefetch([tasks[m.sample_id] for m in good]) == 4
+    assert core.prefetch([tasks[good[0].sample_id]]) == 0  # idempotent
+    results = {}
+    threads = [threading.Thread(target=lambda m=m: results.setdefault(m.sample_id, core.fetch(tasks[m.sample_id])))
+               for m in good]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for m in good:
+        reply = results[m.sample_id]
+        assert reply.ok and [p.data.shape[0] for p in reply.media] == [mm.sampled_frames for mm in m.media]
+    stats = core.get_stats()
+    assert stats["decoded"] == 4 and stats["entries"] == 4  # one consumer of two has fetched
+    core.release([tasks[m.sample_id].key for m in good])
+    assert core.get_stats()["entries"] == 0 and core.get_stats()["cached_bytes"] == 0
+    # a frame range comes back alone; an unknown (evicted / restarted) key is decoded on demand
+    video = next(m for m in good if m.media[0].kind == "video")
+    part = core.fetch(tasks[video.sample_id], {0: (2, 4)}, consume=False)
+    whole = core.fetch(tasks[video.sample_id], consume=False)
+    assert part.media[0].frame_start == 2 and np.array_equal(part.media[0].data, whole.media[0].data[2:4])
+    assert core.get_stats()["on_demand"] == 1
+    # a file that fails to decode is an error reply naming it, not an exception
+    truncated = core.fetch(tasks["nextqa-truncated"])
+    assert not truncated.ok and truncated.error_kind == "corrupt" and "truncated.mp4" in truncated.error_detail
+    core.close()
+
+
+def test_preprocessor_core_bounds_decode_ahead(dataset, table, settings):
+    tasks = _tasks(table)
+    good = [m for m in table.metas if m.problem is None and m.media[0].kind == "video"][:4]
+    core = PreprocessorCore(str(dataset.parent), settings, num_threads=1, cache_bytes=1, stall_s=60.0)
+    core.prefetch([tasks[m.sample_id] for m in good])
+    time.sleep(1.0)
+    assert core.get_stats()["decoded"] == 1  # over budget after one: the rest wait for releases
+    core.release([tasks[good[0].sample_id].key])
+    deadline = time.monotonic() + 20
+    while core.get_stats()["decoded"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert core.get_stats()["decoded"] == 2
+    core.close()
+
+
+# ------------------------------------------------------------------------------------ centralized baseline
+
+
+def _centralized(table, settings, **kw) -> CentralizedLoader:
+    return CentralizedLoader(table, settings, Comm(), global_batch_size=4, seed=0, **kw)
+
+
+def test_centralized_equals_prepare_sample_and_skips_bad(dataset, table, settings, encoder):
+    loader = _centralized(table, settings, num_decode_workers=2)
+    seen_bad = set()
+    for _ in range(4):  # 16 samples = one epoch: every bad sample shows up once
+        step = loader.next_step()
+        assert step.mine == sorted(step.mine) and sorted(step.mine) == list(range(4))
+        for res in step.materialize():
+            if isinstance(res, BadSample):
+                assert res.reason == BAD_SAMPLES[res.sample_id]
+                seen_bad.add(res.sample_id)
+                continue
+            assert isinstance(res, Materialized)
+            p = prepare_sample(res.record, dataset.parent, encoder, settings)
+            from titanrl.data.shadow.types import Materialized as M
+
+            assert_same_sample(res, M(res.position, res.meta, p.prompt_ids, p.grids, p.pixel_values, p.media))
+    assert seen_bad == set(BAD_SAMPLES)
+    loader.close()
+
+
+def test_bad_sample_error_mode_names_the_sample(table, settings):
+    loader = _centralized(table, settings, on_bad_sample="error")
+    with pytest.raises(BadSampleError, match=r"sample '(geo3k|nextqa)-[a-z]+' .*: (missing|corrupt|unsupported)"):
+        for _ in range(4):
+            loader.next_step().materialize()
+
+
+def test_config_defaults_select_shadow_and_keep_the_baseline():
+    assert job_config().data.loader == "shadow"
+    assert job_config("--data.loader=centralized").data.loader == "centralized"
+    from titanrl.config import load_config
+
+    tiny = load_config(Path(__file__).parents[1] / "configs" / "tiny_cpu.toml", [])
+    assert tiny.data.loader == "shadow" and tiny.data.metadata_cache
+
+
+def test_unreachable_ray_fails_fast_with_the_address():
+    from titanrl.data.shadow.ray_runtime import check_reachable
+    from titanrl.data.shadow.types import DataUnavailableError
+
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(DataUnavailableError, match=f"127.0.0.1:{port}"):
+        check_reachable(f"127.0.0.1:{port}", timeout_s=2.0)
+    assert time.monotonic() - t0 < 5.0
+    with pytest.raises(DataUnavailableError, match="not supported"):
+        check_reachable("ray://head:10001")

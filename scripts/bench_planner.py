@@ -1,6 +1,6 @@
 """Benchmark the FlexUlysses planner, its baselines and the ODC partitioners against the papers.
 
-    python scripts/bench_planner.py [--seeds 5] [--out benchmarks] [--milp SECONDS]
+    python scripts/bench_planner.py [--seeds 5] [--out benchmarks] [--milp SECONDS] [--report-only]
 
 Writes ``benchmarks/planner.md`` (tables + the targets, met or not), ``benchmarks/planner.json``
 (every number) and ``benchmarks/planner.png``. CPU only; ~2-4 minutes on 2 cores (plus the
@@ -279,10 +279,12 @@ def targets(main: dict, timing: dict, odc: dict, milp: dict) -> list[str]:
     # proven optimum under the memory cap does too
     feasible = [s for s, r in enumerate(flex)
                 if r["bound"] <= 1.02 and milp.get(f"image-heavy|{s}", {"bound": 1.0})["bound"] <= 1.02]
+    # (a MILP that stopped at its time limit may leave the bound at 1.0: then the batch counts)
     feasible_met = sum(flex[s]["balance"] <= 1.02 for s in feasible)
-    near_opt = [flex[s]["balance"] / milp[f"image-heavy|{s}"]["bound"] for s in range(len(flex))
-                if f"image-heavy|{s}" in milp]
-    near = f"; within {100 * (max(near_opt) - 1):.1f}% of the MILP lower bound on every batch" if near_opt else ""
+    # the best lower bound known per batch: the MILP's dual bound or the attention bound
+    near_opt = [flex[s]["balance"] / max(milp[f"image-heavy|{s}"]["bound"], flex[s]["bound"])
+                for s in range(len(flex)) if f"image-heavy|{s}" in milp]
+    near = f"; within {100 * (max(near_opt) - 1):.1f}% of the best lower bound (MILP or attention) on every batch" if near_opt else ""
     comm_ok = comm_total = 0
     for key, res in main.items():
         for s, f in enumerate(res["rows"]["flex"]):
@@ -353,13 +355,14 @@ def write_report(out: Path, data: dict) -> None:
         lines += [
             "## Exact reference (HiGHS MILP, 32 GPUs, 64 sequences, memory cap 1.1, time-limited)",
             "",
-            "| mixture | seed | FlexUlysses | MILP best found | MILP lower bound |",
-            "|---|---|---|---|---|",
+            "| mixture | seed | FlexUlysses | MILP best found | MILP lower bound | attention bound |",
+            "|---|---|---|---|---|---|",
         ]
         for key, v in milp.items():
             mixture, seed = key.split("|")
-            flex = main[f"{mixture}|32|64"]["rows"]["flex"][int(seed)]["balance"]
-            lines.append(f"| {mixture} | {seed} | {flex:.4f} | {v['best']:.4f} | {v['bound']:.4f} |")
+            row = main[f"{mixture}|32|64"]["rows"]["flex"][int(seed)]
+            lines.append(f"| {mixture} | {seed} | {row['balance']:.4f} | {v['best']:.4f} | {v['bound']:.4f} | "
+                         f"{row['bound']:.4f} |")
         lines.append("")
     lines += [
         "## Planning time, 128 devices (best of 7, ms)",
@@ -406,7 +409,7 @@ def plot(out: Path, data: dict) -> None:
     for j, method in enumerate(METHODS):
         bal = [_mean(main[k]["rows"][method], "balance") for k in keys]
         a2a = [_mean(main[k]["rows"][method], "a2a") for k in keys]
-        full = [_mean(main[k]["rows"][method], "full_balance") for k in keys]
+        full = [_mean(main[k]["rows"][method], "full_max_over_ideal") for k in keys]
         axes[0, 0].bar(x + (j - 2.5) * width, bal, width, label=method)
         axes[0, 1].bar(x + (j - 2.5) * width, a2a, width, label=method)
         axes[1, 0].bar(x + (j - 2.5) * width, full, width, label=method)
@@ -414,7 +417,7 @@ def plot(out: Path, data: dict) -> None:
     axes[0, 0].scatter(x + 1.5 * width, bound, marker="_", s=400, color="k", zorder=3, label="lower bound (p_max 8)")
     for ax, title in ((axes[0, 0], "attention balance ratio (max/mean), 32 GPUs, 64 seqs"),
                       (axes[0, 1], "all-to-all volume / tokens"),
-                      (axes[1, 0], "full VLM cost balance (attn + linear + ViT)")):
+                      (axes[1, 0], "busiest device's full VLM cost / ideal (attn + linear + ViT)")):
         ax.set_xticks(x, [k.split("|")[0] for k in keys])
         ax.set_title(title)
     axes[0, 0].set_yscale("log")
@@ -441,8 +444,18 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("benchmarks"))
     parser.add_argument("--milp", type=float, default=0.0, help="seconds per MILP reference solve (0: skip)")
+    parser.add_argument("--report-only", action="store_true", help="rewrite planner.md/png from planner.json")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        data = json.loads((args.out / "planner.json").read_text())
+        for section in ("odc",):
+            for name in data[section]:
+                data[section][name] = {int(k): v for k, v in data[section][name].items()}
+        write_report(args.out, data)
+        plot(args.out, data)
+        print((args.out / "planner.md").read_text())
+        return
     data: dict = {"seeds": args.seeds, "machine": f"{platform.machine()} {platform.processor() or ''}".strip()}
     print("FlexRL settings, 1 response per prompt", flush=True)
     data["flexrl"] = run_flexrl(args.seeds, 1)

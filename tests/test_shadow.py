@@ -186,21 +186,25 @@ def test_assignments(table):
 
 
 def test_routing_is_least_loaded_and_prefers_the_consumers_node(table):
-    metas = [m for m in ProxyLoader(table, 16, seed=0).next_batch()[1]]
-    consumers = consumers_of(assign_round_robin(metas, 4), len(metas))
-    routes = route_samples(metas, consumers, ["n0", "n1"], ["n0", "n0", "n1", "n1"])
-    assert all((r is None) == (m.problem is not None) for r, m in zip(routes, metas))
-    local = sum(1 for r in routes if r is not None and ["n0", "n1"][r.preprocessor] == ["n0", "n0", "n1", "n1"][
-        r.consumers[0]])
-    assert local >= 0.75 * sum(r is not None for r in routes)
-    one_node = route_samples(metas, consumers, ["n0", "n0"], ["n0"] * 4)
-    loads = [0.0, 0.0]
     from titanrl.data.shadow.plan import decode_cost
 
-    for r, m in zip(one_node, metas):
-        if r is not None:
-            loads[r.preprocessor] += decode_cost(m)
+    metas = [m for m in table.metas if m.problem is None]
+    # one node, two preprocessors: least-loaded by decode cost
+    consumers = consumers_of(assign_round_robin(metas, 4), len(metas))
+    routes = route_samples(metas, consumers, ["n0", "n0"], ["n0"] * 4)
+    loads = [0.0, 0.0]
+    for r, m in zip(routes, metas):
+        loads[r.preprocessor] += decode_cost(m)
     assert max(loads) - min(loads) <= max(decode_cost(m) for m in metas)
+    # two nodes consuming the same mix (distinct costs): every sample is decoded on its consumer's node
+    distinct = list({decode_cost(m): m for m in metas}.values())
+    twice = distinct + distinct
+    consumers = [[0]] * len(distinct) + [[2]] * len(distinct)
+    routes = route_samples(twice, consumers, ["n0", "n1"], ["n0", "n0", "n1", "n1"])
+    assert [r.preprocessor for r in routes] == [0] * len(distinct) + [1] * len(distinct)
+    # bad samples and unconsumed ones are not routed
+    bad = [m for m in table.metas if m.problem is not None]
+    assert route_samples(bad + metas[:1], [[0]] * len(bad) + [[]], ["n0"], ["n0"]) == [None] * (len(bad) + 1)
 
 
 # ------------------------------------------------------------------------------------ preprocessor core

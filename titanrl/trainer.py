@@ -291,8 +291,11 @@ class Trainer:
                 global_tokens, global_seqs = max(counts[0].item(), 1.0), max(counts[1].item(), 1.0)
                 for mb in self._microbatches(mine):
                     if mb is None:
-                        out = self.model(dummy_pack(self.args, self.info.device, self.param_dtype).batch)
-                        (out.hidden.sum() * 0.0).backward()
+                        # Touch every parameter (output projection included) with zero weight:
+                        # FSDP reduce-scatters the same gradient buckets on every rank.
+                        dummy = dummy_pack(self.args, self.info.device, self.param_dtype)
+                        out = self.model(dummy.batch, dummy.targets)
+                        (out.logprobs.sum() * 0.0).backward()
                         continue
                     pack = pack_trajectories(mb, self.args, self.info.device, self.param_dtype,
                                              temperature=cfg.rollout.temperature, return_entropy=True)

@@ -1,0 +1,142 @@
+"""ShadowLoader on a real (local, loopback) Ray, one process: equality with the centralized baseline,
+bad samples, resume, slices, and a preprocessor that dies. One Ray instance for the whole module."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "dist"))
+from shadow_common import BAD_SAMPLES, assert_same_sample, job_config, make_dataset  # noqa: E402
+
+from titanrl.data.shadow import BadSample, BadSampleError, CentralizedLoader, DataUnavailableError  # noqa: E402
+from titanrl.data.shadow import Materialized, ShadowLoader, build_loader  # noqa: E402
+from titanrl.data.shadow.comm import Comm  # noqa: E402
+from titanrl.distributed import DistInfo  # noqa: E402
+
+pytestmark = pytest.mark.slow
+STEPS = 4  # 4 x 4 = the 16 samples of one epoch: every bad sample comes up
+INFO = DistInfo(0, 1, 0, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    from titanrl.data.shadow import ray_runtime
+
+    session = ray_runtime.connect("", 256 << 20, Comm(), local_world_size=1)
+    yield session
+    ray_runtime.shutdown(session, Comm())
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("shadow_ray_data"), num_samples=12)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt, dataset) -> list[list]:
+    """What the centralized baseline gives for steps 0..STEPS-1 (world of one)."""
+    loader = build_loader(job_config("--data.loader=centralized"), INFO, tiny_ckpt, dataset)
+    assert isinstance(loader, CentralizedLoader)
+    out = [loader.next_step().materialize() for _ in range(STEPS)]
+    loader.close()
+    return out
+
+
+def shadow(tiny_ckpt, dataset, *overrides: str) -> ShadowLoader:
+    loader = build_loader(job_config(*overrides), INFO, tiny_ckpt, dataset)
+    assert isinstance(loader, ShadowLoader)
+    return loader
+
+
+def test_shadow_equals_centralized_resumes_and_slices(ray_session, tiny_ckpt, dataset, reference):
+    loader = shadow(tiny_ckpt, dataset)
+    try:
+        state = None
+        for step_index in range(STEPS):
+            if step_index == 2:
+                state = json.loads(json.dumps(loader.state_dict()))  # a checkpoint mid-epoch
+            step = loader.next_step()
+            assert step.step == step_index
+            time.sleep(0.2)  # "compute": step t+1 decodes meanwhile
+            got = step.materialize()
+            assert len(got) == len(reference[step_index])
+            for a, b in zip(got, reference[step_index]):
+                assert_same_sample(a, b)
+            assert {r.sample_id for r in got if isinstance(r, BadSample)} <= set(BAD_SAMPLES)
+            # slice-aware fetch: a frame range of a video and a token range of any sample equal the
+            # corresponding rows of the whole tensor
+            for res in got:
+                if not isinstance(res, Materialized):
+                    continue
+                ph = res.meta.placeholders[0]
+                cuts = [ph.tokens(1, min(3, ph.num_tokens))]
+                if res.grids[0].is_video and res.grids[0].t >= 2:
+                    cuts.append(ph.frames(2, 4))
+                for cut, rows in zip(cuts, step.fetch_slices(cuts)):
+                    assert rows.tobytes() == res.pixel_values[cut.row_start:cut.row_stop].tobytes()
+        bad_seen = {r.sample_id: r.reason for step in reference for r in step if isinstance(r, BadSample)}
+        assert bad_seen == BAD_SAMPLES  # the truncated video too, found only when decoded
+        stats = loader.preprocessor_stats()[0]
+        assert stats["decoded"] >= 13 and stats["failed"] >= 1
+
+        # resume from the mid-epoch checkpoint in a fresh loader: the same samples, the same tensors
+        loader.close()
+        loader = shadow(tiny_ckpt, dataset)
+        loader.load_state_dict(state)
+        for step_index in (2, 3):
+            step = loader.next_step()
+            assert step.step == step_index
+            for a, b in zip(step.materialize(), reference[step_index]):
+                assert_same_sample(a, b)
+
+        # error mode names the bad sample
+        loader.load_state_dict(state)
+        loader.on_bad_sample = "error"
+        with pytest.raises(BadSampleError, match="|".join(BAD_SAMPLES)):
+            for _ in range(2):
+                loader.next_step().materialize()
+    finally:
+        loader.close()
+
+
+def test_a_dying_preprocessor_is_restarted_and_its_samples_redecoded(ray_session, tiny_ckpt, dataset, reference):
+    import threading
+
+    import ray
+
+    loader = shadow(tiny_ckpt, dataset, "--data.num_decode_workers=1", "--data.prefetch_batches=1")
+    try:
+        handle = loader.session.handles[0]
+        pid = ray.get(handle.ping.remote())
+        # Hold this rank's background fetches back, so the kill below lands between decode and fetch.
+        gate = threading.Event()
+        loader._executor.submit(gate.wait)
+        step = loader.next_step()  # steps 0 and 1 go to the preprocessor
+        routed = sum(1 for m in step.metas if m.problem is None)
+        deadline = time.monotonic() + 60
+        while ray.get(handle.get_stats.remote())["decoded"] < routed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ray.kill(handle, no_restart=False)  # dies with its decoded cache; Ray restarts it empty
+        gate.set()
+        for step_index in range(STEPS):
+            if step_index:
+                step = loader.next_step()
+            for a, b in zip(step.materialize(), reference[step_index]):
+                assert_same_sample(a, b)
+        assert ray.get(handle.ping.remote()) != pid and ray.get(handle.was_restarted.remote())
+        assert ray.get(handle.get_stats.remote())["on_demand"] >= routed  # step 0 was decoded again
+        # a preprocessor that is gone for good is a clear error, not a hang
+        ray.kill(handle, no_restart=True)
+        t0 = time.monotonic()
+        with pytest.raises(DataUnavailableError, match="preprocessor"):
+            loader.next_step().materialize()
+        assert time.monotonic() - t0 < 30
+    finally:
+        loader.close()

@@ -32,13 +32,35 @@ def format_step_line(step: int, total: int, metrics: dict[str, float]) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, *, enabled: bool, jsonl: bool, tensorboard: bool, total_steps: int) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        jsonl: bool,
+        tensorboard: bool,
+        total_steps: int,
+        progress: str = "line",
+        wandb: bool = False,
+        wandb_project: str = "titanrl",
+        wandb_mode: str = "offline",
+        run_name: str = "",
+        config: dict | None = None,
+    ) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
+        self.progress = progress
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         if not enabled:
             return
+        if wandb:
+            import wandb as wandb_lib
+
+            self._wandb = wandb_lib.init(
+                project=wandb_project, name=run_name, mode=wandb_mode, dir=str(run_dir), config=config or {}
+            )
         run_dir.mkdir(parents=True, exist_ok=True)
         if jsonl:
             self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
@@ -50,15 +72,24 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        print(format_step_line(step, self.total_steps, metrics), file=sys.stdout, flush=True)
+        if self.progress != "none":
+            line = format_step_line(step, self.total_steps, metrics)
+            if self.progress == "bar":
+                done = int(20 * step / max(self.total_steps, 1))
+                line = f"[{'#' * done}{'.' * (20 - done)}] " + line
+            print(line, file=sys.stdout, flush=True)
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

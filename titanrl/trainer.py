@@ -22,7 +22,7 @@ import torch
 
 from titanrl import assets
 from titanrl.checkpoint import CallbackState, RNGState, build_checkpoint_manager
-from titanrl.config import JobConfig, save_resolved
+from titanrl.config import JobConfig, config_to_dict, save_resolved
 from titanrl.data.manifest import SampleRecord, read_manifest
 from titanrl.data.media import MediaError
 from titanrl.data.preprocess import MediaSettings, PreparedSample, prepare_sample
@@ -107,9 +107,11 @@ class Trainer:
 
         self.engine = build_rollout_engine(cfg, self.model_dir, info.rank)
         self.pusher = WeightPusher(cfg.job.name, self.args, self.model_dir, info, self.param_dtype)
+        m = cfg.metrics
         self.metrics = MetricsLogger(
-            cfg.run_dir, enabled=info.is_main, jsonl=cfg.metrics.jsonl, tensorboard=cfg.metrics.tensorboard,
-            total_steps=cfg.job.steps,
+            cfg.run_dir, enabled=info.is_main, jsonl=m.jsonl, tensorboard=m.tensorboard, total_steps=cfg.job.steps,
+            progress=m.progress, wandb=m.wandb, wandb_project=m.wandb_project, wandb_mode=m.wandb_mode,
+            run_name=cfg.job.name, config=config_to_dict(cfg),
         )
         self.skips = SkipCounter()
         self.step = 0
@@ -399,9 +401,22 @@ class Trainer:
                 self.metrics.log(self.step, metrics)
                 self.checkpointer.save(self.step, last_step=self.step == self.cfg.job.steps)
             self.checkpointer.maybe_wait_for_saving()
+            if self.cfg.checkpoint.export_hf:
+                self.export_hf(self.cfg.run_dir / "hf")
         finally:
             self.close()
         return history
+
+    def export_hf(self, outdir) -> None:
+        """The trained policy as an HF directory (original Qwen2.5-VL names + tokenizer/processor)
+        that transformers and vLLM load."""
+        from titanrl.models.qwen2_5_vl.state_dict_adapter import save_hf_checkpoint
+        from titanrl.rl.weight_sync import full_state_dict
+
+        state = full_state_dict(self.model, self.info)
+        if self.info.is_main:
+            save_hf_checkpoint(state, self.args, outdir, assets_from=self.model_dir, dtype=self.param_dtype)
+            print(f"[titanrl] exported the policy to {outdir}", flush=True)
 
     def close(self) -> None:
         self.metrics.close()

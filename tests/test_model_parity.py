@@ -133,3 +133,27 @@ def test_save_and_reload_into_transformers(tmp_path, hf_model, ours, hf_dir):
         keys = set(f.keys())
     assert "visual.patch_embed.proj.weight" in keys and "model.layers.0.self_attn.q_proj.weight" in keys
     assert "lm_head.weight" in keys and not any(k.startswith("model.language_model") for k in keys)
+
+
+def test_shared_vision_encoding_equals_separate(ours):
+    """The n responses of one prompt share one vision encoding in a pack (vision_key): same
+    logits as encoding the media once per sequence, with the vision tower run once."""
+    rng = np.random.default_rng(5)
+    prompt = make_sample(rng, [("video", (4, 4, 6)), ("image", (1, 6, 4))])
+    other = make_sample(rng, [("image", (1, 4, 4))])
+
+    def seqs(shared: bool):
+        out = []
+        for i, s in enumerate([prompt, other, prompt, prompt]):
+            seq = make_sequence_input(ours.args, s.token_ids, s.grids, s.pixel_values)
+            if shared:
+                seq.vision_key = id(s)
+            out.append(seq)
+        return out
+
+    separate, shared = pack_sequences(seqs(False)), pack_sequences(seqs(True))
+    assert shared.pixel_values.shape[0] < separate.pixel_values.shape[0]
+    with torch.no_grad():
+        a = ours.logits(ours(separate).hidden)
+        b = ours.logits(ours(shared).hidden)
+    assert (a - b).abs().max().item() < 1e-5

@@ -95,3 +95,16 @@ def test_two_and_four_ranks_match_one(tmp_path):
                 a, b = one[step][key], other[step][key]
                 assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (step, key, a, b)
     assert one[1]["grad_norm"] > 0  # the comparison is not between two zeros
+
+
+@pytest.mark.slow
+def test_reward_rises_from_chance(tmp_path):
+    """A shortened learning run of the default tiny config: the policy starts at chance (it almost
+    never even answers with a colour) and within 40 steps clearly earns reward."""
+    run(train_cmd(tmp_path / "learn", "--job.steps=40", "--checkpoint.enable=false", "--rollout.probe_every=0"),
+        timeout=1500)
+    m = metrics(tmp_path / "learn")
+    first = sum(m[s]["reward/mean"] for s in range(1, 6)) / 5
+    last = sum(m[s]["reward/mean"] for s in range(36, 41)) / 5
+    assert first < 0.05, first
+    assert last > first + 0.12, (first, last)

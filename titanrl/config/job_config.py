@@ -40,7 +40,7 @@ class JobRunConfig:
     """Root folder for all run outputs."""
     seed: int = 0
     """Global random seed (data order, sampling, init of the tiny model)."""
-    steps: int = 4
+    steps: int = 100
     """Number of RL steps (one step = rollout + policy update on rl.global_batch_size prompts)."""
     description: str = "Tiny Qwen2.5-VL-shaped model, GRPO on synthetic data, CPU only."
     """Free-text description, copied into the saved config and logs."""
@@ -215,13 +215,13 @@ class RolloutConfig:
     """Generation engine: vllm (one in-process vLLM engine per rank, weights pushed in place) or hf
     (plain transformers generate: the benchmark baseline; its video positions follow transformers'
     rule, not the trainer's, so do not train on video with it)."""
-    n: int = 4
+    n: int = 8
     """Responses sampled per prompt (the GRPO group size)."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0 = off)."""
-    max_new_tokens: int = 32
+    max_new_tokens: int = 8
     """Longest response, in tokens."""
     kv_cache_bytes: int = 268_435_456
     """KV cache memory reserved by the vllm engine of each rank, in bytes."""
@@ -265,9 +265,9 @@ class RLConfig:
     algorithm: Literal["grpo"] = "grpo"
     """Advantage estimator: group-relative (GRPO) with the PPO-clip objective. A learned critic
     (PPO with GAE) is not built yet."""
-    reward: str = "titanrl.rl.rewards:exact_match"
+    reward: str = "titanrl.rl.rewards:exact_match_with_format"
     """Reward function as 'module:function', imported when training starts."""
-    global_batch_size: int = 4
+    global_batch_size: int = 16
     """Prompts per RL step, over all ranks (sequences per step = global_batch_size * rollout.n)."""
     ppo_epochs: int = 1
     """Passes over each step's rollouts."""
@@ -285,7 +285,7 @@ class RLConfig:
     """Divide advantages by the group reward std (GRPO); false = mean-centering only (Dr. GRPO)."""
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How per-token losses are reduced to one number."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.02
     """Weight of the entropy bonus."""
 
     def problems(self) -> list[str]:
@@ -322,7 +322,7 @@ class OptimizerConfig:
 
     name: Literal["AdamW"] = "AdamW"
     """Optimizer class."""
-    lr: float = 1e-4
+    lr: float = 2e-3
     """Peak learning rate (reached after lr_scheduler.warmup_steps)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam (beta1, beta2)."""

@@ -25,6 +25,9 @@ class SequenceInput:
     position_ids: np.ndarray  # [3, L] int64 (mrope, vLLM rule)
     grids: list[VisionGrid] = field(default_factory=list)
     pixel_values: torch.Tensor | None = None  # [sum(grid.num_patches), patch_dim]
+    # Sequences with the same key carry the same media (the n responses of one prompt): the
+    # vision tower encodes it once per pack and every copy reads the same embeddings.
+    vision_key: object | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -38,6 +41,9 @@ class PackedBatch:
     max_seqlen: int
     grids: list[VisionGrid]
     pixel_values: torch.Tensor | None  # [P, patch_dim] float, P = sum of grid patches
+    # Row of the vision tower's output for each image/video placeholder token, in order; None
+    # when every sequence has its own media (row i for placeholder i).
+    vision_token_index: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -61,23 +67,43 @@ class PackedBatch:
             max_seqlen=self.max_seqlen,
             grids=self.grids,
             pixel_values=pv,
+            vision_token_index=None if self.vision_token_index is None else self.vision_token_index.to(device),
         )
 
 
-def pack_sequences(seqs: Sequence[SequenceInput]) -> PackedBatch:
+def pack_sequences(seqs: Sequence[SequenceInput], *, spatial_merge_size: int = 2) -> PackedBatch:
     if not seqs:
         raise ValueError("cannot pack an empty list of sequences")
     lengths = [len(s) for s in seqs]
     if min(lengths) == 0:
         raise ValueError(f"sequence {lengths.index(0)} is empty")
     cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
-    grids = [g for s in seqs for g in s.grids]
-    pixel_chunks = [s.pixel_values for s in seqs if s.pixel_values is not None and s.pixel_values.numel() > 0]
     for i, s in enumerate(seqs):
         expected = sum(g.num_patches for g in s.grids)
         got = 0 if s.pixel_values is None else s.pixel_values.shape[0]
         if expected != got:
             raise ValueError(f"sequence {i}: grids describe {expected} patches but pixel_values has {got}")
+    grids: list[VisionGrid] = []
+    pixel_chunks: list[torch.Tensor] = []
+    first_row: dict[object, tuple[int, int]] = {}  # vision key -> (first embedding row, rows)
+    token_rows: list[torch.Tensor] = []
+    shared = False
+    rows = 0
+    for i, s in enumerate(seqs):
+        if not s.grids:
+            continue
+        key = s.vision_key if s.vision_key is not None else ("seq", i)
+        if key not in first_row:
+            start = rows
+            n = sum(g.num_tokens(spatial_merge_size) for g in s.grids)
+            first_row[key] = (start, n)
+            grids.extend(s.grids)
+            pixel_chunks.append(s.pixel_values)
+            rows += n
+        else:
+            shared = True
+        start, n = first_row[key]
+        token_rows.append(torch.arange(start, start + n))
     return PackedBatch(
         input_ids=torch.from_numpy(np.concatenate([s.token_ids for s in seqs]).astype(np.int64)),
         position_ids=torch.from_numpy(np.concatenate([s.position_ids for s in seqs], axis=1).astype(np.int64)),
@@ -85,4 +111,5 @@ def pack_sequences(seqs: Sequence[SequenceInput]) -> PackedBatch:
         max_seqlen=max(lengths),
         grids=grids,
         pixel_values=torch.cat(pixel_chunks) if pixel_chunks else None,
+        vision_token_index=torch.cat(token_rows) if shared else None,
     )

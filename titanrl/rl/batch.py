@@ -76,12 +76,14 @@ def pack_trajectories(
     for i, t in enumerate(trajs):
         ids = np.concatenate([t.prompt.prompt_ids, t.response_ids])
         pixels = torch.from_numpy(t.prompt.pixel_values) if t.prompt.pixel_values is not None else None
-        seqs.append(make_sequence_input(args, ids, t.prompt.grids, pixels))
+        seq = make_sequence_input(args, ids, t.prompt.grids, pixels)
+        seq.vision_key = id(t.prompt)  # the n responses of a prompt share one vision encoding
+        seqs.append(seq)
         first = offset + len(t.prompt.prompt_ids)
         positions.append(np.arange(first - 1, first - 1 + len(t.response_ids)))
         seq_index.append(np.full(len(t.response_ids), i))
         offset += len(ids)
-    batch = pack_sequences(seqs).to(device, dtype)
+    batch = pack_sequences(seqs, spatial_merge_size=args.vision.spatial_merge_size).to(device, dtype)
     pos = torch.from_numpy(np.concatenate(positions)).to(device)
     return TrainingPack(
         batch=batch,

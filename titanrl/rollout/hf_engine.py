@@ -12,16 +12,15 @@ video log-probs differ from the trainer's by ~0.1. Images and text agree with th
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from titanrl.data.preprocess import MediaSettings, media_to_patches
 from titanrl.models.qwen2_5_vl.state_dict_adapter import canonical_hf_name
-from titanrl.rollout.types import RolloutRequest, RolloutSample, request_seed
+from titanrl.rollout.types import RolloutRequest, RolloutSample, request_seed, torch_threads
 from titanrl.rollout.weights import check_update, read_headers, weight_files
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -76,17 +75,8 @@ class HFGenerateEngine:
         self._reference = read_headers(self.model_dir)
         self.start_s = time.perf_counter() - t0
 
-    @contextmanager
-    def _threads(self) -> Iterator[None]:
-        if self.num_threads <= 0:
-            yield
-            return
-        before = torch.get_num_threads()
-        torch.set_num_threads(self.num_threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
+    def _threads(self):
+        return torch_threads(self.num_threads)
 
     def _vision_kwargs(self, request: RolloutRequest, ids: np.ndarray) -> dict[str, Any]:
         grids, pixels = request.grids, request.pixel_values

@@ -9,9 +9,10 @@ own expansion equals ``prompt_ids`` and fails loudly when it does not.
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, Sequence, runtime_checkable
+from typing import Iterator, Literal, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -124,6 +125,22 @@ class RolloutEngine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@contextmanager
+def torch_threads(num_threads: int) -> Iterator[None]:
+    """Run a block with ``num_threads`` torch threads (<= 0: leave the setting alone)."""
+    if num_threads <= 0:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def probe_logprobs(engine: RolloutEngine, request: RolloutRequest, completion_ids: Sequence[int]) -> list[float]:

@@ -52,6 +52,7 @@ from titanrl.rollout.types import (
     WeightsMismatchError,
     check_prompt_ids,
     request_seed,
+    torch_threads,
 )
 from titanrl.rollout.weights import QWEN2_5_VL_PACKED_MODULES, check_update, read_header, read_headers, weight_files
 
@@ -215,17 +216,8 @@ class VLLMEngine:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    @contextmanager
-    def _threads(self) -> Iterator[None]:
-        if self.num_threads <= 0:
-            yield
-            return
-        before = torch.get_num_threads()
-        torch.set_num_threads(self.num_threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
+    def _threads(self):
+        return torch_threads(self.num_threads)
 
     @contextmanager
     def _call(self) -> Iterator[None]:

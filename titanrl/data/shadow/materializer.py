@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -29,6 +30,11 @@ from titanrl.data.shadow.plan import Route
 from titanrl.data.shadow.preprocessor import DecodeTask, FetchReply
 from titanrl.data.vision import _video_max_pixels  # the processor's rule itself, not a copy
 from titanrl.data.shadow.types import BadSample, DataUnavailableError, Materialized, bad_from_meta
+
+
+# Frames mapped from the object store are read-only; vision.py wraps them with torch.from_numpy
+# only to copy them (permute + contiguous), so torch's warning about non-writable arrays is moot.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 @dataclass

@@ -62,6 +62,19 @@ class FetchReply:
 
 QUEUED, DECODING, DONE, FAILED = "queued", "decoding", "done", "failed"
 
+STAT_KEYS = (
+    "prefetched",  # tasks queued by prefetch
+    "decoded",  # samples decoded (successfully or not)
+    "failed",  # samples whose decode failed (bad files)
+    "on_demand",  # decoded because a fetch asked for an unknown key (first sight, evicted, restarted)
+    "stolen",  # queued decodes a waiting fetch ran itself
+    "fetched",  # fetch calls served
+    "frames",  # frames decoded
+    "decode_s",  # seconds spent decoding (summed over threads)
+    "decoded_bytes",  # uint8 bytes produced
+    "evicted_consumed", "evicted_released", "evicted_budget",
+)
+
 
 @dataclass
 class _Entry:
@@ -101,7 +114,7 @@ class PreprocessorCore:
         self._seq = 0
         self._cached_bytes = 0
         self._closed = False
-        self.stats: dict[str, float] = collections.defaultdict(float)
+        self.stats: dict[str, float] = collections.defaultdict(float, {k: 0.0 for k in STAT_KEYS})
         self._threads = [threading.Thread(target=self._worker, name=f"decode-{i}", daemon=True)
                          for i in range(num_threads)]
         for t in self._threads:

@@ -202,9 +202,6 @@ def _preprocessor_class():
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, put=ray.put, get=ray.get, **kwargs)
 
-        def was_restarted(self) -> bool:
-            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
-
     return ray.remote(RayPreprocessor)
 
 
@@ -277,15 +274,6 @@ def shutdown(session: RaySession, comm: Comm, *, timeout_s: float = 30.0) -> Non
                 ray.kill(handle, no_restart=True)
             except Exception:
                 pass
-        # wait until the actors are gone so their worker processes do not outlive the instance
-        deadline = time.monotonic() + timeout_s
-        for handle in session.handles:
-            while time.monotonic() < deadline:
-                try:
-                    ray.get(handle.ping.remote(), timeout=1.0)
-                except Exception:
-                    break
-                time.sleep(0.05)
     session.handles = []
     if session.connected_here and not session.owns_instance:
         ray.shutdown()

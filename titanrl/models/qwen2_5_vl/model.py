@@ -308,6 +308,8 @@ class Qwen2_5_VLModel(nn.Module):
         h = self.tok_embeddings(batch.input_ids)
         if batch.pixel_values is not None and batch.pixel_values.numel() > 0:
             vision_embeds = self.vision(batch.pixel_values, batch.grids).to(h.dtype)
+            if batch.vision_token_index is not None:
+                vision_embeds = vision_embeds[batch.vision_token_index]
             slots = (batch.input_ids == self.args.image_token_id) | (batch.input_ids == self.args.video_token_id)
             num_slots = int(slots.sum())
             if num_slots != vision_embeds.shape[0]:

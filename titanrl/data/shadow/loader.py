@@ -100,8 +100,8 @@ class ShadowLoader:
         if mine:
             plan.future = self._executor.submit(self.materializer.fetch_samples, plan, mine)
 
-    def _fill(self) -> None:
-        while len(self._plans) < self.prefetch_batches + 1:
+    def _fill(self, ahead: int) -> None:
+        while len(self._plans) < ahead:
             plan = self._plan_next()
             self._plans[plan.step] = plan
 
@@ -133,10 +133,10 @@ class ShadowLoader:
             raise RuntimeError("ShadowLoader is closed")
         if self._current is not None:
             self._release(self._current)
-        self._fill()
+        self._fill(1)
         _, plan = self._plans.popitem(last=False)
         self._current = plan
-        self._fill()  # keep prefetch_batches steps in flight behind this one
+        self._fill(self.prefetch_batches)  # steps t+1 .. t+prefetch_batches decode while t computes
         self.stats["steps"] += 1
         return StepData(plan.step, plan.metas, plan.assignment, self.rank,
                         _materialize=lambda: self._materialize(plan),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from shadow_common import BAD_SAMPLES, assert_same_sample, job_config, make_dataset  # noqa: E402
+from shadow_common import BAD_SAMPLES, TEXT_ONLY, assert_same_sample, job_config, make_dataset  # noqa: E402
 
 from titanrl.data.manifest import read_manifest  # noqa: E402
 from titanrl.data.preprocess import MediaSettings, prepare_sample  # noqa: E402
@@ -42,7 +42,7 @@ from titanrl.models.qwen2_5_vl.positions import VisionGrid  # noqa: E402
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
-    return make_dataset(tmp_path_factory.mktemp("shadow_data"), num_samples=12)
+    return make_dataset(tmp_path_factory.mktemp("shadow_data"), num_samples=11)  # + text-only + 4 bad = 16
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +67,13 @@ def test_metadata_equals_what_decoding_gives(dataset, table, settings, encoder):
     # a truncated stream has a valid header: only decoding finds it
     good = [m for m in table.metas if m.problem is None and m.sample_id != "nextqa-truncated"]
     assert len(good) == 12 and len(table.metas) == 12 + len(BAD_SAMPLES)
+    assert next(m for m in good if m.sample_id == TEXT_ONLY).media == ()
     for meta in good:
         prepared = prepare_sample(meta.record, dataset.parent, encoder, settings)
         assert meta.grids == prepared.grids
         assert np.array_equal(meta.prompt_ids, prepared.prompt_ids) and meta.num_tokens == len(prepared.prompt_ids)
-        assert prepared.pixel_values.shape == (meta.num_patches, meta.patch_dim)
+        if meta.media:
+            assert prepared.pixel_values.shape == (meta.num_patches, meta.patch_dim)
         for mm, dm in zip(meta.media, prepared.media):
             assert mm.sampled_frames == dm.frames.shape[0] and (mm.height, mm.width) == dm.frames.shape[1:3]
             assert mm.sampled_fps == dm.sampled_fps
@@ -129,13 +131,13 @@ def test_placeholder_slicing():
 
 
 def test_token_range_maps_to_media_rows(table):
-    meta = next(m for m in table.metas if m.problem is None and m.media[0].kind == "video")
+    meta = next(m for m in table.metas if m.problem is None and m.media and m.media[0].kind == "video")
     offsets = media_token_offsets(meta.pad_positions, [m.tokens for m in meta.media])
-    ids = meta.prompt_ids
-    first = offsets[0]
-    assert ids[first] in (151655, 151656) or ids[first] == ids[first + 1]  # a pad run starts there
-    n = meta.media[0].tokens
-    cut = placeholders_for_token_range(meta.placeholders, offsets, first + 3, first + n + 5)
+    assert offsets == meta.token_offsets
+    ids, first, n = meta.prompt_ids, offsets[0], meta.media[0].tokens
+    pad = ids[first]
+    assert ids[first - 1] != pad and (ids[first:first + n] == pad).all() and ids[first + n] != pad
+    cut = meta.placeholders_for_tokens(first + 3, first + n + 5)
     assert len(cut) == 1 and cut[0].row_start == 3 * 4 and cut[0].row_stop == n * 4
     assert placeholders_for_token_range(meta.placeholders, offsets, 0, first) == []
 
@@ -188,7 +190,7 @@ def test_assignments(table):
 def test_routing_is_least_loaded_and_prefers_the_consumers_node(table):
     from titanrl.data.shadow.plan import decode_cost
 
-    metas = [m for m in table.metas if m.problem is None]
+    metas = [m for m in table.metas if m.problem is None and m.media]
     # one node, two preprocessors: least-loaded by decode cost
     consumers = consumers_of(assign_round_robin(metas, 4), len(metas))
     routes = route_samples(metas, consumers, ["n0", "n0"], ["n0"] * 4)
@@ -249,7 +251,7 @@ def test_preprocessor_core_decodes_serves_and_evicts(dataset, table, settings):
 
 def test_preprocessor_core_bounds_decode_ahead(dataset, table, settings):
     tasks = _tasks(table)
-    good = [m for m in table.metas if m.problem is None and m.media[0].kind == "video"][:4]
+    good = [m for m in table.metas if m.problem is None and m.media and m.media[0].kind == "video"][:4]
     core = PreprocessorCore(str(dataset.parent), settings, num_threads=1, cache_bytes=1, stall_s=60.0)
     core.prefetch([tasks[m.sample_id] for m in good])
     time.sleep(1.0)

@@ -20,7 +20,12 @@ from titanrl.data.shadow import Materialized, ShadowLoader, build_loader  # noqa
 from titanrl.data.shadow.comm import Comm  # noqa: E402
 from titanrl.distributed import DistInfo  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    # frames mapped from the object store are read-only; vision.py copies them (the materializer
+    # silences this warning outside pytest, which resets warning filters per test)
+    pytest.mark.filterwarnings("ignore:The given NumPy array is not writable"),
+]
 STEPS = 4  # 4 x 4 = the 16 samples of one epoch: every bad sample comes up
 INFO = DistInfo(0, 1, 0, torch.device("cpu"))
 
@@ -36,7 +41,7 @@ def ray_session():
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
-    return make_dataset(tmp_path_factory.mktemp("shadow_ray_data"), num_samples=12)
+    return make_dataset(tmp_path_factory.mktemp("shadow_ray_data"), num_samples=11)  # + 5 = 16
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +78,8 @@ def test_shadow_equals_centralized_resumes_and_slices(ray_session, tiny_ckpt, da
             # slice-aware fetch: a frame range of a video and a token range of any sample equal the
             # corresponding rows of the whole tensor
             for res in got:
-                if not isinstance(res, Materialized):
-                    continue
+                if not isinstance(res, Materialized) or not res.grids:
+                    continue  # bad, or text only
                 ph = res.meta.placeholders[0]
                 cuts = [ph.tokens(1, min(3, ph.num_tokens))]
                 if res.grids[0].is_video and res.grids[0].t >= 2:
@@ -84,7 +89,7 @@ def test_shadow_equals_centralized_resumes_and_slices(ray_session, tiny_ckpt, da
         bad_seen = {r.sample_id: r.reason for step in reference for r in step if isinstance(r, BadSample)}
         assert bad_seen == BAD_SAMPLES  # the truncated video too, found only when decoded
         stats = loader.preprocessor_stats()[0]
-        assert stats["decoded"] >= 13 and stats["failed"] >= 1
+        assert stats["decoded"] >= 12 and stats["failed"] >= 1  # 11 good + the truncated video
 
         # resume from the mid-epoch checkpoint in a fresh loader: the same samples, the same tensors
         loader.close()
@@ -144,3 +149,18 @@ def test_a_dying_preprocessor_is_restarted_and_its_samples_redecoded(ray_session
         assert time.monotonic() - t0 < 30
     finally:
         loader.close()
+
+
+def test_cluster_address_places_a_preprocessor_on_every_node(ray_session, tiny_ckpt, dataset, reference):
+    import ray
+
+    loader = shadow(tiny_ckpt, dataset, f"--data.ray_address={ray_session.address}")
+    try:
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+        assert not loader.session.local and not loader.session.owns_instance
+        assert [p.node_id for p in loader.session.preprocessors] == nodes
+        for a, b in zip(loader.next_step().materialize(), reference[0]):
+            assert_same_sample(a, b)
+    finally:
+        loader.close()
+    assert ray.is_initialized()  # a cluster it joined is left running

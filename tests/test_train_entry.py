@@ -69,7 +69,8 @@ def corrupt_manifest(tmp_path):
 
 def test_corrupt_video_is_skipped_and_counted(tmp_path, corrupt_manifest):
     manifest, bad_id = corrupt_manifest
-    proc = run_train(tmp_path, f"--data.manifest={manifest}", "--data.on_bad_sample=skip", "--job.steps=1")
+    proc = run_train(tmp_path, f"--data.manifest={manifest}", "--data.on_bad_sample=skip", "--job.steps=1",
+                     "--rl.global_batch_size=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"skipping sample {bad_id!r}" in proc.stdout
     metrics = json.loads((tmp_path / "out" / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()[0])

@@ -24,9 +24,9 @@ from titanrl import assets
 from titanrl.checkpoint import CallbackState, RNGState, build_checkpoint_manager
 from titanrl.config import JobConfig, config_to_dict, save_resolved
 from titanrl.data.manifest import SampleRecord, read_manifest
-from titanrl.data.media import MediaError
-from titanrl.data.preprocess import MediaSettings, PreparedSample, prepare_sample
+from titanrl.data.preprocess import PreparedSample
 from titanrl.data.prompt import PromptEncoder
+from titanrl.data.shadow import BadSample, Materialized, SampleMeta, build_loader
 from titanrl.distributed import DistInfo, all_reduce_sum, build_dp_mesh
 from titanrl.metrics import MetricsLogger
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights
@@ -37,13 +37,9 @@ from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories, split_mi
 from titanrl.rl.grpo import group_advantages, ppo_clip_loss
 from titanrl.rl.rewards import exact_match, load_reward
 from titanrl.rl.weight_sync import WeightPusher
-from titanrl.rollout import RolloutRequest, build_rollout_engine, probe_logprobs
+from titanrl.rollout import RolloutRequest, build_rollout_engine, mm_limits_for, probe_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class BadSampleError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -55,11 +51,6 @@ class SkipCounter:
 
     def total(self) -> int:
         return sum(self.counts.values())
-
-
-def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
-    """Sample order of an epoch: a seeded permutation, identical on every rank."""
-    return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 
 class StageTimer:
@@ -87,14 +78,6 @@ class Trainer:
         self.manifest = assets.manifest_path(cfg, info)
         self.records: list[SampleRecord] = read_manifest(self.manifest, check_files=False)
         self.encoder = PromptEncoder.from_pretrained(self.model_dir)
-        self.media_settings = MediaSettings.from_checkpoint(
-            self.model_dir,
-            fps=cfg.data.fps,
-            max_frames=cfg.data.max_frames,
-            video_backend=cfg.data.video_backend,
-            min_pixels=cfg.data.min_pixels,
-            max_pixels=cfg.data.max_pixels,
-        )
         self.reward_fn = load_reward(cfg.rl.reward)
 
         self.args = Qwen2_5_VLArgs.from_pretrained(self.model_dir)
@@ -105,7 +88,11 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, self.model.parameters())
         self.lr_scheduler = build_lr_scheduler(cfg, self.optimizer)
 
-        self.engine = build_rollout_engine(cfg, self.model_dir, info.rank)
+        self.engine = build_rollout_engine(cfg, self.model_dir, info.rank, mm_limits=mm_limits_for(self.records))
+        # The loader (ShadowLoader by default, or the centralized baseline) plans every step's global
+        # batch from metadata on every rank and materializes only this rank's prompts, ahead of use.
+        self.loader = build_loader(cfg, info, self.model_dir, self.manifest, assign=self.assign_prompts,
+                                   encoder=self.encoder)
         self.pusher = WeightPusher(cfg.job.name, self.args, self.model_dir, info, self.param_dtype)
         m = cfg.metrics
         self.metrics = MetricsLogger(
@@ -120,20 +107,13 @@ class Trainer:
             model=self.model,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
-            dataloader=CallbackState(self._data_state, self._load_data_state),
+            dataloader=CallbackState(self.loader.state_dict, self.loader.load_state_dict),
             extra_states={
                 "trainer": CallbackState(lambda: {"step": self.step}, self._load_trainer_state),
                 "rng": RNGState(info.rank),
             },
         )
-        self._resumed_data_position: int | None = None
         if cfg.checkpoint.enable and cfg.checkpoint.resume and self.checkpointer.load():
-            expected = self.step * cfg.rl.global_batch_size
-            if self._resumed_data_position != expected:
-                raise RuntimeError(
-                    f"checkpoint holds data position {self._resumed_data_position} but step {self.step} x "
-                    f"rl.global_batch_size {cfg.rl.global_batch_size} = {expected}: was the batch size changed?"
-                )
             # The engine started from the initial checkpoint: give it the resumed weights.
             self.pusher.push(self.model, self.engine)
             if info.is_main:
@@ -163,66 +143,35 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
-    def _data_state(self) -> dict:
-        # The data order is a pure function of (seed, position): the position is the whole state.
-        return {"samples_consumed": self.step * self.cfg.rl.global_batch_size}
-
-    def _load_data_state(self, state: dict) -> None:
-        self._resumed_data_position = int(state["samples_consumed"])
-
     def _load_trainer_state(self, state: dict) -> None:
         self.step = int(state["step"])
 
     # ------------------------------------------------------------------ data
 
-    def global_batch_indices(self, step: int) -> list[int]:
-        n = len(self.records)
-        bs = self.cfg.rl.global_batch_size
-        out = []
-        for i in range(step * bs, (step + 1) * bs):
-            epoch, pos = divmod(i, n)
-            out.append(int(epoch_order(n, self.cfg.job.seed, epoch)[pos]))
-        return out
+    def assign_prompts(self, metas: list[SampleMeta], world: int) -> list[list[int]]:
+        """Split a global batch across ranks' engines by estimated cost — prompt tokens with
+        every image/video expanded (from file headers) plus the expected responses — with
+        Karmarkar-Karp, so one video-heavy rank does not stall the others. Positions in the
+        global batch (not the split) decide seeds, groups and minibatches."""
+        expected_response = self.cfg.rollout.n * self.cfg.rollout.max_new_tokens
+        costs = [m.num_tokens * self.cfg.rollout.n + expected_response for m in metas]
+        return [sorted(p) for p in karmarkar_karp(costs, world, equal_size=False)]
 
-    def estimated_cost(self, index: int) -> float:
-        """Tokens a prompt will cost: prompt text + expected response, plus its media size from
-        file headers only (no decode). Used to split prompts across ranks' engines."""
-        record = self.records[index]
-        media_bytes = 0
-        for m in record.media:
-            try:
-                media_bytes += (self.manifest.parent / m.path).stat().st_size
-            except OSError:
-                pass
-        return len(record.prompt) / 4 + self.cfg.rollout.max_new_tokens * self.cfg.rollout.n + media_bytes / 256
-
-    def my_prompts(self, step: int) -> list[tuple[int, int]]:
-        """(position in the global batch, manifest index) of the prompts this rank rolls out.
-        Split by estimated cost with Karmarkar-Karp, so one video-heavy rank does not stall the
-        others; the positions (not the split) decide seeds, groups and minibatches."""
-        batch = self.global_batch_indices(step)
-        parts = karmarkar_karp([self.estimated_cost(i) for i in batch], self.info.world_size, equal_size=False)
-        return sorted((j, batch[j]) for j in parts[self.info.rank])
-
-    def prepare(self, index: int) -> PreparedSample | None:
-        record = self.records[index]
-        try:
-            prepared = prepare_sample(record, self.manifest.parent, self.encoder, self.media_settings)
-        except MediaError as e:
-            return self._bad(record, "media", str(e))
-        if len(prepared.prompt_ids) > self.cfg.data.max_prompt_tokens:
-            return self._bad(
-                record, "too_long",
-                f"prompt has {len(prepared.prompt_ids)} tokens > data.max_prompt_tokens={self.cfg.data.max_prompt_tokens}",
-            )
-        return prepared
-
-    def _bad(self, record: SampleRecord, reason: str, detail: str) -> None:
-        if self.cfg.data.on_bad_sample == "error":
-            raise BadSampleError(f"sample {record.id!r} ({self.manifest}): {detail}")
-        self.skips.add(reason)
-        print(f"[titanrl] rank {self.info.rank}: skipping sample {record.id!r}: {detail}", flush=True)
-        return None
+    def next_prompts(self) -> list[tuple[int, PreparedSample]]:
+        """This rank's (global position, prepared prompt) for the step; bad samples are counted
+        and reported (with data.on_bad_sample = "error" the loader raises, naming the sample)."""
+        step = self.loader.next_step()
+        prompts = []
+        for item in step.materialize():
+            if isinstance(item, Materialized):
+                prompts.append((item.position, item.as_prepared()))
+            else:
+                assert isinstance(item, BadSample)
+                self.skips.add(item.reason)
+                print(f"[titanrl] rank {self.info.rank}: skipping sample {item.sample_id!r}: {item.reason}: "
+                      f"{item.detail}", flush=True)
+        self.data_wait_s = step.wait_s
+        return prompts
 
     # ------------------------------------------------------------------ stages
 
@@ -350,8 +299,7 @@ class Trainer:
     def rl_step(self) -> dict[str, float]:
         timer = StageTimer()
         with timer("data"):
-            prepared = [(pos, self.prepare(i)) for pos, i in self.my_prompts(self.step)]
-            prompts = [(pos, p) for pos, p in prepared if p is not None]
+            prompts = self.next_prompts()
         self.model.eval()
         with timer("rollout"):
             trajs = self.rollout(prompts)
@@ -421,6 +369,7 @@ class Trainer:
     def close(self) -> None:
         self.metrics.close()
         self.checkpointer.close()
+        self.loader.close()
         self.engine.close()
         self.pusher.close()
 

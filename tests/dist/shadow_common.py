@@ -10,6 +10,8 @@ import numpy as np
 from titanrl.data.manifest import MediaEntry, SampleRecord, read_manifest, write_manifest
 from titanrl.data.synth import generate_dataset
 
+TEXT_ONLY = "geo3k-textonly"  # a good sample without media (nothing to decode)
+
 # id -> the kind of bad sample it is (what BadSample.reason must say)
 BAD_SAMPLES = {
     "geo3k-missing": "missing",  # manifest names a file that does not exist
@@ -35,7 +37,7 @@ def _audio_only_mp4(path: Path) -> None:
 
 def make_dataset(root: Path, num_samples: int = 12, mixture: str = "video-heavy", seed: int = 0,
                  with_bad: bool = True) -> Path:
-    """A synthetic dataset; with_bad appends the BAD_SAMPLES after the good ones."""
+    """A synthetic dataset; with_bad appends a text-only sample and the BAD_SAMPLES after the good ones."""
     manifest = generate_dataset(root, mixture, num_samples, seed=seed)
     if not with_bad:
         return manifest
@@ -55,6 +57,8 @@ def make_dataset(root: Path, num_samples: int = 12, mixture: str = "video-heavy"
                                    media=[MediaEntry(path, kind)])  # type: ignore[arg-type]
 
     records += [
+        dataclasses.replace(video, id=TEXT_ONLY, source="geo3k", media=[],
+                            prompt="Which word names the colour of a ripe tomato: red, green, blue or yellow?"),
         bad("geo3k-missing", image_prompt, "media/missing.png", "image", video),
         bad("geo3k-corrupt", image_prompt, "media/corrupt.png", "image", video),
         bad("nextqa-truncated", video.prompt, "media/truncated.mp4", "video", video),
@@ -80,9 +84,12 @@ def assert_same_sample(a, b) -> None:
     assert a.position == b.position and a.meta.sample_id == b.meta.sample_id
     assert a.prompt_ids.dtype == b.prompt_ids.dtype and np.array_equal(a.prompt_ids, b.prompt_ids)
     assert a.grids == b.grids
-    assert a.pixel_values.dtype == b.pixel_values.dtype == np.float32
-    assert a.pixel_values.shape == b.pixel_values.shape
-    assert a.pixel_values.tobytes() == b.pixel_values.tobytes()  # bit-identical, NaN-safe
+    if a.pixel_values is None or b.pixel_values is None:
+        assert a.pixel_values is None and b.pixel_values is None and not a.grids
+    else:
+        assert a.pixel_values.dtype == b.pixel_values.dtype == np.float32
+        assert a.pixel_values.shape == b.pixel_values.shape
+        assert a.pixel_values.tobytes() == b.pixel_values.tobytes()  # bit-identical, NaN-safe
     assert len(a.media) == len(b.media)
     for x, y in zip(a.media, b.media):
         assert x.kind == y.kind and x.sampled_fps == y.sampled_fps

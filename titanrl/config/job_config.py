@@ -40,7 +40,7 @@ class JobRunConfig:
     """Root folder for all run outputs."""
     seed: int = 0
     """Global random seed (data order, sampling, init of the tiny model)."""
-    steps: int = 100
+    steps: int = 150
     """Number of RL steps (one step = rollout + policy update on rl.global_batch_size prompts)."""
     description: str = "Tiny Qwen2.5-VL-shaped model, GRPO on synthetic data, CPU only."
     """Free-text description, copied into the saved config and logs."""
@@ -215,7 +215,7 @@ class RolloutConfig:
     """Generation engine: vllm (one in-process vLLM engine per rank, weights pushed in place) or hf
     (plain transformers generate: the benchmark baseline; its video positions follow transformers'
     rule, not the trainer's, so do not train on video with it)."""
-    n: int = 8
+    n: int = 16
     """Responses sampled per prompt (the GRPO group size)."""
     temperature: float = 1.0
     """Sampling temperature."""
@@ -285,7 +285,7 @@ class RLConfig:
     """Divide advantages by the group reward std (GRPO); false = mean-centering only (Dr. GRPO)."""
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How per-token losses are reduced to one number."""
-    entropy_coef: float = 0.02
+    entropy_coef: float = 0.005
     """Weight of the entropy bonus."""
 
     def problems(self) -> list[str]:
@@ -322,7 +322,7 @@ class OptimizerConfig:
 
     name: Literal["AdamW"] = "AdamW"
     """Optimizer class."""
-    lr: float = 2e-3
+    lr: float = 1e-3
     """Peak learning rate (reached after lr_scheduler.warmup_steps)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam (beta1, beta2)."""

@@ -68,13 +68,17 @@ class CentralizedLoader:
         self.stats["steps"] += 1
         return StepData(step, metas, assignment, self.rank, _materialize=lambda: self._materialize(metas, assignment))
 
-    def _decode_batch(self, metas: list[SampleMeta], assignment: list[list[int]]) -> dict[int, Materialized | BadSample]:
+    def _decode_batch(
+        self, metas: list[SampleMeta], assignment: list[list[int]]
+    ) -> dict[int, Materialized | BadSample]:
         wanted = sorted({p for positions in assignment for p in positions})
         manifest_dir = str(self.table.manifest_path.parent)
         if self._pool is None:
             results = [prepare_centrally(p, metas[p], manifest_dir, self.settings) for p in wanted]
         else:
-            results = list(self._pool.map(lambda p: prepare_centrally(p, metas[p], manifest_dir, self.settings), wanted))
+            results = list(
+                self._pool.map(lambda p: prepare_centrally(p, metas[p], manifest_dir, self.settings), wanted)
+            )
         self.stats["samples"] += len(wanted)
         return dict(zip(wanted, results))
 

@@ -60,7 +60,9 @@ def build_loader(
 
     comm = Comm.from_torch()
     if comm.world != info.world_size or comm.rank != info.rank:
-        raise RuntimeError(f"torch.distributed says rank {comm.rank}/{comm.world}, DistInfo {info.rank}/{info.world_size}")
+        raise RuntimeError(
+            f"torch.distributed says rank {comm.rank}/{comm.world}, DistInfo {info.rank}/{info.world_size}"
+        )
     settings = media_settings(cfg, model_dir)
     encoder = encoder or PromptEncoder.from_pretrained(model_dir)
     table = load_table(cfg, manifest_path, settings, encoder, comm)

@@ -12,8 +12,9 @@ decode and transfer run while step t computes; ``materialize()`` then just retur
 moves on to step t+1 it releases step t's samples, and a preprocessor drops a sample once every
 consumer has released it.
 
-``state_dict()`` counts only steps handed out by ``next_step()``; planned-ahead steps are replanned
-(and their decodes, with the same keys, reused) after ``load_state_dict``.
+``state_dict()`` counts only steps handed out by ``next_step()``; ``load_state_dict`` drops the
+planned-ahead steps and replans from the restored position (or keeps them, when the state is the
+position the loader is already at).
 """
 
 from __future__ import annotations
@@ -28,10 +29,17 @@ from titanrl.data.shadow.comm import Comm
 from titanrl.data.shadow.metadata import MetadataTable
 from titanrl.data.shadow.materializer import Materializer, StepPlan
 from titanrl.data.shadow.placeholder import PixelPlaceholder
-from titanrl.data.shadow.plan import AssignFn, ProxyLoader, assign_balanced, check_assignment, consumers_of, route_samples
+from titanrl.data.shadow.plan import (
+    AssignFn,
+    ProxyLoader,
+    assign_balanced,
+    check_assignment,
+    consumers_of,
+    route_samples,
+)
 from titanrl.data.shadow.preprocessor import DecodeTask
 from titanrl.data.shadow.ray_runtime import RaySession, shutdown
-from titanrl.data.shadow.types import DataUnavailableError, Materialized, BadSample, StepData, raise_or_keep
+from titanrl.data.shadow.types import BadSample, DataUnavailableError, Materialized, StepData, raise_or_keep
 
 STATE_VERSION = 1
 

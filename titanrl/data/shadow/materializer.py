@@ -60,7 +60,9 @@ class StepPlan:
             raise KeyError(f"{placeholder.describe()} is not in step {self.step}") from None
 
 
-def assemble_sample(position: int, meta: SampleMeta, media: list[DecodedMedia], settings: MediaSettings) -> Materialized:
+def assemble_sample(
+    position: int, meta: SampleMeta, media: list[DecodedMedia], settings: MediaSettings
+) -> Materialized:
     """Decoded frames -> model inputs, exactly as ``preprocess.prepare_sample`` builds them."""
     patches = [media_to_patches(m, settings) for m in media]
     grids = [g for _, g in patches]
@@ -98,6 +100,15 @@ class Materializer:
 
     # ------------------------------------------------------------------------------- fetching
 
+    @staticmethod
+    def _route(plan: StepPlan, pos: int) -> int:
+        route = plan.routes[pos]
+        assert route is not None, f"position {pos} of step {plan.step} is not routed"
+        return route.preprocessor
+
+    def _handle(self, plan: StepPlan, pos: int) -> Any:
+        return self.handles[self._route(plan, pos)]
+
     def _fetch_replies(
         self, plan: StepPlan, requests: list[tuple[int, dict[int, tuple[int, int]] | None]]
     ) -> dict[int, tuple[FetchReply, list[np.ndarray]]]:
@@ -109,11 +120,8 @@ class Materializer:
         deadline = time.monotonic() + self.fetch_timeout_s
         pending = list(requests)
         out: dict[int, tuple[FetchReply, list[np.ndarray]]] = {}
-        for attempt in range(self.max_attempts):
-            refs = [
-                self.handles[plan.routes[pos].preprocessor].fetch.remote(plan.tasks[pos], ranges, False)  # type: ignore[union-attr]
-                for pos, ranges in pending
-            ]
+        for _ in range(self.max_attempts):
+            refs = [self._handle(plan, pos).fetch.remote(plan.tasks[pos], ranges, False) for pos, ranges in pending]
             failed = []
             for (pos, ranges), ref in zip(pending, refs):
                 remaining = deadline - time.monotonic()
@@ -138,7 +146,7 @@ class Materializer:
                 return out
             self.stats["retries"] += len(failed)
             pending = [req for req, _ in failed]
-            self._wait_for_restart({plan.routes[pos].preprocessor for pos, _ in pending}, deadline)  # type: ignore[union-attr]
+            self._wait_for_restart({self._route(plan, pos) for pos, _ in pending}, deadline)
         ids = [plan.metas[p].sample_id for p, _ in pending]
         raise DataUnavailableError(
             f"step {plan.step}: preprocessor failed {self.max_attempts} times for samples {ids}: {failed[-1][1]}"
@@ -157,7 +165,9 @@ class Materializer:
                     break
                 except ray.exceptions.GetTimeoutError:
                     if time.monotonic() >= deadline:
-                        raise DataUnavailableError(f"preprocessor {i} did not come back before the fetch deadline") from None
+                        raise DataUnavailableError(
+                            f"preprocessor {i} did not come back before the fetch deadline"
+                        ) from None
                 except ray.exceptions.RayActorError as error:
                     failures += 1
                     if failures >= 5 or time.monotonic() >= deadline:
@@ -169,7 +179,7 @@ class Materializer:
     def fetch_samples(self, plan: StepPlan, positions: Sequence[int]) -> list[Materialized | BadSample]:
         """Whole samples at `positions` of the step, in that order."""
         t0 = time.perf_counter()
-        wanted = [p for p in positions if plan.metas[p].problem is None]
+        wanted = [p for p in positions if p in plan.tasks]  # routed: good samples with media
         replies = self._fetch_replies(plan, [(p, None) for p in wanted]) if wanted else {}
         t1 = time.perf_counter()
         out: list[Materialized | BadSample] = []
@@ -178,11 +188,14 @@ class Materializer:
             if meta.problem is not None:
                 out.append(bad_from_meta(pos, meta))
                 continue
+            if pos not in replies:  # text only
+                out.append(assemble_sample(pos, meta, [], self.settings))
+                continue
             reply, frames = replies[pos]
             if not reply.ok:
                 out.append(BadSample(pos, meta.index, meta.sample_id, reply.error_kind, reply.error_detail))
                 continue
-            media = [DecodedMedia(m.kind, f, m.sampled_fps) for m, f in zip(reply.media, frames)]  # type: ignore[arg-type]
+            media = [DecodedMedia(m.kind, f, m.sampled_fps) for m, f in zip(reply.media, frames)]  # type: ignore
             out.append(assemble_sample(pos, meta, media, self.settings))
             self.stats["fetched_bytes"] += sum(f.nbytes for f in frames)
         self.stats["fetch_s"] += t1 - t0

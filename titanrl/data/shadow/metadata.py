@@ -36,7 +36,7 @@ from titanrl.data.media import (
     probe_video,
     sample_frame_indices,
 )
-from titanrl.data.shadow.placeholder import PixelPlaceholder
+from titanrl.data.shadow.placeholder import PixelPlaceholder, media_token_offsets, placeholders_for_token_range
 from titanrl.data.vision import image_grid_thw, video_grid_thw
 from titanrl.models.qwen2_5_vl.positions import VisionGrid
 
@@ -157,6 +157,15 @@ class SampleMeta:
             PixelPlaceholder.whole(self.index, self.epoch, self.sample_id, i, m.grid, self.patch_dim)
             for i, m in enumerate(self.media)
         )
+
+    @property
+    def token_offsets(self) -> list[int]:
+        """Where each media item's vision tokens begin in ``prompt_ids``."""
+        return media_token_offsets(self.pad_positions, [m.tokens for m in self.media])
+
+    def placeholders_for_tokens(self, start: int, stop: int) -> list[PixelPlaceholder]:
+        """The pixel rows behind prompt tokens [start, stop) (a sequence-parallel shard), per media item."""
+        return placeholders_for_token_range(self.placeholders, self.token_offsets, start, stop)
 
     def with_epoch(self, epoch: int) -> "SampleMeta":
         return dataclasses.replace(self, epoch=epoch)

@@ -185,7 +185,8 @@ def route_samples(
     Costliest samples first; each goes to the preprocessor minimising load + cost, where a preprocessor
     on another node than the sample's first consumer pays ``remote_penalty * cost`` more (the transfer).
     On one node this is plain least-loaded; across nodes it keeps most traffic node-local while still
-    spreading a skewed batch. Samples with no consumer or a known problem get None (never decoded).
+    spreading a skewed batch. Samples with no consumer, no media or a known problem get None (never
+    sent to a preprocessor).
     """
     if not preprocessor_nodes:
         raise ValueError("no preprocessors to route to")
@@ -194,8 +195,8 @@ def route_samples(
     order = sorted(range(len(metas)), key=lambda p: (-decode_cost(metas[p]), p))
     for pos in order:
         meta, ranks = metas[pos], consumers[pos]
-        if meta.problem is not None or not ranks:
-            continue
+        if meta.problem is not None or not ranks or not meta.media:
+            continue  # bad, unconsumed, or text-only: nothing to decode
         cost = max(decode_cost(meta), 1.0)
         home = rank_nodes[ranks[0]]
 

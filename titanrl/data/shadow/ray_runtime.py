@@ -118,7 +118,6 @@ def _start_local(object_store_bytes: int, namespace: str, num_cpus: int | None) 
         namespace=namespace,
         logging_level="WARNING",
         log_to_driver=True,
-        _system_config={"enable_worker_prestart": False},
         **kwargs,
     )
     return token
@@ -237,7 +236,8 @@ def start_preprocessors(
                     name=name,
                     namespace=session.namespace,
                     num_cpus=0,  # threads that wait on I/O and FFmpeg; placement is by node, not by CPUs
-                    max_concurrency=max(8, 4 * num_threads + 8),
+                    # fetches wait for decodes in their own threads; decodes have theirs
+                    max_concurrency=4 * num_threads + 32,
                     max_restarts=max_restarts,
                     max_task_retries=2,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),

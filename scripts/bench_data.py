@@ -279,6 +279,7 @@ def summarize(run: dict) -> dict:
     per_step_time = steps.max(axis=0)
     out = {
         "wait_s_mean": float(per_step_wait.mean()), "wait_s_max": float(per_step_wait.max()),
+        "wait_s_median": float(np.median(per_step_wait)),
         "step_s_mean": float(per_step_time.mean()), "wait_fraction": float(per_step_wait.sum() / per_step_time.sum()),
         "rank_wait_s_mean": [float(w.mean()) for w in waits],
         "samples": samples, "bad": sum(r["bad"] for r in ranks),
@@ -375,19 +376,21 @@ def report(args: argparse.Namespace, results: dict) -> str:
         lines.append(f"| {mixture}: exposed data wait <= 2% of the step | {100 * s['wait_fraction']:.2f}% "
                      f"({1000 * s['wait_s_mean']:.0f} ms of {s['step_s_mean']:.2f} s; centralized "
                      f"{100 * c['wait_fraction']:.1f}%) | {'met' if s['wait_fraction'] <= 0.02 else 'not met'} |")
-        lines.append(f"| {mixture}: loading speed-up over centralized (ratio of exposed wait) | "
-                     f"{c['wait_s_mean'] / max(s['wait_s_mean'], 1e-9):.1f}x | reported |")
+        lines.append(f"| {mixture}: loading speed-up over centralized (ratio of exposed wait per step) | "
+                     f"{c['wait_s_mean'] / max(s['wait_s_mean'], 1e-9):.0f}x on means, "
+                     f"{c['wait_s_median'] / max(s['wait_s_median'], 1e-9):.0f}x on medians | reported |")
     lines += [
         "",
         "## Measured",
         "",
-        "| mixture | loader | data wait / step (mean, max) | step time | wait share | rank peak RSS (GiB, each) | Ray RSS peak (GiB) | total peak (GiB) | rank 0 RSS growth (MiB) | pixel_values / sample (MiB) | uint8 frames / sample (MiB) |",
+        "| mixture | loader | data wait / step (mean, median, max) | step time | wait share | rank peak RSS (GiB, each) | Ray RSS peak (GiB) | total peak (GiB) | rank 0 RSS growth (MiB) | pixel_values / sample (MiB) | uint8 frames / sample (MiB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mixture, c, s, pl, planner_growth, _ in rows:
         for name, r in (("centralized", c), ("shadow", s)):
             lines.append(
-                f"| {mixture} | {name} | {r['wait_s_mean']:.3f} s, {r['wait_s_max']:.3f} s | {r['step_s_mean']:.2f} s | "
+                f"| {mixture} | {name} | {r['wait_s_mean']:.3f} s, {r['wait_s_median']:.3f} s, {r['wait_s_max']:.3f} s | "
+                f"{r['step_s_mean']:.2f} s | "
                 f"{100 * r['wait_fraction']:.1f}% | {', '.join(f'{x * gib:.2f}' for x in r['rank_peak_rss'])} | "
                 f"{r['ray_peak_rss'] * gib:.2f} | {r['total_peak_rss'] * gib:.2f} | {r['rank0_rss_growth'] / 2**20:.0f} | "
                 f"{r['pixel_bytes_per_sample'] / 2**20:.1f} | {r['frame_bytes_per_sample'] / 2**20:.1f} |")

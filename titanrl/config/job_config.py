@@ -356,11 +356,11 @@ class LRSchedulerConfig:
 
     warmup_steps: int = 0
     """Linear warmup length, in RL steps."""
-    decay_type: Literal["linear", "cosine", "constant"] = "constant"
+    decay_type: Literal["linear", "cosine", "constant"] = "cosine"
     """Shape of the schedule after warmup."""
     decay_steps: int | None = None
     """Length of the decay, in RL steps; none = until job.steps."""
-    min_lr_factor: float = 0.0
+    min_lr_factor: float = 0.1
     """Final learning rate as a fraction of optimizer.lr."""
 
     def problems(self) -> list[str]:

@@ -251,6 +251,8 @@ class PreprocessorCore:
                 if self._entries.get(entry.task.key) is entry:
                     self._cached_bytes += nbytes
                     entry.counted = True
+            if entry.consumers_left <= 0:  # every consumer released it while it decoded
+                self._evict(entry, "evicted_released")
             self.stats["decoded"] += 1
             self.stats["decode_s"] += time.perf_counter() - t0
             self.stats["decoded_bytes"] += nbytes

@@ -103,9 +103,8 @@ def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         ) from None
 
 
-def _start_local(object_store_bytes: int, namespace: str, num_cpus: int | None) -> str:
-    token = secrets.token_hex(32)
-    _local_env(token)
+def _start_local(object_store_bytes: int, namespace: str, num_cpus: int | None) -> None:
+    """A private instance; ``_local_env`` must have run (loopback, token) before ray was imported."""
     import ray
 
     kwargs: dict[str, Any] = {}
@@ -120,7 +119,31 @@ def _start_local(object_store_bytes: int, namespace: str, num_cpus: int | None) 
         log_to_driver=True,
         **kwargs,
     )
-    return token
+
+
+def _ray_initialized() -> bool:
+    import sys
+
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+
+
+def _start_or_join_on_rank0(
+    data_address: str, object_store_bytes: int, num_cpus: int | None, token: str
+) -> dict[str, Any]:
+    """Rank 0's half of ``connect``: what the other ranks need to join (or why they cannot)."""
+    import ray
+
+    if _ray_initialized():  # a test fixture or the trainer started Ray already: use it, do not own it
+        ctx = ray.get_runtime_context()
+        return {"address": ctx.gcs_address, "namespace": ctx.namespace, "token": os.environ.get("RAY_AUTH_TOKEN", "")}
+    namespace = f"titanrl-{uuid.uuid4().hex[:12]}"
+    if data_address:
+        check_reachable(data_address)
+        ray.init(address=data_address, namespace=namespace, logging_level="WARNING")
+    else:
+        _start_local(object_store_bytes, namespace, num_cpus)
+    return {"address": ray.get_runtime_context().gcs_address, "namespace": namespace, "token": token,
+            "started": True}
 
 
 def connect(data_address: str, object_store_bytes: int, comm: Comm, *, local_world_size: int | None = None,
@@ -134,53 +157,35 @@ def connect(data_address: str, object_store_bytes: int, comm: Comm, *, local_wor
             f"a job over several nodes ({comm.world} ranks, {world_on_node} per node) needs data.ray_address: "
             "a local Ray instance is bound to 127.0.0.1 and cannot be shared across machines"
         )
-    import sys
-
-    already = "ray" in sys.modules and sys.modules["ray"].is_initialized()
     payload: dict[str, Any] | None = None
-    owns = False
     if comm.rank == 0:
         try:
-            if already:
-                import ray
-
-                ctx = ray.get_runtime_context()
-                payload = {"address": ctx.gcs_address, "namespace": ctx.namespace,
-                           "token": os.environ.get("RAY_AUTH_TOKEN", "")}
-            else:
-                namespace = f"titanrl-{uuid.uuid4().hex[:12]}"
-                if local:
-                    token = _start_local(object_store_bytes, namespace, num_cpus)
-                    owns = True
-                else:
-                    check_reachable(data_address)
-                    import ray
-
-                    ray.init(address=data_address, namespace=namespace, logging_level="WARNING")
-                    token = ""
-                import ray
-
-                payload = {"address": ray.get_runtime_context().gcs_address, "namespace": namespace, "token": token}
+            token = ""
+            if local and not _ray_initialized():
+                token = secrets.token_hex(32)
+                _local_env(token)  # before ray's first import: loopback servers, token authentication
+            payload = _start_or_join_on_rank0(data_address, object_store_bytes, num_cpus, token)
         except Exception as error:  # tell the other ranks instead of leaving them waiting
             payload = {"error": f"{type(error).__name__}: {error}"}
     payload = comm.broadcast(payload)
     assert payload is not None
     if "error" in payload:
         raise DataUnavailableError(f"rank 0 could not start or join Ray: {payload['error']}")
-    connected_here = comm.rank == 0 and not already
-    if comm.rank != 0:
-        import_address = payload["address"] if local else data_address
-        if not already:
-            if local:
-                _local_env(payload["token"])
-            check_reachable(import_address)
-            import ray
+    started = bool(payload.get("started"))
+    owns = comm.rank == 0 and started and local
+    connected_here = comm.rank == 0 and started
+    if comm.rank != 0 and not _ray_initialized():
+        address = payload["address"] if local else data_address
+        if local:
+            _local_env(payload["token"])
+        check_reachable(address)
+        import ray
 
-            try:
-                ray.init(address=import_address, namespace=payload["namespace"], logging_level="WARNING")
-            except Exception as error:
-                raise DataUnavailableError(f"rank {comm.rank} cannot join Ray at {import_address}: {error}") from None
-            connected_here = True
+        try:
+            ray.init(address=address, namespace=payload["namespace"], logging_level="WARNING")
+        except Exception as error:
+            raise DataUnavailableError(f"rank {comm.rank} cannot join Ray at {address}: {error}") from None
+        connected_here = True
     import ray
 
     node_id = ray.get_runtime_context().get_node_id()

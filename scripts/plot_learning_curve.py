@@ -26,6 +26,8 @@ def main(metrics_path: str, out_png: str) -> None:
     ax.plot(steps, [records[s]["reward/accuracy"] for s in steps], label="accuracy (exact match)")
     ax.axhline(0.25, color="grey", ls=":", label="chance among the 4 colours")
     ax.axhline(0.8, color="green", ls="--", lw=0.8, label="target 0.8")
+    if len(sys.argv) > 3:  # mark where the default config stops
+        ax.axvline(int(sys.argv[3]), color="black", ls=":", lw=0.8, label=f"default job.steps = {sys.argv[3]}")
     ax.set_xlabel("RL step")
     ax.set_ylim(0, 1.02)
     ax.set_title("GRPO on the synthetic colour task, tiny Qwen2.5-VL (CPU, vLLM rollouts)")

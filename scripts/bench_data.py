@@ -441,7 +441,7 @@ def report(args: argparse.Namespace, results: dict) -> str:
         "",
         "The paper measured 375 s (veRL) vs 3.9 s (ShadowLoader) of loading per step on 128 GPUs (96x). The "
         "model's centralized cost is far lower than veRL's because it counts only decode, preprocess and one "
-        "float32 hop (veRL also builds PIL images in Python and relays tensors worker -> driver -> trainers), "
+        "float32 hop (veRL also builds PIL images in Python and relays tensors worker -> driver -> trainers). "
         "The exposed ratio is large because ShadowLoader's residual here is only the fetch latency of an "
         "already-decoded step (FlexRL's 3.2-3.9 s residual includes costs this model leaves out); the work "
         "ratio (spreading decode over 16 nodes and preprocessing over 128 ranks, before any overlap) is the "

@@ -27,7 +27,7 @@ from titanrl.data.manifest import SampleRecord, read_manifest
 from titanrl.data.preprocess import PreparedSample
 from titanrl.data.prompt import PromptEncoder
 from titanrl.data.shadow import BadSample, Materialized, SampleMeta, build_loader
-from titanrl.distributed import DistInfo, all_reduce_sum, build_dp_mesh
+from titanrl.distributed import DistInfo, all_reduce_max, all_reduce_sum, build_dp_mesh
 from titanrl.metrics import MetricsLogger
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights
 from titanrl.optim import build_lr_scheduler, build_optimizer
@@ -373,11 +373,3 @@ class Trainer:
         self.engine.close()
         self.pusher.close()
 
-
-def all_reduce_max(value: float) -> float:
-    import torch.distributed as dist
-
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()

@@ -181,20 +181,16 @@ def push_weights(engine, state_dict: Mapping[str, torch.Tensor], args, sync_dir:
 
     Every rank must call it (gathering DTensors is a collective). ``sync_dir`` is emptied and
     reused; keep it per rank (``default_sync_dir``)."""
-    from safetensors.torch import save_file
-
-    from titanrl.models.qwen2_5_vl.state_dict_adapter import Qwen2_5_VLStateDictAdapter
+    from titanrl.models.qwen2_5_vl.state_dict_adapter import save_hf_checkpoint
 
     t0 = time.perf_counter()
     full = {k: full_tensor(v) for k, v in state_dict.items()}
     t1 = time.perf_counter()
-    hf = Qwen2_5_VLStateDictAdapter(args).to_hf(full)
-    hf = {k: (v.to(dtype) if dtype is not None else v).contiguous().cpu() for k, v in hf.items()}
     sync_dir = Path(sync_dir)
     if sync_dir.exists():
         shutil.rmtree(sync_dir)
-    sync_dir.mkdir(parents=True)
-    save_file(hf, str(sync_dir / "model.safetensors"), metadata={"format": "pt"})
+    # the same writer as the trainer's per-machine push and the HF export
+    save_hf_checkpoint(full, args, sync_dir, dtype=dtype)
     t2 = time.perf_counter()
     load_s = engine.load_weights(sync_dir)
     size = (sync_dir / "model.safetensors").stat().st_size

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -75,3 +77,75 @@ def all_reduce_max(value: float) -> float:
 def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def all_gather_objects(obj: object) -> list[object]:
+    """Every rank's ``obj`` (small metadata only: pickled), in rank order."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+ArraySpec = tuple[tuple[int, ...], "np.dtype"]
+
+
+def all_to_all_arrays(
+    send: list[list[np.ndarray]],
+    recv_specs: list[list[ArraySpec]],
+    *,
+    rank: int,
+    device: torch.device,
+    collective: bool = True,
+) -> tuple[list[list[np.ndarray]], int]:
+    """One all-to-all that moves lists of numpy arrays: ``send[d]`` goes to rank ``d`` and
+    ``recv_specs[s]`` gives the shapes/dtypes rank ``s`` sends here (both sides know them from
+    the plan, so no sizes are exchanged first). Every array of a destination travels in one
+    byte buffer; what a rank sends itself is handed over without a copy. ``collective=False``
+    (every rank must agree: nothing crosses ranks) skips the collective. Returns the received
+    lists and the bytes this rank sent to others."""
+    world = len(send)
+    received: list[list[np.ndarray]] = [[] for _ in range(world)]
+    received[rank] = list(send[rank])
+    if world == 1 or not collective:
+        for s in range(world):
+            if s != rank and (send[s] or recv_specs[s]):
+                raise RuntimeError(f"rank {rank} has data for rank {s} but the exchange was planned as local")
+        return received, 0
+    payload = [np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays])
+               if arrays and d != rank else np.zeros(0, np.uint8) for d, arrays in enumerate(send)]
+    in_sizes = [int(b.size) for b in payload]
+    out_sizes = [0 if s == rank else sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in recv_specs[s])
+                 for s in range(world)]
+    inp = torch.from_numpy(np.concatenate(payload)) if sum(in_sizes) else torch.zeros(0, dtype=torch.uint8)
+    out = torch.empty(sum(out_sizes), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(out, inp.to(device), out_sizes, in_sizes)
+    buf = out.cpu().numpy()
+    offset = 0
+    for s in range(world):
+        if s == rank:
+            continue
+        for shape, dt in recv_specs[s]:
+            nbytes = int(np.prod(shape)) * np.dtype(dt).itemsize
+            received[s].append(buf[offset:offset + nbytes].view(dt).reshape(shape))
+            offset += nbytes
+    return received, sum(in_sizes)
+
+
+def build_ulysses_groups(rank: int, world: int, degrees: Sequence[int], device: torch.device) -> dict:
+    """This rank's process group for every Ulysses degree ``p > 1`` in ``degrees``: the ``ulysses``
+    dimension of a ``(world / p, p)`` DeviceMesh, so the groups of degree ``p`` are the aligned
+    blocks of ``p`` consecutive ranks (FlexRL's nested groups). Built once at start-up (making a
+    group is a collective every rank joins); keyed by the member ranks. ``p`` must divide ``world``."""
+    groups: dict[tuple[int, ...], object] = {}
+    for p in sorted(set(degrees)):
+        if p <= 1:
+            continue
+        if world % p:
+            raise ValueError(f"Ulysses degree {p} does not divide the {world} ranks")
+        mesh = DeviceMesh(device.type, torch.arange(world).view(world // p, p),
+                          mesh_dim_names=(f"ulysses{p}_replicate", f"ulysses{p}"))
+        sub = mesh[f"ulysses{p}"]
+        groups[tuple(int(r) for r in sub.mesh.tolist())] = sub.get_group()
+    return groups

@@ -20,12 +20,18 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print("[titanrl] resolved config:\n" + config_to_toml(cfg, with_docs=False), flush=True)
 
+    from titanrl.config.errors import ConfigError
     from titanrl.distributed import init_distributed, shutdown
     from titanrl.trainer import Trainer
 
     info = init_distributed()
     try:
-        trainer = Trainer(cfg, info)
+        try:
+            trainer = Trainer(cfg, info)
+        except ConfigError as err:  # a check that needs the world size or the model's shape
+            if info.is_main:
+                print(str(err), file=sys.stderr, flush=True)
+            return 2
         if info.is_main:
             print(
                 f"[titanrl] {info.world_size} rank(s) on {info.device.type}; model {trainer.model_dir}; "

@@ -27,14 +27,16 @@ from titanrl.data.manifest import SampleRecord, read_manifest
 from titanrl.data.preprocess import PreparedSample
 from titanrl.data.prompt import PromptEncoder
 from titanrl.data.shadow import BadSample, Materialized, SampleMeta, build_loader
-from titanrl.distributed import DistInfo, all_reduce_max, all_reduce_sum, build_dp_mesh
+from titanrl.distributed import DistInfo, all_reduce_max, all_reduce_sum, build_dp_mesh, build_ulysses_groups
 from titanrl.metrics import MetricsLogger
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights
 from titanrl.optim import build_lr_scheduler, build_optimizer
 from titanrl.parallel.balance import karmarkar_karp
 from titanrl.parallel.parallelize import CompileOptions, parallelize_qwen2_5_vl
-from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories, split_microbatches
-from titanrl.rl.grpo import group_advantages, ppo_clip_loss
+from titanrl.parallel.ulysses import resolve_ulysses
+from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
+from titanrl.rl.grpo import build_policy_loss, group_advantages
+from titanrl.rl.stages import StageRunner, build_cost_model
 from titanrl.rl.rewards import exact_match, load_reward
 from titanrl.rl.weight_sync import WeightPusher
 from titanrl.rollout import RolloutRequest, build_rollout_engine, mm_limits_for, probe_logprobs
@@ -82,9 +84,23 @@ class Trainer:
 
         self.args = Qwen2_5_VLArgs.from_pretrained(self.model_dir)
         self.param_dtype = _DTYPES[cfg.model.dtype]
+        # Ulysses degrees against the model's head counts: an impossible one stops the run here,
+        # before any model or engine is built.
+        self.ulysses = resolve_ulysses(cfg.parallelism, self.args.text, info.world_size)
+        if info.is_main and self.ulysses.message:
+            print(f"[titanrl] {self.ulysses.message}", flush=True)
         mesh = build_dp_mesh(info)
         self.model = self._build_model(mesh, trainable=True)
         self.ref_model = self._build_model(mesh, trainable=False) if cfg.rl.kl_coef > 0 else None
+        self.stages = StageRunner(
+            args=self.args, rank=info.rank, world=info.world_size, device=info.device, dtype=self.param_dtype,
+            method=self.ulysses.method, max_tokens=cfg.balance.max_tokens_per_microbatch,
+            cost_model=build_cost_model(self.args, cfg.balance.cost_model), p_max=self.ulysses.p_max,
+            degree=self.ulysses.degree, attn_backend=cfg.model.attn_backend,
+            groups=build_ulysses_groups(info.rank, info.world_size, self.ulysses.degrees, info.device)
+            if info.distributed else {},
+        )
+        self.policy_loss = build_policy_loss(cfg.rl)
         self.optimizer = build_optimizer(cfg, self.model.parameters())
         self.lr_scheduler = build_lr_scheduler(cfg, self.optimizer)
 
@@ -139,6 +155,7 @@ class Trainer:
             activation_checkpoint="full" if trainable and cfg.parallelism.activation_checkpoint != "none" else "none",
             param_dtype=self.param_dtype,
             reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+            ulysses=self.ulysses.method in ("fixed", "flex"),
         )
 
     # ------------------------------------------------------------------ state
@@ -209,59 +226,27 @@ class Trainer:
             for t, a in zip(trajs, adv.tolist()):
                 t.advantage = a
 
-    def _microbatches(self, trajs: list[Trajectory]) -> list[list[Trajectory]]:
-        """This rank's microbatches, padded (with None = a dummy) to the largest count of any rank,
-        because FSDP's collectives need every rank to run the same number of forwards."""
-        mbs: list = split_microbatches(trajs, self.cfg.balance.max_tokens_per_microbatch)
-        count = int(all_reduce_max(len(mbs)))
-        return mbs + [None] * (count - len(mbs))
+    def compute_logprobs(self, model, attr: str) -> None:
+        """``traj.<attr>`` for every trajectory of this rank, computed wherever the stage plan
+        places its tokens (whole, or sharded across a Ulysses group)."""
+        self.stages.logprobs(model, attr, temperature=self.cfg.rollout.temperature)
 
-    @torch.no_grad()
-    def compute_logprobs(self, model, trajs: list[Trajectory], attr: str, with_entropy: bool = False) -> None:
-        temperature = self.cfg.rollout.temperature
-        for mb in self._microbatches(trajs):
-            if mb is None:
-                model(dummy_pack(self.args, self.info.device, self.param_dtype).batch)
-                continue
-            pack = pack_trajectories(mb, self.args, self.info.device, self.param_dtype, temperature=temperature)
-            out = model(pack.batch, pack.targets)
-            for t, lp in zip(mb, torch.split(out.logprobs.float().cpu(), [x.num_response_tokens for x in mb])):
-                setattr(t, attr, lp)
+    def _loss(self, out, inputs, global_tokens: float, global_seqs: float):
+        ref = inputs.fields.get("ref_logprobs")
+        return self.policy_loss(out.logprobs, inputs.fields["old_logprobs"], inputs.advantages, inputs.seq_index,
+                                inputs.seq_lengths, global_tokens=global_tokens, global_seqs=global_seqs,
+                                ref_logp=ref, entropy=out.entropy)
 
-    def update(self, trajs: list[Trajectory]) -> dict[str, float]:
+    def update(self) -> dict[str, float]:
         cfg, rl = self.cfg, self.cfg.rl
-        # Minibatch m holds the groups (prompts) at global batch positions p with p % minibatches == m:
-        # the same composition on any number of ranks, a group's responses always together.
+        fields = ("old_logprobs", "ref_logprobs") if self.ref_model is not None else ("old_logprobs",)
         sums = {"pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "grad_norm": 0.0}
         steps = 0
         for _ in range(rl.ppo_epochs):
             for m in range(rl.minibatches):
-                mine = [t for t in trajs if t.group % rl.minibatches == m]
-                counts = all_reduce_sum(torch.tensor(
-                    [float(sum(t.num_response_tokens for t in mine)), float(len(mine))], dtype=torch.float64))
-                global_tokens, global_seqs = max(counts[0].item(), 1.0), max(counts[1].item(), 1.0)
-                for mb in self._microbatches(mine):
-                    if mb is None:
-                        # Touch every parameter (output projection included) with zero weight:
-                        # FSDP reduce-scatters the same gradient buckets on every rank.
-                        dummy = dummy_pack(self.args, self.info.device, self.param_dtype)
-                        out = self.model(dummy.batch, dummy.targets)
-                        (out.logprobs.sum() * 0.0).backward()
-                        continue
-                    pack = pack_trajectories(mb, self.args, self.info.device, self.param_dtype,
-                                             temperature=cfg.rollout.temperature, return_entropy=True)
-                    out = self.model(pack.batch, pack.targets)
-                    per_token = lambda xs: torch.cat([x for x in xs]).to(self.info.device)  # noqa: E731
-                    adv = torch.cat([torch.full((t.num_response_tokens,), t.advantage) for t in mb]).to(self.info.device)
-                    res = ppo_clip_loss(
-                        out.logprobs, per_token([t.old_logprobs for t in mb]), adv, pack.seq_index, pack.seq_lengths,
-                        clip_low=rl.clip_low, clip_high=rl.clip_high, mode=rl.loss_agg,
-                        global_tokens=global_tokens, global_seqs=global_seqs,
-                        ref_logp=per_token([t.ref_logprobs for t in mb]) if self.ref_model is not None else None,
-                        kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
-                        entropy=out.entropy, entropy_coef=rl.entropy_coef,
-                    )
-                    res.loss.backward()
+                ids = self.stages.minibatch_ids(m, rl.minibatches)
+                for res in self.stages.train_minibatch(self.model, ids, fields, self._loss,
+                                                       temperature=cfg.rollout.temperature):
                     for k in ("pg_loss", "kl", "clip_fraction", "entropy"):
                         sums[k] += getattr(res, k).item()
                 max_norm = cfg.optimizer.max_grad_norm or float("inf")
@@ -305,14 +290,15 @@ class Trainer:
             trajs = self.rollout(prompts)
         with timer("reward"):
             self.score(trajs)
+            self.stages.begin_step(trajs)  # every rank learns every trajectory's metadata
         with timer("old_logprob"):
-            self.compute_logprobs(self.model, trajs, "old_logprobs")
+            self.compute_logprobs(self.model, "old_logprobs")
         if self.ref_model is not None:
             with timer("ref_logprob"):
-                self.compute_logprobs(self.ref_model, trajs, "ref_logprobs")
+                self.compute_logprobs(self.ref_model, "ref_logprobs")
         self.model.train()
         with timer("update"):
-            stats = self.update(trajs)
+            stats = self.update()
         self.model.eval()
         with timer("weight_sync"):
             stats.update(self.pusher.push(self.model, self.engine))
@@ -330,6 +316,7 @@ class Trainer:
         total = all_reduce_sum(local)
         n = max(total[2].item(), 1.0)
         step_time = sum(v for k, v in timer.times.items())
+        stats.update(self.stages.metrics())
         return {
             "reward/mean": total[0].item() / n,
             "reward/accuracy": total[1].item() / n,

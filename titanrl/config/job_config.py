@@ -163,11 +163,15 @@ class ParallelismConfig:
     data_parallel_shard_degree: int = -1
     """FSDP shard degree; -1 = all ranks."""
     ulysses: Literal["none", "fixed", "flex"] = "none"
-    """Sequence parallelism: none, fixed (ulysses_degree ranks), flex (per microbatch, <= p_max)."""
+    """Ulysses sequence parallelism of the log-prob and update stages: none = every trajectory whole on
+    the rank that generated it; fixed = every trajectory split over ulysses_degree ranks; flex =
+    FlexUlysses, a degree per trajectory (1 .. p_max) from the cost model, nested groups, trajectories
+    moved between ranks to balance balance.cost_model per rank (docs/flex_ulysses.md)."""
     ulysses_degree: int = 1
-    """Ulysses group size when ulysses = 'fixed'."""
+    """Ulysses group size when ulysses = 'fixed' (a power of two dividing the ranks and the model's heads)."""
     p_max: int = 4
-    """Largest Ulysses group FlexUlysses may form when ulysses = 'flex'."""
+    """Largest Ulysses group FlexUlysses may form when ulysses = 'flex' (a power of two; lowered, with a
+    message, to what the model's head counts and the number of ranks allow)."""
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     """Activation checkpointing of transformer blocks."""
     fsdp_reshard_after_forward: bool = True
@@ -180,10 +184,15 @@ class ParallelismConfig:
                 "parallelism.data_parallel_shard_degree must be -1 (all ranks) or >= 1, "
                 f"got {self.data_parallel_shard_degree}"
             )
-        if self.ulysses_degree < 1:
-            found.append(f"parallelism.ulysses_degree must be >= 1, got {self.ulysses_degree}")
-        if self.p_max < 1:
-            found.append(f"parallelism.p_max must be >= 1, got {self.p_max}")
+        if self.ulysses_degree < 1 or self.ulysses_degree & (self.ulysses_degree - 1):
+            found.append(f"parallelism.ulysses_degree must be a power of two >= 1, got {self.ulysses_degree}")
+        elif self.ulysses != "fixed" and self.ulysses_degree != 1:
+            found.append(
+                f"parallelism.ulysses_degree={self.ulysses_degree} only means something with "
+                f"parallelism.ulysses='fixed' (it is {self.ulysses!r})"
+            )
+        if self.p_max < 1 or self.p_max & (self.p_max - 1):
+            found.append(f"parallelism.p_max must be a power of two >= 1, got {self.p_max}")
         return found
 
 
@@ -537,7 +546,11 @@ class JobConfig:
                 f"of ranks ({world_size}): FSDP is the only mesh dimension"
             )
         par = self.parallelism
-        if par.ulysses == "fixed" and world_size % par.ulysses_degree:
+        if par.ulysses == "fixed" and par.ulysses_degree > world_size:
+            found.append(
+                f"parallelism.ulysses_degree ({par.ulysses_degree}) must be <= the number of ranks ({world_size})"
+            )
+        elif par.ulysses == "fixed" and world_size % par.ulysses_degree:
             found.append(
                 f"parallelism.ulysses_degree ({par.ulysses_degree}) must divide the number of "
                 f"ranks ({world_size})"

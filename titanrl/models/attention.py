@@ -1,6 +1,7 @@
 """Variable-length (packed) attention: many sequences in one token stream, no padding.
 
-Two backends behind one signature, so the model never branches on the device:
+Two backends behind one module, ``VarlenAttention`` (the model's ``inner_attention`` seam), so the
+model never branches on the device:
 - ``"sdpa"`` (CPU and GPU): PyTorch SDPA. Short packs use one call with a block-diagonal
   mask; long packs loop over sequences so memory stays O(sum of L_i^2), not O((sum L_i)^2).
   Runs forward and backward on CPU (FlexAttention's backward does not, there).
@@ -12,9 +13,10 @@ Tensors are ``[tokens, heads, head_dim]``; K/V may have fewer heads than Q (GQA)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Callable, Literal
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 AttnBackend = Literal["sdpa", "flash"]
@@ -44,12 +46,6 @@ def make_varlen_meta(cu_seqlens: torch.Tensor, *, causal: bool, backend: "AttnBa
     if backend == "sdpa" and len(lengths) > 1 and total * total <= _MASKED_CALL_MAX_ELEMENTS:
         meta.mask = block_diagonal_mask(cu_seqlens, causal, cu_seqlens.device)
     return meta
-
-
-class VarlenAttention(Protocol):
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, *, scale: float
-    ) -> torch.Tensor: ...
 
 
 def block_diagonal_mask(cu_seqlens: torch.Tensor, causal: bool, device: torch.device) -> torch.Tensor:
@@ -92,7 +88,10 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Varlen
     )
 
 
-def get_attention(backend: AttnBackend) -> VarlenAttention:
+AttentionFn = Callable[..., torch.Tensor]
+
+
+def get_attention(backend: AttnBackend) -> AttentionFn:
     if backend == "sdpa":
         return sdpa_varlen
     if backend == "flash":
@@ -100,3 +99,27 @@ def get_attention(backend: AttnBackend) -> VarlenAttention:
             raise RuntimeError("attn_backend='flash' needs CUDA; use 'sdpa' on CPU")
         return flash_varlen
     raise ValueError(f"unknown attention backend {backend!r}; expected 'sdpa' or 'flash'")
+
+
+class VarlenAttention(nn.Module):
+    """The attention seam of a model: ``(q, k, v, meta, scale) -> out`` over a packed stream.
+
+    A module (not a bare function) so parallelism can replace it from the outside, as
+    torchtitan's ``inner_attention`` (``titanrl.parallel.ulysses`` wraps it for sequence
+    parallelism). ``meta`` is whatever the model was given for its attention: a ``VarlenMeta``
+    here; a wrapper may accept its own layout type and pass ``VarlenMeta``s down."""
+
+    def __init__(self, backend: AttnBackend = "sdpa") -> None:
+        super().__init__()
+        self.set_backend(backend)
+
+    def set_backend(self, backend: AttnBackend) -> None:
+        self.backend = backend
+        self.fn = get_attention(backend)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, *,
+                scale: float) -> torch.Tensor:
+        return self.fn(q, k, v, meta, scale=scale)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend}"

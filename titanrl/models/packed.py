@@ -44,6 +44,10 @@ class PackedBatch:
     # Row of the vision tower's output for each image/video placeholder token, in order; None
     # when every sequence has its own media (row i for placeholder i).
     vision_token_index: torch.Tensor | None = None
+    # Attention metadata of the decoder precomputed outside the model (a sequence-parallel
+    # layout: titanrl.parallel.ulysses.UlyssesLayout), handed to every ``inner_attention`` as is;
+    # None = every sequence of ``cu_seqlens`` is whole in this stream.
+    attention_layout: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +72,7 @@ class PackedBatch:
             grids=self.grids,
             pixel_values=pv,
             vision_token_index=None if self.vision_token_index is None else self.vision_token_index.to(device),
+            attention_layout=self.attention_layout,
         )
 
 

@@ -1,6 +1,7 @@
 """Apply parallelism and training techniques to a Qwen2.5-VL model from the outside.
 
-Order, as in torchtitan: activation checkpointing -> per-block torch.compile -> FSDP2.
+Order, as in torchtitan: Ulysses attention wrapper -> activation checkpointing -> per-block
+torch.compile -> FSDP2.
 Each vision block and each decoder layer is its own FSDP unit (all-gathered just in time,
 resharded after use); the root unit holds embeddings, merger, final norm and output.
 
@@ -22,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from titanrl.models.qwen2_5_vl.model import Qwen2_5_VLModel
+from titanrl.parallel.ulysses import apply_ulysses
 
 ActivationCheckpoint = Literal["none", "full"]
 
@@ -82,7 +84,10 @@ def parallelize_qwen2_5_vl(
     activation_checkpoint: ActivationCheckpoint = "none",
     param_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
+    ulysses: bool = False,
 ) -> Qwen2_5_VLModel:
+    if ulysses:
+        apply_ulysses(model)
     apply_activation_checkpointing(model, activation_checkpoint)
     apply_compile(model, compile_options)
     if dp_mesh is not None:

@@ -1,8 +1,8 @@
 """Rollouts as training data: one ``Trajectory`` per sampled response, packed into microbatches.
 
 A trajectory is prompt + response; only response tokens are scored (the prompt is context).
-Packing keeps every sequence whole inside one microbatch, which is what the loss aggregation
-(``titanrl.rl.grpo.aggregate``) relies on.
+``pack_trajectories`` packs whole trajectories (the reference path, the probe); the training
+stages place whole or sliced trajectories through ``titanrl.rl.exchange``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from titanrl.models.qwen2_5_vl.model import LogprobTargets
 @dataclass
 class Trajectory:
     prompt: PreparedSample
-    group: int  # index of the prompt within this rank's batch: GRPO's group
+    group: int  # global batch position of the prompt: GRPO's group, the minibatch key
     response_ids: np.ndarray  # int64 [R], as sampled (may end with the EOS token)
     rollout_logprobs: np.ndarray  # float32 [R], from the rollout engine
     finish_reason: str = "stop"
@@ -40,23 +40,6 @@ class Trajectory:
     @property
     def num_response_tokens(self) -> int:
         return len(self.response_ids)
-
-
-def split_microbatches(trajs: list[Trajectory], max_tokens: int) -> list[list[Trajectory]]:
-    """Greedy in order: start a new microbatch when the next trajectory would pass ``max_tokens``
-    (a single longer trajectory gets a microbatch of its own)."""
-    out: list[list[Trajectory]] = []
-    current: list[Trajectory] = []
-    used = 0
-    for t in trajs:
-        if current and used + t.num_tokens > max_tokens:
-            out.append(current)
-            current, used = [], 0
-        current.append(t)
-        used += t.num_tokens
-    if current:
-        out.append(current)
-    return out
 
 
 @dataclass

@@ -8,8 +8,9 @@ whole minibatch computed in one place, however unevenly it was split.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -62,8 +63,9 @@ def aggregate(
 ) -> torch.Tensor:
     """Contribution of these tokens to the minibatch mean under ``mode``.
 
-    token_values [T]; seq_index [T] local sequence of each token; seq_lengths [S] response length
-    of each local sequence (all its tokens are here: sequences are never split across calls)."""
+    token_values [T]; seq_index [T] local sequence of each token; seq_lengths [S] the *whole*
+    response length of each local sequence. Every mode is a sum of per-token terms, so a sequence
+    split across calls or ranks (Ulysses slices) contributes exactly its share."""
     if mode == "token-mean":
         return token_values.sum() / global_tokens
     per_seq = torch.zeros(seq_lengths.numel(), dtype=token_values.dtype, device=token_values.device)
@@ -129,3 +131,12 @@ def ppo_clip_loss(
     clip_frac = aggregate((clipped > unclipped).float(), **agg).detach()
     return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl_value, clip_fraction=clip_frac,
                             entropy=ent_value)
+
+
+def build_policy_loss(rl) -> Callable[..., PolicyLossOutput]:
+    """``ppo_clip_loss`` with the run's objective settings (an ``RLConfig``) bound; the caller gives
+    the per-token tensors and the minibatch's global normalisers."""
+    return functools.partial(
+        ppo_clip_loss, clip_low=rl.clip_low, clip_high=rl.clip_high, mode=rl.loss_agg, kl_coef=rl.kl_coef,
+        kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef,
+    )

@@ -2,8 +2,9 @@
 
 This file knows nothing about parallelism: FSDP, compile, activation checkpointing and
 sequence parallelism are applied from the outside (``titanrl.parallel.parallelize``).
-Attention goes through ``self.attn_fn`` (a ``VarlenAttention``), the one seam a sequence-
-parallel wrapper needs to replace.
+Attention goes through ``self.inner_attention`` (a ``VarlenAttention`` module), the one seam a
+sequence-parallel wrapper replaces; the decoder passes ``batch.attention_layout`` to it unread
+when a batch carries one (a sharded layout built outside the model).
 
 Input: a ``PackedBatch`` (see ``titanrl.models.packed``): all sequences concatenated into one
 token stream with ``cu_seqlens`` boundaries and 3D rotary positions, plus the patches of every
@@ -18,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titanrl.models.attention import AttnBackend, VarlenAttention, VarlenMeta, get_attention, make_varlen_meta
+from titanrl.models.attention import AttnBackend, VarlenAttention, VarlenMeta, make_varlen_meta
 from titanrl.models.packed import PackedBatch
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs, TextArgs, VisionArgs
 from titanrl.models.qwen2_5_vl.positions import (
@@ -102,7 +103,7 @@ class VisionAttention(nn.Module):
         self.head_dim = args.head_dim
         self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size, bias=True)
         self.proj = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
-        self.attn_fn: VarlenAttention = get_attention("sdpa")
+        self.inner_attention = VarlenAttention("sdpa")
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: VarlenMeta
@@ -110,7 +111,7 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn_fn(q, k, v, meta, scale=self.head_dim**-0.5)
+        out = self.inner_attention(q, k, v, meta, scale=self.head_dim**-0.5)
         return self.proj(out.reshape(n, -1))
 
 
@@ -213,17 +214,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=True)
         self.wv = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=True)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
-        self.attn_fn: VarlenAttention = get_attention("sdpa")
+        self.inner_attention = VarlenAttention("sdpa")
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: VarlenMeta
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: object
     ) -> torch.Tensor:
         n = x.shape[0]
         q = self.wq(x).view(n, self.n_heads, self.head_dim)
         k = self.wk(x).view(n, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(n, self.n_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn_fn(q, k, v, meta, scale=self.head_dim**-0.5)
+        out = self.inner_attention(q, k, v, meta, scale=self.head_dim**-0.5)
         return self.wo(out.reshape(n, -1))
 
 
@@ -236,7 +237,7 @@ class DecoderLayer(nn.Module):
         self.feed_forward = GatedMLP(args.hidden_size, args.intermediate_size, args.hidden_act, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: VarlenMeta
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: object
     ) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, meta)
         return x + self.feed_forward(self.ffn_norm(x))
@@ -265,11 +266,10 @@ class Qwen2_5_VLModel(nn.Module):
     # -- construction helpers
 
     def set_attention_backend(self, backend: AttnBackend) -> None:
-        fn = get_attention(backend)
         self.attn_backend = self.vision.attn_backend = backend
         for m in self.modules():
-            if isinstance(m, (Attention, VisionAttention)):
-                m.attn_fn = fn
+            if isinstance(m, VarlenAttention):
+                m.set_backend(backend)
 
     def init_weights(self, std: float = 0.02) -> None:
         """Random init (the trainer normally loads HF weights instead)."""
@@ -334,7 +334,9 @@ class Qwen2_5_VLModel(nn.Module):
         so a wrapped model (FSDP) has its output projection gathered while they are taken."""
         h = self.embed(batch)
         cos, sin = self.mrope_cos_sin(batch.position_ids, h.dtype)
-        meta = make_varlen_meta(batch.cu_seqlens, causal=True, backend=self.attn_backend)
+        meta = batch.attention_layout
+        if meta is None:
+            meta = make_varlen_meta(batch.cu_seqlens, causal=True, backend=self.attn_backend)
         for layer in self.layers.values():
             h = layer(h, cos, sin, meta)
         h = self.norm(h)
@@ -364,7 +366,10 @@ class Qwen2_5_VLModel(nn.Module):
         before it). Chunked so the vocab projection of a long rollout stays bounded."""
         logps, ents = [], []
         weight = self.output.weight
-        for s in range(0, positions.numel(), chunk_size):
+        # No targets still runs one (empty) chunk: the result stays connected to the output
+        # projection and the hidden states, so a backward from it reaches every parameter and
+        # every collective of the forward, like any other rank's (FSDP, sequence parallelism).
+        for s in range(0, max(positions.numel(), 1), chunk_size):
             logits = F.linear(hidden[positions[s : s + chunk_size]], weight).float()
             if temperature != 1.0:
                 logits = logits / temperature
@@ -372,7 +377,4 @@ class Qwen2_5_VLModel(nn.Module):
             logps.append(logp.gather(-1, target_ids[s : s + chunk_size, None]).squeeze(-1))
             if return_entropy:
                 ents.append(-(logp.exp() * logp).sum(-1))
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        logp_all = torch.cat(logps) if logps else empty
-        ent_all = (torch.cat(ents) if ents else empty) if return_entropy else None
-        return logp_all, ent_all
+        return torch.cat(logps), (torch.cat(ents) if return_entropy else None)

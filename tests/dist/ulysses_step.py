@@ -1,0 +1,238 @@
+"""Sharded (Ulysses) forward + backward of the tiny Qwen2.5-VL against the single-process result.
+
+Under torchrun (gloo, FSDP2 over all ranks), every rank builds the same global batch of
+trajectories (text, image, multi-image, short and long video prompts, two responses each, homes
+spread unevenly over the ranks) and, beside the FSDP model, an unsharded copy of the same weights:
+the reference, computed whole-sequence by ``pack_trajectories`` (the path proven against
+transformers). For every stage plan it then exchanges the pieces (one all-to-all), runs the
+sharded forward with the PPO-clip loss (advantages, old/reference log-probs, entropy: every
+per-token input travels), backward, returns the log-probs to their homes, and compares log-probs,
+loss and every gradient (vision tower included; each rank compares its FSDP shard) with the
+reference. Rank 0 writes the largest errors per case to ``--out``.
+
+Cases (``--cases``, all in one launch): ``fixed:<degree>``, ``flex`` (the FlexUlysses planner),
+``random:<n>`` (n random plans of degrees 1/2/4 with random groups and packing), ``deadlock:<n>``
+(n random plans, forward + backward only, no comparison: the test bounds the time); prefixed
+``ac-`` (activation checkpointing), ``compile-`` (compiled blocks) or ``seq-`` (no overlap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import distribute_tensor
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from fsdp_step import ARGS, clean  # noqa: E402
+from hf_reference import make_sample  # noqa: E402
+
+from titanrl.data.manifest import SampleRecord  # noqa: E402
+from titanrl.data.preprocess import PreparedSample  # noqa: E402
+from titanrl.distributed import all_gather_objects, build_ulysses_groups  # noqa: E402
+from titanrl.models.qwen2_5_vl import Qwen2_5_VLModel  # noqa: E402
+from titanrl.parallel.cost_model import CostModel  # noqa: E402
+from titanrl.parallel.flex_ulysses.plan import build_plan  # noqa: E402
+from titanrl.parallel.parallelize import CompileOptions, parallelize_qwen2_5_vl  # noqa: E402
+from titanrl.parallel.stage_plan import plan_stage, stage_from_shard_plans  # noqa: E402
+from titanrl.parallel.ulysses import layout_builder  # noqa: E402
+from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories  # noqa: E402
+from titanrl.rl.exchange import TrajectoryExchange, gather_metadata  # noqa: E402
+from titanrl.rl.grpo import ppo_clip_loss  # noqa: E402
+
+LOSS = dict(clip_low=0.2, clip_high=0.28, mode="seq-mean-token-mean", kl_coef=0.1, kl_estimator="k3",
+            entropy_coef=0.01)
+
+
+def global_trajectories() -> list[Trajectory]:
+    rng = np.random.default_rng(0)
+    kinds = [[], [("image", (1, 8, 8))], [("video", (4, 4, 6))], [("image", (1, 4, 4)), ("image", (1, 6, 4))],
+             [("video", (8, 8, 8))], [], [("image", (1, 4, 8)), ("video", (2, 4, 4))]]
+    trajs = []
+    for g, items in enumerate(kinds):
+        s = make_sample(rng, items, second_per_grid=0.5, text_len=3 + 2 * g)
+        record = SampleRecord(id=f"s{g}", source="test", prompt="", media=[], answer="")
+        pixels = None if s.pixel_values is None else s.pixel_values.numpy().astype(np.float32)
+        prompt = PreparedSample(record, s.token_ids.astype(np.int64), s.grids, pixels, [])
+        for k in range(2):
+            r = int(rng.integers(2, 9))
+            t = Trajectory(prompt=prompt, group=g, response_ids=rng.integers(0, 280, r).astype(np.int64),
+                           rollout_logprobs=np.zeros(r, np.float32))
+            t.advantage = float(rng.normal())
+            t.old_logprobs = torch.from_numpy(rng.normal(-5.0, 0.3, r).astype(np.float32))
+            t.ref_logprobs = torch.from_numpy(rng.normal(-5.0, 0.3, r).astype(np.float32))
+            trajs.append(t)
+    return trajs
+
+
+def home_of(group: int, world: int) -> int:
+    return [0, 1, 0, 2, 0, 3, 1][group] % world  # uneven: rank 0 holds the long video and more
+
+
+def loss_terms(logp, entropy, old, ref, adv, seq_index, seq_lengths, global_tokens, global_seqs):
+    return ppo_clip_loss(logp, old, adv, seq_index, seq_lengths, global_tokens=global_tokens,
+                         global_seqs=global_seqs, ref_logp=ref, entropy=entropy, **LOSS).loss
+
+
+def reference(model, trajs):
+    pack = pack_trajectories(trajs, ARGS, torch.device("cpu"), torch.float32, return_entropy=True)
+    out = model(pack.batch, pack.targets)
+    cat = lambda attr: torch.cat([getattr(t, attr) for t in trajs])  # noqa: E731
+    adv = torch.cat([torch.full((t.num_response_tokens,), t.advantage) for t in trajs])
+    loss = loss_terms(out.logprobs, out.entropy, cat("old_logprobs"), cat("ref_logprobs"), adv, pack.seq_index,
+                      pack.seq_lengths, float(sum(t.num_response_tokens for t in trajs)), float(len(trajs)))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    logps = list(torch.split(out.logprobs.detach(), [t.num_response_tokens for t in trajs]))
+    return logps, loss.item(), clean(grads)
+
+
+def random_stage(lengths, homes, world, rng):
+    n = len(lengths)
+    degrees, blocks = [], []
+    for h in lengths:
+        top = min(4, world, 1 << (int(h).bit_length() - 1))
+        p = int(rng.choice([d for d in (1, 2, 4) if d <= top]))
+        degrees.append(p)
+        blocks.append(int(rng.integers(0, world // p)))
+    h_pack = int(rng.choice([8, 40, 4096]))
+    plan = build_plan("random", lengths, world, 4, degrees, blocks, cost_model=CostModel.attention_only(),
+                      alpha=100.0, max_degree=4, h_pack=h_pack, h_pack_cap=int(rng.choice([h_pack, 200, 16384])))
+    ids = list(range(n))
+    return stage_from_shard_plans("random", lengths, homes, [(ids, plan)])
+
+
+def run_case(case: str, model, ref, mine, metas, exchange, build, world, rank, rng, recompute: bool) -> dict:
+    """``case`` = mode[:n] (fixed:<degree>, flex, random:<plans>, deadlock:<plans>)."""
+    mode, _, arg = case.partition(":")
+    plans = int(arg) if mode in ("random", "deadlock") and arg else 1
+    lengths = [m.num_tokens for m in metas]
+    homes = [m.home for m in metas]
+    stage_ids = list(range(len(metas)))
+    global_tokens = float(sum(m.response_len for m in metas))
+    global_seqs = float(len(metas))
+    check = mode != "deadlock"
+    errors = {"logp": 0.0, "loss": 0.0, "grad": 0.0}
+    max_degree = 0
+    measured_bytes, expected_bytes = 0, 0
+    text = ARGS.text
+    for _ in range(plans):
+        if mode in ("random", "deadlock"):
+            plan = random_stage(lengths, homes, world, rng)
+        else:
+            plan = plan_stage(lengths, homes, world, method=mode, max_tokens=MAX_TOKENS, cost_model=CostModel(),
+                              p_max=4, degree=int(arg or 1))
+        max_degree = max(max_degree, plan.degree_max)
+        exchange.begin_results("new_logprobs")
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        # what every group sends per layer and direction: (p - 1) N (hc + hq) d; activation
+        # checkpointing issues the forward ones twice (recomputation)
+        passes = 3 if recompute else 2
+        for wave in plan.waves:
+            for step in {st for rw in wave.ranks for st in rw.sharded}:
+                p = step.degree
+                tokens = sum(per_member[-1][1] - per_member[0][0] for per_member in step.slices)
+                heads = text.num_attention_heads // p + (text.num_attention_heads + 2 * max(text.num_key_value_heads, p)) // p
+                expected_bytes += passes * text.num_hidden_layers * (p - 1) * tokens * heads * text.head_dim * 4
+        for w in range(len(plan.waves)):
+            inp = exchange.inputs(plan, stage_ids, w, fields=("old_logprobs", "ref_logprobs"), return_entropy=True,
+                                  layout_builder=build)
+            if inp.batch is None:
+                dummy = dummy_pack(ARGS, torch.device("cpu"), torch.float32)
+                (model(dummy.batch, dummy.targets).logprobs.sum() * 0.0).backward()
+                exchange.return_logprobs(plan, stage_ids, w, inp, torch.zeros(0), "new_logprobs")
+                continue
+            out = model(inp.batch, inp.targets)
+            layout = inp.batch.attention_layout
+            loss = loss_terms(out.logprobs, out.entropy, inp.fields["old_logprobs"], inp.fields["ref_logprobs"],
+                              inp.advantages, inp.seq_index, inp.seq_lengths, global_tokens, global_seqs)
+            loss.backward()
+            measured_bytes += layout.comm.total if layout is not None else 0
+            loss_sum += loss.detach().double()
+            exchange.return_logprobs(plan, stage_ids, w, inp, out.logprobs, "new_logprobs")
+        if check:
+            dist.all_reduce(loss_sum)
+            ref_logps, ref_loss, ref_grads = ref
+            errors["loss"] = max(errors["loss"], abs(loss_sum.item() - ref_loss))
+            for t in mine:
+                i = next(j for j, u in enumerate(trajs_global) if u is t)
+                errors["logp"] = max(errors["logp"], (t.new_logprobs - ref_logps[i]).abs().max().item())
+            # this rank's FSDP shard of every gradient against the same shard of the reference
+            for name, q in model.named_parameters():
+                g = ref_grads[clean({name: None}).popitem()[0]]
+                ref_shard = distribute_tensor(g, q.grad.device_mesh, q.grad.placements, src_data_rank=None)
+                errors["grad"] = max(errors["grad"], (q.grad.to_local() - ref_shard.to_local()).abs().max().item())
+        model.zero_grad(set_to_none=True)
+    err = torch.tensor([errors["logp"], errors["loss"], errors["grad"], max_degree], dtype=torch.float64)
+    dist.all_reduce(err, op=dist.ReduceOp.MAX)
+    total = torch.tensor([measured_bytes], dtype=torch.float64)
+    dist.all_reduce(total)
+    return {"logp": err[0].item(), "loss": err[1].item(), "grad": err[2].item(), "plans": plans,
+            "max_degree": int(err[3].item()), "a2a_bytes": total.item(), "a2a_bytes_expected": float(expected_bytes)}
+
+
+MAX_TOKENS = 120  # per-rank budget of a wave: the batch needs several waves and sharded sequences
+trajs_global: list[Trajectory] = []
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--cases", required=True,
+                   help="comma-separated; each case is [ac-|compile-|seq-]mode[:n]: fixed:<degree>, flex, "
+                        "random:<plans>, deadlock:<plans>; ac- = activation checkpointing, compile- = "
+                        "compiled blocks (aot_eager), seq- = no all-to-all overlap")
+    opts = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    groups = build_ulysses_groups(rank, world, (2, 4), torch.device("cpu"))
+
+    torch.manual_seed(0)
+    plain = Qwen2_5_VLModel(ARGS)
+    plain.init_weights()
+    trajs_global.extend(global_trajectories())
+    ref = reference(plain, trajs_global)
+    mine = [t for t in trajs_global if home_of(t.group, world) == rank]
+    metas = gather_metadata(mine, rank, ARGS)
+    lengths = [m.num_tokens for m in metas]
+    exchange = TrajectoryExchange(ARGS, rank, world, torch.device("cpu"), torch.float32, mine, metas)
+    models: dict[tuple[str, str], Qwen2_5_VLModel] = {}
+    results = {}
+    rng = np.random.default_rng(1234)
+    for case in opts.cases.split(","):
+        variant, _, base = case.rpartition("-") if "-" in case else ("", "", case)
+        ac = "full" if variant == "ac" else "none"
+        backend = "aot_eager" if variant == "compile" else "none"
+        key = (ac, backend)
+        if key not in models:
+            model = Qwen2_5_VLModel(ARGS)
+            model.load_state_dict(plain.state_dict())
+            models[key] = parallelize_qwen2_5_vl(
+                model, dp_mesh=mesh, activation_checkpoint=ac, ulysses=True,
+                compile_options=CompileOptions(enable=backend != "none", backend=backend if backend != "none"
+                                               else "inductor"))
+        build = layout_builder(groups, rank=rank, lengths=lengths, backend="sdpa", device=torch.device("cpu"),
+                               overlap=variant != "seq")
+        t0 = time.perf_counter()
+        results[case] = run_case(base, models[key], ref, mine, metas, exchange, build, world, rank, rng,
+                                 recompute=ac == "full")
+        results[case]["seconds"] = time.perf_counter() - t0
+    if rank == 0:
+        results["grad_norm"] = sum(g.norm() ** 2 for g in ref[2].values()).item()
+        torch.save(results, opts.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

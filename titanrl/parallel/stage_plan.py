@@ -1,0 +1,247 @@
+"""Where every sequence of a training stage runs: waves of sequence placements, identical on every rank.
+
+A stage (old/reference log-probs over a step's sequences, or one update minibatch) runs as a
+number of *waves*: one model forward (and backward) on every rank, with each rank's share under
+``max_tokens`` tokens. Every rank computes the same :class:`StagePlan` from the all-gathered lengths
+and home ranks, so no plan is ever sent.
+
+Methods:
+- ``none``: every sequence stays on the rank that generated it; each rank splits its own sequences
+  greedily, in order, into microbatches of at most ``max_tokens``, and the wave count is the largest
+  rank's (the others idle through the rest: what a data-parallel trainer without balancing does).
+- ``flex``: FlexUlysses (:func:`plan_shards`) over all sequences: per-sequence degrees, nested groups.
+- ``fixed``: one Ulysses degree for every sequence (:func:`plan_fixed_sp`), the paper's baseline.
+- ``bucketing``: whole sequences dealt to ranks, equal counts (:func:`plan_bucketing`), verl's way.
+
+For the global methods the sequences are split into the fewest waves (Karmarkar-Karp on cost, so
+waves are alike) whose plans keep every rank within ``max_tokens``; each wave is planned on its own.
+
+A sequence whose share is over ``max_tokens`` even at the highest degree the method allows cannot be
+made to fit: it runs in a wave of its own (split as far as allowed), and the plan lists it in
+``over_budget`` so the run can report it instead of failing on one outlier.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import numpy as np
+
+from titanrl.parallel.balance import karmarkar_karp
+from titanrl.parallel.cost_model import CostModel
+from titanrl.parallel.flex_ulysses import ShardPlan, plan_bucketing, plan_fixed_sp, plan_shards
+from titanrl.parallel.flex_ulysses.groups import max_degree
+
+StageMethod = Literal["none", "flex", "fixed", "bucketing"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens ``[start, end)`` of stage sequence ``seq``, placed on one rank."""
+
+    seq: int
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ShardedStep:
+    """A sequence group run by ``ranks`` together; ``slices[s][m]`` is member ``m``'s range of ``seqs[s]``."""
+
+    degree: int
+    ranks: tuple[int, ...]
+    seqs: tuple[int, ...]
+    slices: tuple[tuple[tuple[int, int], ...], ...]
+
+    def pieces(self, rank: int) -> list[Piece]:
+        m = self.ranks.index(rank)
+        return [Piece(s, *per_member[m]) for s, per_member in zip(self.seqs, self.slices)]
+
+
+@dataclass(frozen=True)
+class RankWave:
+    """One rank's share of a wave, in the order of its packed stream: sharded groups (highest
+    sharding first), then whole sequences."""
+
+    sharded: tuple[ShardedStep, ...] = ()
+    local: tuple[int, ...] = ()
+
+    def pieces(self, rank: int, lengths: Sequence[int]) -> list[Piece]:
+        out = [p for step in self.sharded for p in step.pieces(rank)]
+        return out + [Piece(s, 0, int(lengths[s])) for s in self.local]
+
+    @property
+    def empty(self) -> bool:
+        return not self.sharded and not self.local
+
+
+@dataclass(frozen=True)
+class Wave:
+    ranks: tuple[RankWave, ...]
+    planned_cost: tuple[float, ...]  # per rank, in the cost model's units
+    tokens: tuple[int, ...]  # per rank
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    method: str
+    lengths: tuple[int, ...]
+    homes: tuple[int, ...]
+    waves: tuple[Wave, ...]
+    plan_seconds: float
+    degrees: tuple[int, ...]  # per sequence (1 = whole on one rank)
+    over_budget: tuple[int, ...] = ()  # sequences that cannot fit max_tokens at any allowed degree
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.waves[0].ranks) if self.waves else 0
+
+    def pieces(self, wave: int, rank: int) -> list[Piece]:
+        return self.waves[wave].ranks[rank].pieces(rank, self.lengths)
+
+    def moves_data(self) -> bool:
+        """Whether any piece is placed away from its home rank (then the stage exchanges data)."""
+        for w in range(len(self.waves)):
+            for r in range(self.num_devices):
+                if any(self.homes[p.seq] != r for p in self.pieces(w, r)):
+                    return True
+        return False
+
+    @property
+    def degree_max(self) -> int:
+        return max(self.degrees, default=1)
+
+    @property
+    def sharded_sequences(self) -> int:
+        return sum(1 for d in self.degrees if d > 1)
+
+    @property
+    def balance_planned(self) -> float:
+        """Sum over waves of the most loaded rank's cost over the sum of the mean: the stage's
+        planned time over its time if every wave were perfectly balanced (waves synchronise)."""
+        peak = sum(max(w.planned_cost) for w in self.waves)
+        mean = sum(float(np.mean(w.planned_cost)) for w in self.waves)
+        return peak / mean if mean > 0 else 1.0
+
+
+class PlanError(ValueError):
+    pass
+
+
+def _wave_from_shard_plan(plan: ShardPlan, ids: Sequence[int]) -> Wave:
+    """Map a plan over a wave's sequences (wave-local indices) to stage sequence ids."""
+    ranks = []
+    for sched in plan.schedule:
+        sharded = tuple(
+            ShardedStep(step.degree, step.ranks, tuple(ids[i] for i in step.seq_ids),
+                        tuple(plan.slices[i] for i in step.seq_ids))
+            for step in sched.collectives
+        )
+        local = tuple(ids[i] for step in sched.local for i in step.seq_ids)
+        ranks.append(RankWave(sharded, local))
+    return Wave(tuple(ranks), tuple(plan.device_cost), tuple(plan.device_tokens))
+
+
+def _plan_local(lengths: Sequence[int], homes: Sequence[int], num_devices: int, max_tokens: int,
+                cost_model: CostModel) -> list[Wave]:
+    per_rank: list[list[list[int]]] = []
+    for r in range(num_devices):
+        mbs: list[list[int]] = []
+        used = 0
+        for s in (i for i, h in enumerate(homes) if h == r):
+            if not mbs or used + lengths[s] > max_tokens:
+                mbs.append([])
+                used = 0
+            mbs[-1].append(s)
+            used += lengths[s]
+        per_rank.append(mbs)
+    waves = []
+    for w in range(max((len(m) for m in per_rank), default=0)):
+        members = [tuple(m[w]) if w < len(m) else () for m in per_rank]
+        cost = tuple(float(np.sum(cost_model.compute(np.asarray([lengths[s] for s in ms], dtype=float))))
+                     for ms in members)
+        tokens = tuple(sum(lengths[s] for s in ms) for ms in members)
+        waves.append(Wave(tuple(RankWave(local=ms) for ms in members), cost, tokens))
+    return waves
+
+
+def _top_degree(method: StageMethod, num_devices: int, p_max: int, degree: int) -> int:
+    if method == "flex":
+        return max_degree(num_devices, p_max)
+    if method == "fixed":
+        return degree
+    return 1
+
+
+def plan_stage(
+    lengths: Sequence[int],
+    homes: Sequence[int],
+    num_devices: int,
+    *,
+    method: StageMethod,
+    max_tokens: int,
+    cost_model: CostModel,
+    p_max: int = 1,
+    degree: int = 1,
+) -> StagePlan:
+    """Plan one stage (see the module docstring). ``homes[s]`` is the rank holding sequence ``s``."""
+    t0 = time.perf_counter()
+    h = [int(x) for x in lengths]
+    if len(homes) != len(h):
+        raise ValueError(f"{len(h)} lengths but {len(homes)} home ranks")
+    top = _top_degree(method, num_devices, p_max, degree)
+    over = tuple(i for i, length in enumerate(h) if math.ceil(length / top) > max_tokens)
+    if method == "none":
+        waves = _plan_local(h, homes, num_devices, max_tokens, cost_model)
+        return StagePlan(method, tuple(h), tuple(homes), tuple(waves), time.perf_counter() - t0,
+                         tuple(1 for _ in h), over)
+
+    def plan_one(ids: list[int]) -> ShardPlan:
+        sub = [h[i] for i in ids]
+        if method == "flex":
+            mean = sum(sub) / num_devices
+            alpha = max(1.0, max_tokens / mean) if mean > 0 else 1.0
+            return plan_shards(sub, num_devices, p_max=p_max, alpha=alpha, cost_model=cost_model)
+        if method == "fixed":
+            return plan_fixed_sp(sub, num_devices, degree, cost_model=cost_model)
+        if method == "bucketing":
+            return plan_bucketing(sub, num_devices)
+        raise ValueError(f"unknown stage method {method!r}")
+
+    rest = [i for i in range(len(h)) if i not in set(over)]
+    n = len(rest)
+    costs = [float(c) for c in np.asarray(cost_model.compute(np.asarray([h[i] for i in rest], dtype=float)))]
+    num_waves = max(1, math.ceil(sum(h[i] for i in rest) / (num_devices * max_tokens))) if n else 0
+    plans: list[tuple[list[int], ShardPlan]] = []
+    while n:
+        parts = karmarkar_karp(costs, num_waves, equal_size=False) if num_waves > 1 else [list(range(n))]
+        parts = [sorted(rest[k] for k in part) for part in parts if part]
+        plans = [(ids, plan_one(ids)) for ids in parts]
+        if all(max(plan.device_tokens) <= max_tokens for _, plan in plans):
+            break
+        if num_waves >= n:
+            raise PlanError(f"no {method} plan keeps every rank within balance.max_tokens_per_microbatch="
+                            f"{max_tokens}, even with one sequence per wave (lengths {sorted(h)[-4:]} ...)")
+        num_waves = min(n, num_waves + max(1, num_waves // 8))
+    plans += [([i], plan_one([i])) for i in over]  # each alone, split as far as the method allows
+    return stage_from_shard_plans(method, h, homes, plans, time.perf_counter() - t0, over)
+
+
+def stage_from_shard_plans(method: str, lengths: Sequence[int], homes: Sequence[int],
+                           plans: Sequence[tuple[Sequence[int], ShardPlan]], seconds: float = 0.0,
+                           over_budget: Sequence[int] = ()) -> StagePlan:
+    """A stage whose waves are the given shard plans, each over the stage sequences ``ids``."""
+    degrees = [1] * len(lengths)
+    for ids, plan in plans:
+        for i, d in zip(ids, plan.degrees):
+            degrees[i] = int(d)
+    waves = tuple(_wave_from_shard_plan(plan, ids) for ids, plan in plans)
+    return StagePlan(method, tuple(int(x) for x in lengths), tuple(homes), waves, seconds, tuple(degrees),
+                     tuple(over_budget))

@@ -1,0 +1,390 @@
+"""Trajectory exchange: every rank knows the step's trajectories by their metadata; a stage plan
+places token ranges of them on ranks; one all-to-all per wave moves each range from the rank that
+generated it (its *home*) to the rank that computes it, and log-probs come back the same way.
+
+- :func:`gather_metadata` all-gathers :class:`TrajectoryMeta` (lengths, home, GRPO group,
+  advantage, vision grids; never pixels) after scoring; every rank sorts it the same way.
+- A :class:`~titanrl.parallel.stage_plan.Piece` is a token range of one trajectory. What travels for
+  it: token ids, mrope positions (computed at home on the whole trajectory, so a slice keeps its
+  positions), the next-token targets of its scored positions (the target of a slice's last token
+  is the first token of the next slice), and the stage's per-token inputs (old / reference
+  log-probs).
+- Vision inputs travel as *frame runs*: of each image or video a rank receives only the temporal
+  patches whose placeholder tokens fall in its ranges (Qwen2.5-VL's vision attention never crosses
+  a temporal patch, so encoding a run alone is exact), each once per rank however many of its
+  ranges need it (the ``n`` responses of a prompt share one encoding).
+- :func:`assemble_wave` builds a rank's ``PackedBatch`` (with the Ulysses attention layout when it
+  holds slices of sharded groups), log-prob targets and per-token loss inputs.
+
+Both sides derive every size from the plan and the metadata, so buffers are exchanged without a
+size handshake. The trajectory is the unit here; a shared-prefix group (one prompt + its
+responses) can become the unit by giving it its own token stream and scored positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from titanrl.distributed import all_gather_objects, all_to_all_arrays
+from titanrl.models.packed import PackedBatch
+from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
+from titanrl.models.qwen2_5_vl.model import LogprobTargets
+from titanrl.models.qwen2_5_vl.positions import VisionGrid, mrope_position_ids
+from titanrl.parallel.stage_plan import Piece, StagePlan
+
+# Per-token inputs a stage can ask for, beside ids / positions / targets.
+FIELDS = ("old_logprobs", "ref_logprobs")
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One image or video of a prompt: its grid, first placeholder token and first pixel row."""
+
+    grid: VisionGrid
+    token_start: int
+    row_start: int
+    merge: int
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return (self.grid.h // self.merge) * (self.grid.w // self.merge)
+
+    @property
+    def patches_per_frame(self) -> int:
+        return self.grid.h * self.grid.w
+
+    @property
+    def token_end(self) -> int:
+        return self.token_start + self.grid.t * self.tokens_per_frame
+
+    def frames(self, start: int, end: int) -> tuple[int, int] | None:
+        """Temporal patches ``[f0, f1)`` whose tokens meet the token range ``[start, end)``."""
+        a, b = max(start, self.token_start), min(end, self.token_end)
+        if a >= b:
+            return None
+        tpf = self.tokens_per_frame
+        return (a - self.token_start) // tpf, (b - 1 - self.token_start) // tpf + 1
+
+
+@dataclass(frozen=True)
+class TrajectoryMeta:
+    home: int
+    index: int  # position in the home rank's trajectory list
+    group: int  # global batch position of the prompt (GRPO group, minibatch key)
+    prompt_len: int
+    response_len: int
+    advantage: float
+    media: tuple[MediaItem, ...]
+    name: str  # sample id, for messages
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.response_len
+
+    def scored(self, start: int, end: int) -> tuple[int, int]:
+        """Positions in ``[start, end)`` that predict a response token: ``[max(start, P-1), min(end, L-1))``."""
+        a = max(start, self.prompt_len - 1)
+        b = min(end, self.num_tokens - 1)
+        return a, max(a, b)
+
+
+def media_items(grids: Sequence[VisionGrid], prompt_ids: np.ndarray, args: Qwen2_5_VLArgs) -> tuple[MediaItem, ...]:
+    vision = np.flatnonzero((prompt_ids == args.image_token_id) | (prompt_ids == args.video_token_id))
+    merge = args.vision.spatial_merge_size
+    items, token, row = [], 0, 0
+    for g in grids:
+        start = int(vision[token])
+        items.append(MediaItem(g, start, row, merge))
+        token += g.num_tokens(merge)
+        row += g.num_patches
+    return tuple(items)
+
+
+def gather_metadata(trajs: Sequence, rank: int, args: Qwen2_5_VLArgs) -> list[TrajectoryMeta]:
+    """Every trajectory of the step on every rank, sorted by (group, index): the same list on any
+    number of ranks. Media descriptions are built once per prompt."""
+    items_of: dict[int, tuple[MediaItem, ...]] = {}
+    mine = []
+    for i, t in enumerate(trajs):
+        key = id(t.prompt)
+        if key not in items_of:
+            items_of[key] = media_items(t.prompt.grids, t.prompt.prompt_ids, args)
+        mine.append(TrajectoryMeta(rank, i, int(t.group), len(t.prompt.prompt_ids), t.num_response_tokens,
+                                   float(t.advantage), items_of[key], str(t.prompt.record.id)))
+    every = [m for part in all_gather_objects(mine) for m in part]
+    return sorted(every, key=lambda m: (m.group, m.home, m.index))
+
+
+@dataclass(frozen=True)
+class FrameRun:
+    """Temporal patches ``[f0, f1)`` of media item ``item`` of trajectory ``seq``'s prompt."""
+
+    group: int
+    item: int
+    f0: int
+    f1: int
+
+
+def frame_runs(pieces: Sequence[Piece], metas: Sequence[TrajectoryMeta]) -> list[FrameRun]:
+    """The vision inputs a rank needs for ``pieces`` (stage ids index ``metas``): per prompt and
+    media item, the union of the temporal patches its pieces touch, as maximal runs, sorted."""
+    needed: dict[tuple[int, int], set[int]] = {}
+    for p in pieces:
+        m = metas[p.seq]
+        for k, item in enumerate(m.media):
+            frames = item.frames(p.start, p.end)
+            if frames is not None:
+                needed.setdefault((m.group, k), set()).update(range(*frames))
+    runs = []
+    for (group, k), frames in sorted(needed.items()):
+        ordered = sorted(frames)
+        start = prev = ordered[0]
+        for f in ordered[1:] + [None]:
+            if f is None or f != prev + 1:
+                runs.append(FrameRun(group, k, start, prev + 1))
+                if f is not None:
+                    start = f
+            if f is not None:
+                prev = f
+    return runs
+
+
+class TrajectoryTokens:
+    """Whole-trajectory token arrays built at home once per step: ids, mrope positions."""
+
+    def __init__(self, args: Qwen2_5_VLArgs) -> None:
+        self.args = args
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def get(self, traj) -> tuple[np.ndarray, np.ndarray]:
+        key = id(traj)
+        if key not in self._cache:
+            ids = np.concatenate([traj.prompt.prompt_ids, traj.response_ids]).astype(np.int64)
+            v = self.args.vision
+            pos = mrope_position_ids(ids, traj.prompt.grids, image_token_id=self.args.image_token_id,
+                                     video_token_id=self.args.video_token_id, spatial_merge_size=v.spatial_merge_size,
+                                     tokens_per_second=v.tokens_per_second)
+            self._cache[key] = (ids, pos)
+        return self._cache[key]
+
+
+def _piece_specs(p: Piece, m: TrajectoryMeta, fields: Sequence[str]) -> list[tuple[tuple[int, ...], np.dtype]]:
+    n = p.num_tokens
+    a, b = m.scored(p.start, p.end)
+    specs = [((n,), np.dtype(np.int64)), ((3, n), np.dtype(np.int64)), ((b - a,), np.dtype(np.int64))]
+    return specs + [((b - a,), np.dtype(np.float32)) for _ in fields]
+
+
+def _run_spec(run: FrameRun, metas_by_group: dict[int, TrajectoryMeta], patch_dim: int):
+    item = metas_by_group[run.group].media[run.item]
+    return ((run.f1 - run.f0) * item.patches_per_frame, patch_dim), np.dtype(np.float32)
+
+
+@dataclass
+class WaveInputs:
+    """One rank's inputs for one wave, ready for the model."""
+
+    pieces: list[Piece]
+    batch: PackedBatch | None  # None: this rank has nothing in the wave (it runs a dummy)
+    targets: LogprobTargets | None
+    scored_counts: list[int]  # scored positions per piece, in order
+    seq_index: torch.Tensor | None  # [K] piece of each scored position
+    seq_lengths: torch.Tensor | None  # [pieces] full response length of each piece's trajectory
+    advantages: torch.Tensor | None  # [K]
+    fields: dict[str, torch.Tensor]  # [K] per requested field
+    bytes_sent: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.batch is None else self.batch.num_tokens
+
+
+class TrajectoryExchange:
+    """Moves a stage's pieces between ranks (see the module docstring). ``trajs`` are this rank's
+    trajectories (``metas[i].index`` indexes them on their home), ``stage`` maps stage sequence ids
+    to indices into ``metas``."""
+
+    def __init__(self, args: Qwen2_5_VLArgs, rank: int, world: int, device: torch.device, dtype: torch.dtype,
+                 trajs: Sequence, metas: Sequence[TrajectoryMeta]) -> None:
+        self.args = args
+        self.rank = rank
+        self.world = world
+        self.device = device
+        self.dtype = dtype
+        self.trajs = trajs
+        self.metas = metas
+        self.tokens = TrajectoryTokens(args)
+        self.by_group = {m.group: m for m in metas}
+
+    # ------------------------------------------------------------------ home side
+
+    def _piece_arrays(self, p: Piece, m: TrajectoryMeta, fields: Sequence[str]) -> list[np.ndarray]:
+        traj = self.trajs[m.index]
+        ids, pos = self.tokens.get(traj)
+        a, b = m.scored(p.start, p.end)
+        out = [ids[p.start:p.end], pos[:, p.start:p.end], ids[a + 1:b + 1]]
+        first = m.prompt_len - 1
+        for f in fields:
+            values = getattr(traj, f)
+            out.append(np.asarray(values[a - first:b - first], dtype=np.float32))
+        return out
+
+    def _run_pixels(self, run: FrameRun) -> np.ndarray:
+        m = self.by_group[run.group]
+        item = m.media[run.item]
+        pixels = self.trajs[m.index].prompt.pixel_values
+        lo = item.row_start + run.f0 * item.patches_per_frame
+        return pixels[lo:lo + (run.f1 - run.f0) * item.patches_per_frame]
+
+    # ------------------------------------------------------------------ one wave
+
+    def inputs(self, plan: StagePlan, stage_ids: Sequence[int], wave: int, *, fields: Sequence[str] = (),
+               temperature: float = 1.0, return_entropy: bool = False, layout_builder=None,
+               collective: bool = True) -> WaveInputs:
+        """This rank's inputs of ``wave``; one all-to-all (skipped when ``collective`` is False,
+        which every rank must agree on: the plan moves nothing)."""
+        metas = [self.metas[i] for i in stage_ids]
+        patch_dim = self.args.vision.patch_dim
+        send: list[list[np.ndarray]] = [[] for _ in range(self.world)]
+        specs: list[list] = [[] for _ in range(self.world)]
+        mine = plan.pieces(wave, self.rank)
+        for dest in range(self.world):
+            theirs = mine if dest == self.rank else plan.pieces(wave, dest)
+            runs = frame_runs(theirs, metas)
+            for p in theirs:
+                if metas[p.seq].home == self.rank:
+                    send[dest] += self._piece_arrays(p, metas[p.seq], fields)
+            for run in runs:
+                if self.by_group[run.group].home == self.rank:
+                    send[dest].append(self._run_pixels(run))
+        for src in range(self.world):
+            if src == self.rank:
+                continue
+            for p in mine:
+                if metas[p.seq].home == src:
+                    specs[src] += _piece_specs(p, metas[p.seq], fields)
+            for run in frame_runs(mine, metas):
+                if self.by_group[run.group].home == src:
+                    specs[src].append(_run_spec(run, self.by_group, patch_dim))
+        received, sent = all_to_all_arrays(send, specs, rank=self.rank, device=self.device, collective=collective)
+        return self._assemble(plan, wave, mine, metas, received, fields, temperature, return_entropy,
+                              layout_builder, sent)
+
+    def _assemble(self, plan, wave, mine, metas, received, fields, temperature, return_entropy, layout_builder,
+                  sent) -> WaveInputs:
+        if not mine:
+            return WaveInputs([], None, None, [], None, None, None, {}, sent)
+        cursor = [0] * self.world  # next array of each source
+        per_piece = []
+        for p in mine:
+            src = metas[p.seq].home
+            k = 3 + len(fields)
+            per_piece.append(received[src][cursor[src]:cursor[src] + k])
+            cursor[src] += k
+        runs = frame_runs(mine, metas)
+        pixels = []
+        for run in runs:
+            src = self.by_group[run.group].home
+            pixels.append(received[src][cursor[src]])
+            cursor[src] += 1
+
+        # vision: one grid per run, in run order; row of each placeholder token in stream order
+        grids: list[VisionGrid] = []
+        run_rows: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (group, item) -> (f0, f1, first row)
+        rows = 0
+        for run in runs:
+            item = self.by_group[run.group].media[run.item]
+            g = item.grid
+            grids.append(VisionGrid(run.f1 - run.f0, g.h, g.w, g.is_video, g.second_per_grid))
+            run_rows.setdefault((run.group, run.item), []).append((run.f0, run.f1, rows))
+            rows += (run.f1 - run.f0) * item.tokens_per_frame
+        token_rows = []
+        ids, pos, tgt_pos, tgt_ids, seq_index, adv = [], [], [], [], [], []
+        extra: dict[str, list[np.ndarray]] = {f: [] for f in fields}
+        scored_counts, offset = [], 0
+        for k, (p, arrays) in enumerate(zip(mine, per_piece)):
+            m = metas[p.seq]
+            ids.append(arrays[0])
+            pos.append(arrays[1])
+            a, b = m.scored(p.start, p.end)
+            tgt_pos.append(np.arange(a, b) - p.start + offset)
+            tgt_ids.append(arrays[2])
+            seq_index.append(np.full(b - a, k))
+            adv.append(np.full(b - a, m.advantage, dtype=np.float32))
+            for f, values in zip(fields, arrays[3:]):
+                extra[f].append(values)
+            scored_counts.append(b - a)
+            for j, item in enumerate(m.media):
+                frames = item.frames(p.start, p.end)
+                if frames is None:
+                    continue
+                # a piece's frames of one item lie inside one run (runs are maximal)
+                f0, _, base = next(r for r in run_rows[(m.group, j)] if r[0] <= frames[0] < r[1])
+                lo, hi = max(p.start, item.token_start), min(p.end, item.token_end)
+                start_row = base + (lo - item.token_start) - f0 * item.tokens_per_frame
+                token_rows.append(np.arange(start_row, start_row + hi - lo))
+            offset += p.num_tokens
+        dev = self.device
+        lengths = [p.num_tokens for p in mine]
+        layout = layout_builder(plan.waves[wave].ranks[self.rank]) if layout_builder is not None else None
+        batch = PackedBatch(
+            input_ids=torch.from_numpy(np.concatenate(ids)).to(dev),
+            position_ids=torch.from_numpy(np.concatenate(pos, axis=1)).to(dev),
+            cu_seqlens=torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(dev),
+            max_seqlen=max(lengths),
+            grids=grids,
+            pixel_values=torch.from_numpy(np.concatenate(pixels)).to(dev, self.dtype) if pixels else None,
+            vision_token_index=torch.from_numpy(np.concatenate(token_rows)).to(dev) if token_rows else None,
+            attention_layout=layout,
+        )
+        targets = LogprobTargets(
+            positions=torch.from_numpy(np.concatenate(tgt_pos).astype(np.int64)).to(dev),
+            token_ids=torch.from_numpy(np.concatenate(tgt_ids)).to(dev),
+            temperature=temperature, return_entropy=return_entropy,
+        )
+        return WaveInputs(
+            pieces=mine, batch=batch, targets=targets, scored_counts=scored_counts,
+            seq_index=torch.from_numpy(np.concatenate(seq_index).astype(np.int64)).to(dev),
+            seq_lengths=torch.tensor([metas[p.seq].response_len for p in mine], device=dev),
+            advantages=torch.from_numpy(np.concatenate(adv)).to(dev),
+            fields={f: torch.from_numpy(np.concatenate(v)).to(dev) for f, v in extra.items()},
+            bytes_sent=sent,
+        )
+
+    # ------------------------------------------------------------------ results home
+
+    def return_logprobs(self, plan: StagePlan, stage_ids: Sequence[int], wave: int, inputs: WaveInputs,
+                        logprobs: torch.Tensor, attr: str, *, collective: bool = True) -> int:
+        """Send each piece's log-probs to its home, which writes them into ``traj.<attr>`` (set up by
+        :meth:`begin_results`). Returns the bytes sent."""
+        metas = [self.metas[i] for i in stage_ids]
+        values = logprobs.detach().float().cpu().numpy()
+        send: list[list[np.ndarray]] = [[] for _ in range(self.world)]
+        for p, chunk in zip(inputs.pieces, np.split(values, np.cumsum(inputs.scored_counts)[:-1])):
+            send[metas[p.seq].home].append(chunk)
+        specs: list[list] = [[] for _ in range(self.world)]
+        placed: list[list[Piece]] = [[] for _ in range(self.world)]
+        for src in range(self.world):
+            for p in plan.pieces(wave, src):
+                if metas[p.seq].home == self.rank:
+                    placed[src].append(p)
+                    if src != self.rank:
+                        a, b = metas[p.seq].scored(p.start, p.end)
+                        specs[src].append(((b - a,), np.dtype(np.float32)))
+        received, sent = all_to_all_arrays(send, specs, rank=self.rank, device=self.device, collective=collective)
+        for src in range(self.world):
+            for p, chunk in zip(placed[src], received[src]):
+                m = metas[p.seq]
+                a, b = m.scored(p.start, p.end)
+                getattr(self.trajs[m.index], attr)[a - m.prompt_len + 1:b - m.prompt_len + 1] = torch.from_numpy(
+                    np.array(chunk))
+        return sent
+
+    def begin_results(self, attr: str) -> None:
+        """Give every home trajectory an empty ``attr`` for :meth:`return_logprobs` to fill."""
+        for t in self.trajs:
+            setattr(t, attr, torch.zeros(t.num_response_tokens, dtype=torch.float32))

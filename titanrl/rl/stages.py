@@ -1,0 +1,227 @@
+"""The model stages of an RL step (old / reference log-probs, policy update) over stage plans.
+
+:class:`StageRunner` is what the trainer calls. Per step it all-gathers the trajectories'
+metadata once; per stage it computes the plan every rank computes identically
+(``titanrl.parallel.stage_plan``: ``none`` keeps trajectories on their rank, ``fixed`` / ``flex``
+shard them with Ulysses), and per wave it exchanges the pieces (``titanrl.rl.exchange``), runs the
+model on every rank (a rank with nothing runs a zero-weight dummy, so FSDP's collectives match),
+and returns log-probs to their homes. It also measures what the plans did (``parallel/*``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from titanrl.distributed import all_gather_objects
+from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
+from titanrl.parallel.cost_model import CostModel
+from titanrl.parallel.stage_plan import StageMethod, StagePlan, plan_stage
+from titanrl.parallel.ulysses import UlyssesLayout, layout_builder
+from titanrl.rl.batch import Trajectory, dummy_pack
+from titanrl.rl.exchange import TrajectoryExchange, TrajectoryMeta, WaveInputs, gather_metadata
+
+
+def build_cost_model(args: Qwen2_5_VLArgs, kind: str) -> CostModel:
+    """The balancers' per-sequence cost for this model (``balance.cost_model``): ``flops`` = the
+    forward + backward FLOPs of this model's shape (attention quadratic in the length, linear
+    layers and LM head linear, vision tower per patch); ``tokens`` = the token count."""
+    if kind == "tokens":
+        return CostModel(attention_coef=0.0, linear_coef=1.0, vision_linear_coef=0.0, vision_attention_coef=0.0,
+                         flops_per_second=1.0, units="tokens")
+    if kind != "flops":
+        raise ValueError(f"unknown balance.cost_model {kind!r}")
+    t, v = args.text, args.vision
+    q_dim, kv_dim = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    per_layer = t.hidden_size * (2 * q_dim + 2 * kv_dim) + 3 * t.hidden_size * t.intermediate_size
+    linear_params = t.num_hidden_layers * per_layer + t.hidden_size * t.vocab_size
+    vit_per_patch = v.depth * (4 * v.hidden_size**2 + 3 * v.hidden_size * v.intermediate_size)
+    train = 3.0  # forward + backward = 3x forward
+    return CostModel(
+        attention_coef=train * 2 * t.num_hidden_layers * q_dim,  # causal: QK^T + PV over h^2 / 2 pairs
+        linear_coef=train * 2 * linear_params,
+        vision_linear_coef=train * 2 * vit_per_patch,
+        vision_attention_coef=train * 4 * v.hidden_size * len(v.fullatt_block_indexes),
+        flops_per_second=CostModel().flops_per_second,
+    )
+
+
+def _busy_clock(device: torch.device) -> Callable[[], float]:
+    """Per-rank busy time: process CPU time on CPU (ranks sharing cores do not count each
+    other's work, and a rank blocked in a collective burns none); on CUDA, wall time after a
+    synchronise."""
+    if device.type == "cuda":
+        def clock() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return clock
+    return time.process_time
+
+
+@dataclass
+class StepStats:
+    plan_seconds: float = 0.0
+    degree_max: int = 1
+    sharded_sequences: int = 0
+    over_budget: int = 0
+    planned_peak: float = 0.0
+    planned_mean: float = 0.0
+    exchange_bytes: int = 0
+    busy_seconds: float = 0.0
+    waves: int = 0
+    layouts: list[UlyssesLayout] = field(default_factory=list)
+
+
+class StageRunner:
+    def __init__(self, *, args: Qwen2_5_VLArgs, rank: int, world: int, device: torch.device, dtype: torch.dtype,
+                 method: StageMethod, max_tokens: int, cost_model: CostModel, p_max: int = 1, degree: int = 1,
+                 groups: dict | None = None, attn_backend: str = "sdpa", overlap: bool = True) -> None:
+        self.args = args
+        self.rank = rank
+        self.world = world
+        self.device = device
+        self.dtype = dtype
+        self.method = method
+        self.max_tokens = max_tokens
+        self.cost_model = cost_model
+        self.p_max = p_max
+        self.degree = degree
+        self.groups = groups or {}
+        self.attn_backend = attn_backend
+        self.overlap = overlap
+        self.clock = _busy_clock(device)
+        self.metas: list[TrajectoryMeta] = []
+        self.exchange: TrajectoryExchange | None = None
+        self._plans: dict[tuple[int, ...], StagePlan] = {}
+        self._warned: set[str] = set()
+        self.stats = StepStats()
+
+    # ------------------------------------------------------------------ step set-up
+
+    def begin_step(self, trajs: Sequence[Trajectory]) -> None:
+        """After rewards: every rank learns every trajectory's metadata (one all-gather)."""
+        self.metas = gather_metadata(trajs, self.rank, self.args)
+        self.exchange = TrajectoryExchange(self.args, self.rank, self.world, self.device, self.dtype, trajs,
+                                           self.metas)
+        self._plans = {}
+        self.stats = StepStats()
+
+    def all_ids(self) -> list[int]:
+        return list(range(len(self.metas)))
+
+    def minibatch_ids(self, m: int, minibatches: int) -> list[int]:
+        """Minibatch ``m``: the prompts at global positions ``p % minibatches == m`` with all their
+        responses, the same composition on any number of ranks."""
+        return [i for i, meta in enumerate(self.metas) if meta.group % minibatches == m]
+
+    def plan(self, ids: Sequence[int]) -> StagePlan:
+        key = tuple(ids)
+        if key not in self._plans:
+            metas = [self.metas[i] for i in ids]
+            plan = plan_stage([m.num_tokens for m in metas], [m.home for m in metas], self.world,
+                              method=self.method, max_tokens=self.max_tokens, cost_model=self.cost_model,
+                              p_max=self.p_max, degree=self.degree)
+            self._plans[key] = plan
+            s = self.stats
+            s.plan_seconds += plan.plan_seconds
+            for i in plan.over_budget:
+                m = metas[i]
+                if m.name not in self._warned and self.rank == 0:
+                    print(f"[titanrl] sample {m.name!r}: a trajectory of {m.num_tokens} tokens is over "
+                          f"balance.max_tokens_per_microbatch={self.max_tokens} on one rank even split as far as "
+                          f"parallelism.ulysses={self.method!r} allows; it runs alone, over the budget "
+                          "(counted in parallel/over_budget)", flush=True)
+                self._warned.add(m.name)
+            s.degree_max = max(s.degree_max, plan.degree_max)
+            if len(ids) == len(self.metas):  # the whole step's plan (the log-prob stages)
+                s.over_budget = len(plan.over_budget)
+                s.sharded_sequences = plan.sharded_sequences
+        return self._plans[key]
+
+    # ------------------------------------------------------------------ waves
+
+    def _waves(self, ids: Sequence[int], fields: Sequence[str], *, temperature: float, return_entropy: bool):
+        plan = self.plan(ids)
+        s = self.stats
+        moves = plan.moves_data()
+        lengths = [self.metas[i].num_tokens for i in ids]
+        build = layout_builder(self.groups, rank=self.rank, lengths=lengths, backend=self.attn_backend,
+                               device=self.device, overlap=self.overlap)
+        for w, wave in enumerate(plan.waves):
+            s.planned_peak += max(wave.planned_cost)
+            s.planned_mean += float(np.mean(wave.planned_cost))
+            s.waves += 1
+            inputs = self.exchange.inputs(plan, ids, w, fields=fields, temperature=temperature,
+                                          return_entropy=return_entropy, layout_builder=build, collective=moves)
+            s.exchange_bytes += inputs.bytes_sent
+            if inputs.batch is not None and isinstance(inputs.batch.attention_layout, UlyssesLayout):
+                s.layouts.append(inputs.batch.attention_layout)
+            yield plan, w, inputs, moves
+
+    def _dummy(self, model, backward: bool) -> None:
+        dummy = dummy_pack(self.args, self.device, self.dtype)
+        out = model(dummy.batch, dummy.targets)
+        if backward:
+            # zero weight, but every parameter (output projection included) is touched, so FSDP
+            # reduce-scatters the same gradient buckets on every rank
+            (out.logprobs.sum() * 0.0).backward()
+
+    @torch.no_grad()
+    def logprobs(self, model, attr: str, *, temperature: float) -> None:
+        """``traj.<attr>`` of every home trajectory: the model's log-probs of its response."""
+        ids = self.all_ids()
+        self.exchange.begin_results(attr)
+        for plan, w, inputs, moves in self._waves(ids, (), temperature=temperature, return_entropy=False):
+            t0 = self.clock()
+            if inputs.batch is None:
+                self._dummy(model, backward=False)
+                logp = torch.zeros(0)
+            else:
+                logp = model(inputs.batch, inputs.targets).logprobs
+            self.stats.busy_seconds += self.clock() - t0
+            self.stats.exchange_bytes += self.exchange.return_logprobs(plan, ids, w, inputs, logp, attr,
+                                                                       collective=moves)
+
+    def train_minibatch(self, model, ids: Sequence[int], fields: Sequence[str], loss_fn, *, temperature: float):
+        """Forward + backward of every wave of one minibatch; ``loss_fn(out, inputs, global_tokens,
+        global_seqs)`` returns the policy-loss output whose ``.loss`` is this rank's contribution
+        to the minibatch mean. Returns the summed outputs' detached terms."""
+        metas = [self.metas[i] for i in ids]
+        global_tokens = float(max(sum(m.response_len for m in metas), 1))
+        global_seqs = float(max(len(metas), 1))
+        results = []
+        for _plan, _w, inputs, _moves in self._waves(ids, fields, temperature=temperature, return_entropy=True):
+            t0 = self.clock()
+            if inputs.batch is None:
+                self._dummy(model, backward=True)
+            else:
+                out = model(inputs.batch, inputs.targets)
+                res = loss_fn(out, inputs, global_tokens, global_seqs)
+                res.loss.backward()
+                results.append(res)
+            self.stats.busy_seconds += self.clock() - t0
+        return results
+
+    # ------------------------------------------------------------------ metrics
+
+    def metrics(self) -> dict[str, float]:
+        """The ``parallel/*`` metrics of the step (collective: every rank calls it)."""
+        s = self.stats
+        a2a = sum(layout.comm.total for layout in s.layouts)
+        every = all_gather_objects((s.busy_seconds, a2a, s.exchange_bytes))
+        busy = np.asarray([e[0] for e in every], dtype=np.float64)
+        return {
+            "parallel/degree_max": float(s.degree_max),
+            "parallel/sharded_sequences": float(s.sharded_sequences),
+            "parallel/a2a_bytes": float(sum(e[1] for e in every)),
+            "parallel/exchange_bytes": float(sum(e[2] for e in every)),
+            "parallel/plan_ms": 1000.0 * s.plan_seconds,
+            "parallel/waves": float(s.waves),
+            "parallel/over_budget": float(s.over_budget),
+            "parallel/balance_planned": s.planned_peak / s.planned_mean if s.planned_mean > 0 else 1.0,
+            "parallel/balance_measured": float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
+        }

@@ -69,7 +69,8 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and compute dtype of the policy."""
     attn_backend: Literal["sdpa", "flash"] = "sdpa"
-    """Attention kernel for packed sequences; flash needs a GPU and bfloat16."""
+    """Attention kernel for packed sequences: sdpa (CPU and GPU) or flash (PyTorch's varlen FlashAttention;
+    needs a CUDA GPU and bfloat16)."""
     max_seq_len: int = 512
     """Longest packed sample (prompt with vision tokens + response), in tokens."""
 

@@ -19,7 +19,7 @@ from titanrl.data.manifest import SampleRecord
 from titanrl.data.media import load_image, load_video
 from titanrl.data.prompt import PromptEncoder
 from titanrl.data.vision import preprocess_image, preprocess_video
-from titanrl.models.qwen2_5_vl.positions import VisionGrid
+from titanrl.models.vision_grid import VisionGrid
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from titanrl.models.qwen2_5_vl.positions import VisionGrid
+from titanrl.models.vision_grid import VisionGrid
 
 _PLACEHOLDER = re.compile(r"<(image|video)>")
 

@@ -5,7 +5,7 @@ model never branches on the device:
 - ``"sdpa"`` (CPU and GPU): PyTorch SDPA. Short packs use one call with a block-diagonal
   mask; long packs loop over sequences so memory stays O(sum of L_i^2), not O((sum L_i)^2).
   Runs forward and backward on CPU (FlexAttention's backward does not, there).
-- ``"flash"`` (CUDA): flash-attn's ``flash_attn_varlen_func`` on the same cu_seqlens.
+- ``"flash"`` (CUDA): PyTorch's FlashAttention varlen kernel on the same cu_seqlens.
 
 Tensors are ``[tokens, heads, head_dim]``; K/V may have fewer heads than Q (GQA).
 """
@@ -80,12 +80,22 @@ def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenM
 
 
 def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, *, scale: float) -> torch.Tensor:
-    from flash_attn import flash_attn_varlen_func  # CUDA-only dependency, imported on use
+    """PyTorch's own FlashAttention varlen kernel (``torch.nn.attention.varlen``, what torchtitan
+    uses): no extra package; bf16/fp16 on CUDA. K/V may have fewer heads (GQA)."""
+    import inspect
 
+    from torch.nn.attention.varlen import varlen_attn
+
+    kwargs = {}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+            kwargs["enable_gqa"] = True
+        else:  # torch < 2.13 has no GQA flag: repeat K/V heads for their query groups
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     cu = meta.cu_seqlens.to(device=q.device, dtype=torch.int32)
-    return flash_attn_varlen_func(
-        q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, softmax_scale=scale, causal=meta.causal
-    )
+    return varlen_attn(q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, scale=scale,
+                       window_size=(-1, 0) if meta.causal else (-1, -1), **kwargs)
 
 
 AttentionFn = Callable[..., torch.Tensor]

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from titanrl.models.qwen2_5_vl.positions import VisionGrid
+from titanrl.models.vision_grid import VisionGrid
 
 
 @dataclass

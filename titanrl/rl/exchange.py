@@ -33,7 +33,8 @@ from titanrl.distributed import all_gather_objects, all_to_all_arrays
 from titanrl.models.packed import PackedBatch
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.models.qwen2_5_vl.model import LogprobTargets
-from titanrl.models.qwen2_5_vl.positions import VisionGrid, mrope_position_ids
+from titanrl.models.qwen2_5_vl.positions import mrope_position_ids
+from titanrl.models.vision_grid import VisionGrid
 from titanrl.parallel.stage_plan import Piece, StagePlan
 
 # Per-token inputs a stage can ask for, beside ids / positions / targets.

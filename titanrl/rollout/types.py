@@ -18,7 +18,7 @@ import numpy as np
 
 from titanrl.data.preprocess import DecodedMedia, PreparedSample
 from titanrl.data.prompt import PromptEncoder
-from titanrl.models.qwen2_5_vl.positions import VisionGrid
+from titanrl.models.vision_grid import VisionGrid
 
 FinishReason = Literal["stop", "length"]
 

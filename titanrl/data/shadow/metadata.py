@@ -38,7 +38,7 @@ from titanrl.data.media import (
 )
 from titanrl.data.shadow.placeholder import PixelPlaceholder, media_token_offsets, placeholders_for_token_range
 from titanrl.data.vision import image_grid_thw, video_grid_thw
-from titanrl.models.qwen2_5_vl.positions import VisionGrid
+from titanrl.models.vision_grid import VisionGrid
 
 if TYPE_CHECKING:
     from titanrl.data.preprocess import MediaSettings

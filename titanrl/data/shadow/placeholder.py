@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from titanrl.models.qwen2_5_vl.positions import VisionGrid
+from titanrl.models.vision_grid import VisionGrid
 
 MERGE_SIZE = 2
 TEMPORAL_PATCH_SIZE = 2

@@ -11,7 +11,7 @@ from titanrl.data.manifest import SampleRecord
 from titanrl.data.preprocess import DecodedMedia, PreparedSample
 from titanrl.data.shadow.metadata import SampleMeta
 from titanrl.data.shadow.placeholder import PixelPlaceholder
-from titanrl.models.qwen2_5_vl.positions import VisionGrid
+from titanrl.models.vision_grid import VisionGrid
 
 
 class BadSampleError(RuntimeError):

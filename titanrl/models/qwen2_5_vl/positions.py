@@ -12,33 +12,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from titanrl.models.vision_grid import VisionGrid
 
-@dataclass(frozen=True)
-class VisionGrid:
-    """One image or video as the vision tower sees it: a (t, h, w) patch grid.
-
-    ``second_per_grid`` is the time one temporal patch spans (temporal_patch_size / fps);
-    it scales temporal rotary positions of videos. Images use 1.0 and are not scaled.
-    """
-
-    t: int
-    h: int
-    w: int
-    is_video: bool = False
-    second_per_grid: float = 1.0
-
-    @property
-    def num_patches(self) -> int:
-        return self.t * self.h * self.w
-
-    def num_tokens(self, merge_size: int) -> int:
-        return self.t * (self.h // merge_size) * (self.w // merge_size)
+__all__ = ["VisionGrid", "mrope_position_ids", "vision_frame_cu_seqlens", "vision_rotary_positions",
+           "vision_window_index"]
 
 
 def mrope_position_ids(

@@ -1,0 +1,160 @@
+"""GPU check of the attention paths, on one CUDA GPU (what CPU CI cannot run).
+
+    python scripts/check_gpu_attention.py [--out result.json]
+
+A random Qwen2.5-VL of the ``small`` benchmark shape scores a packed batch of text, image,
+multi-image and video sequences. One summary line per check:
+
+1. ``flash`` (PyTorch's varlen FlashAttention) in bf16 against ``sdpa`` in fp32: log-prob and
+   gradient differences (bf16 rounding is the expected size);
+2. the same ``flash`` model with the Ulysses wrapper installed and a degree-1 layout (the whole
+   stream is this rank's ``p = 1`` region): log-probs identical to the unwrapped model, bit for
+   bit; gradients within the unwrapped model's own run-to-run spread (FlashAttention's backward
+   accumulates with atomics, so two identical runs differ in the last bits);
+3. speed: forward + backward of long packed streams, ``flash`` vs ``sdpa``, bf16.
+
+Exit status 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+from titanrl.models.packed import pack_sequences
+from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, TextArgs, VisionArgs, VisionGrid
+from titanrl.models.qwen2_5_vl.inputs import make_sequence_input
+from titanrl.models.qwen2_5_vl.model import LogprobTargets
+from titanrl.parallel.ulysses import apply_ulysses, build_layout
+
+IMAGE, VIDEO, VSTART, VEND = 990, 991, 992, 993
+ARGS = Qwen2_5_VLArgs(  # the `small` benchmark model's shape (titanrl/models/make_tiny.py)
+    text=TextArgs(vocab_size=1000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=2, mrope_section=(8, 12, 12), rope_theta=10000.0),
+    vision=VisionArgs(depth=8, hidden_size=256, intermediate_size=1024, num_heads=4, out_hidden_size=512,
+                      window_size=112, fullatt_block_indexes=(3, 7)),
+    image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND,
+)
+
+
+def sequence(rng, items, text_len, response_len):
+    ids, grids = list(rng.integers(0, 900, text_len)), []
+    for kind, (t, h, w) in items:
+        g = VisionGrid(t, h, w, is_video=kind == "video", second_per_grid=1.0)
+        ids += [VSTART] + [VIDEO if g.is_video else IMAGE] * g.num_tokens(2) + [VEND]
+        grids.append(g)
+    ids += list(rng.integers(0, 900, response_len))
+    pixels = torch.randn(sum(g.num_patches for g in grids), ARGS.vision.patch_dim) if grids else None
+    return make_sequence_input(ARGS, np.asarray(ids), grids, pixels)
+
+
+def packed(rng, specs, device):
+    seqs = [sequence(rng, *spec) for spec in specs]
+    batch = pack_sequences(seqs).to(device)
+    starts, ends = batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist()
+    pos = torch.cat([torch.arange(s, e - 1) for s, e in zip(starts, ends)]).to(device)
+    return batch, LogprobTargets(positions=pos, token_ids=batch.input_ids[pos + 1])
+
+
+def model_copy(base, dtype, backend, wrapped=False):
+    m = Qwen2_5_VLModel(ARGS).to(base.tok_embeddings.weight.device)
+    m.load_state_dict(base.state_dict())
+    m.reinit_buffers()
+    m = m.to(dtype)
+    m.set_attention_backend(backend)
+    if wrapped:
+        apply_ulysses(m)
+    return m
+
+
+def score(model, batch, targets):
+    model.zero_grad(set_to_none=True)
+    logp = model(batch, targets).logprobs
+    (-logp.mean()).backward()
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    return logp.detach().float(), grads
+
+
+def timed(model, batch, targets, repeats=5):
+    for _ in range(2):
+        score(model, batch, targets)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        score(model, batch, targets)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeats
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="")
+    opts = p.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: nothing to check", file=sys.stderr)
+        return 1
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    base = Qwen2_5_VLModel(ARGS).to(device)
+    base.init_weights()
+    specs = [([], 300, 40), ([("image", (1, 16, 16))], 20, 30), ([("image", (1, 8, 12)), ("image", (1, 12, 8))], 15, 25),
+             ([("video", (8, 16, 16))], 30, 50), ([], 1200, 60)]
+    batch, targets = packed(rng, specs, device)
+    results, ok = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": batch.num_tokens}, True
+
+    ref_lp, ref_g = score(model_copy(base, torch.float32, "sdpa"), batch, targets)
+    flash = model_copy(base, torch.bfloat16, "flash")
+    lp, g = score(flash, batch, targets)
+    sdpa16_lp, sdpa16_g = score(model_copy(base, torch.bfloat16, "sdpa"), batch, targets)
+    results["flash_bf16_vs_sdpa_fp32"] = {
+        "logp_max_abs": (lp - ref_lp).abs().max().item(),
+        "grad_rel": ((g - ref_g).norm() / ref_g.norm()).item(),
+        "sdpa_bf16_logp_max_abs": (sdpa16_lp - ref_lp).abs().max().item(),
+        "sdpa_bf16_grad_rel": ((sdpa16_g - ref_g).norm() / ref_g.norm()).item(),
+    }
+    r = results["flash_bf16_vs_sdpa_fp32"]
+    passed = r["logp_max_abs"] < 2 * r["sdpa_bf16_logp_max_abs"] + 0.05 and r["grad_rel"] < 2 * r["sdpa_bf16_grad_rel"] + 0.02
+    ok &= passed
+    print(f"[{'ok' if passed else 'FAIL'}] flash bf16 vs sdpa fp32: max |dlogp| {r['logp_max_abs']:.4f} "
+          f"(sdpa bf16: {r['sdpa_bf16_logp_max_abs']:.4f}), grad rel. err {r['grad_rel']:.4f} "
+          f"(sdpa bf16: {r['sdpa_bf16_grad_rel']:.4f})", flush=True)
+
+    wrapped = model_copy(base, torch.bfloat16, "flash", wrapped=True)
+    lengths = batch.seq_lengths()
+    batch.attention_layout = build_layout([], lengths, rank=0, backend="flash", device=device)
+    wlp, wg = score(wrapped, batch, targets)
+    batch.attention_layout = None
+    _, g_again = score(flash, batch, targets)
+    spread = (g_again - g).abs().max().item()
+    grad_diff = (wg - g).abs().max().item()
+    same = torch.equal(wlp, lp) and grad_diff <= max(2 * spread, 1e-6)
+    ok &= same
+    results["ulysses_wrapper_degree1"] = {"logp_identical": torch.equal(wlp, lp), "grad_max_abs": grad_diff,
+                                          "plain_rerun_grad_max_abs": spread}
+    print(f"[{'ok' if same else 'FAIL'}] Ulysses wrapper, degree-1 layout, flash bf16: log-probs identical to the "
+          f"unwrapped model: {torch.equal(wlp, lp)}; grad max |diff| {grad_diff:.2e} (the unwrapped model against "
+          f"itself: {spread:.2e})", flush=True)
+
+    speed = {}
+    for total, seqs in ((16384, 4), (32768, 2), (32768, 256)):
+        specs = [([], total // seqs - 64, 64)] * seqs
+        batch, targets = packed(rng, specs, device)
+        times = {be: timed(model_copy(base, torch.bfloat16, be), batch, targets) for be in ("flash", "sdpa")}
+        speed[f"{seqs}x{total // seqs}"] = times
+        print(f"[ok] fwd+bwd bf16, {seqs} x {total // seqs} tokens packed: flash {1000 * times['flash']:.1f} ms, "
+              f"sdpa {1000 * times['sdpa']:.1f} ms ({times['sdpa'] / times['flash']:.2f}x)", flush=True)
+    results["speed_seconds"] = speed
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -81,7 +81,7 @@ def test_killed_and_resumed_run_matches_uninterrupted(tmp_path):
 
 @pytest.mark.slow
 def test_killed_and_resumed_flex_run_matches_uninterrupted(tmp_path):
-    """The same with FlexUlysses on 2 ranks (trajectories exchanged and sharded every step)."""
+    """The same with FlexUlysses and lb_mini on 2 ranks (trajectories exchanged and sharded every step)."""
     check_resume(tmp_path, "--parallelism.ulysses=flex", "--parallelism.p_max=2",
                  "--balance.max_tokens_per_microbatch=200", nproc=2)
 
@@ -122,23 +122,29 @@ def test_reward_rises_from_chance(tmp_path):
 
 
 @pytest.mark.slow
-def test_ulysses_flex_and_fixed_on_four_ranks_match_one(tmp_path):
-    """FlexUlysses and fixed-degree Ulysses move and shard trajectories across 4 ranks (a small
-    token budget forces several waves and sharded sequences); every step statistic of 3 steps equals
-    the 1-rank run: the log-probs, loss and gradient do not depend on where the tokens ran."""
+def test_placement_modes_on_four_ranks_match_one(tmp_path):
+    """FlexUlysses with ODC's lb_mini (sharded groups first, one gradient reduction per minibatch),
+    fixed-degree Ulysses with lb_micro, and lb_mini alone move and shard trajectories across 4 ranks (a
+    small token budget forces several waves, sharded sequences and unequal microbatch counts); every step
+    statistic of 3 steps equals the 1-rank run: log-probs, loss and gradient do not depend on where the
+    tokens ran."""
     common = ["--job.steps=3", "--checkpoint.enable=false", "--rl.global_batch_size=4", "--rollout.n=4",
               "--rl.minibatches=2", "--rl.entropy_coef=0.01", "--balance.max_tokens_per_microbatch=160"]
     run(train_cmd(tmp_path / "one", *common))
-    run(train_cmd(tmp_path / "flex", *common, "--parallelism.ulysses=flex", "--parallelism.p_max=4", nproc=4))
+    run(train_cmd(tmp_path / "flex", *common, "--parallelism.ulysses=flex", "--parallelism.p_max=4",
+                  "--balance.strategy=lb_mini", nproc=4))
     run(train_cmd(tmp_path / "fixed", *common, "--parallelism.ulysses=fixed", "--parallelism.ulysses_degree=2",
-                  nproc=4))
-    one, flex, fixed = metrics(tmp_path / "one"), metrics(tmp_path / "flex"), metrics(tmp_path / "fixed")
-    for other in (flex, fixed):
+                  "--balance.strategy=lb_micro", nproc=4))
+    run(train_cmd(tmp_path / "mini", *common, "--balance.strategy=lb_mini", nproc=4))
+    one, flex, fixed, mini = (metrics(tmp_path / d) for d in ("one", "flex", "fixed", "mini"))
+    for other in (flex, fixed, mini):
         assert sorted(other) == [1, 2, 3]
         for step in (1, 2, 3):
             for key in ("reward/mean", "response/length_mean", "loss", "kl", "entropy", "grad_norm"):
                 a, b = one[step][key], other[step][key]
                 assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (step, key, a, b)
+    assert all(mini[s]["balance/syncs_per_minibatch"] == 1 for s in (1, 2, 3))
+    assert fixed[1]["balance/syncs_per_minibatch"] > 1
     assert one[1]["grad_norm"] > 0
     assert max(flex[s]["parallel/sharded_sequences"] for s in (1, 2, 3)) > 0  # the plan really sharded
     assert fixed[1]["parallel/degree_max"] == 2 and fixed[1]["parallel/a2a_bytes"] > 0

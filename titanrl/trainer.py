@@ -94,13 +94,17 @@ class Trainer:
         self.ref_model = self._build_model(mesh, trainable=False) if cfg.rl.kl_coef > 0 else None
         self.stages = StageRunner(
             args=self.args, rank=info.rank, world=info.world_size, device=info.device, dtype=self.param_dtype,
-            method=self.ulysses.method, max_tokens=cfg.balance.max_tokens_per_microbatch,
+            method=self.ulysses.method, strategy=cfg.balance.strategy, max_tokens=cfg.balance.max_tokens_per_microbatch,
+            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
             cost_model=build_cost_model(self.args, cfg.balance.cost_model), p_max=self.ulysses.p_max,
             degree=self.ulysses.degree, attn_backend=cfg.model.attn_backend,
             groups=build_ulysses_groups(info.rank, info.world_size, self.ulysses.degrees, info.device)
             if info.distributed else {},
         )
         self.policy_loss = build_policy_loss(cfg.rl)
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            self.policy_loss = torch.compile(self.policy_loss, backend=cfg.compile.backend, dynamic=cfg.compile.dynamic)
+        self.probe_violations = 0
         self.optimizer = build_optimizer(cfg, self.model.parameters())
         self.lr_scheduler = build_lr_scheduler(cfg, self.optimizer)
 
@@ -152,7 +156,7 @@ class Trainer:
                 backend=cfg.compile.backend,
                 dynamic=cfg.compile.dynamic,
             ),
-            activation_checkpoint="full" if trainable and cfg.parallelism.activation_checkpoint != "none" else "none",
+            activation_checkpoint=cfg.parallelism.activation_checkpoint if trainable else "none",
             param_dtype=self.param_dtype,
             reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
             ulysses=self.ulysses.method in ("fixed", "flex"),
@@ -279,6 +283,26 @@ class Trainer:
         theirs = torch.tensor(probe_logprobs(self.engine, request, t.response_ids.tolist()))
         return float((ours - theirs).abs().max()) if len(theirs) else 0.0
 
+    def check_probe(self, diff: float) -> None:
+        """Warn when the engine and the trainer disagree beyond ``rollout.probe_tolerance``; stop after
+        ``rollout.probe_max_violations`` consecutive violations (the weights in the engine are not the
+        ones being trained, or the two compute differently)."""
+        r = self.cfg.rollout
+        if diff <= r.probe_tolerance:
+            self.probe_violations = 0
+            return
+        self.probe_violations += 1
+        if self.info.is_main:
+            print(f"[titanrl] warning: step {self.step}: vLLM and trainer log-probs differ by {diff:.3g} "
+                  f"(> rollout.probe_tolerance={r.probe_tolerance}), {self.probe_violations} time(s) in a row",
+                  flush=True)
+        if r.probe_max_violations and self.probe_violations >= r.probe_max_violations:
+            raise RuntimeError(
+                f"the weight-sync probe exceeded rollout.probe_tolerance={r.probe_tolerance} in "
+                f"{self.probe_violations} consecutive checks (last: {diff:.3g}): the rollout engine does not "
+                "compute with the trained weights; raise the tolerance only if the two sides use different "
+                "kernels or dtypes on purpose")
+
     # ------------------------------------------------------------------ step
 
     def rl_step(self) -> dict[str, float]:
@@ -305,8 +329,9 @@ class Trainer:
         self.step += 1
         probe_every = self.cfg.rollout.probe_every
         if probe_every and self.step % probe_every == 0:
-            diff = self.probe(trajs)
-            stats["probe/logprob_max_diff"] = float(all_reduce_max(diff))
+            diff = float(all_reduce_max(self.probe(trajs)))
+            stats["probe/logprob_max_diff"] = diff
+            self.check_probe(diff)
 
         local = torch.tensor([
             sum(t.reward for t in trajs), sum(t.extras["correct"] for t in trajs), float(len(trajs)),
@@ -333,7 +358,8 @@ class Trainer:
             while self.step < self.cfg.job.steps:
                 metrics = self.rl_step()
                 history.append(metrics)
-                self.metrics.log(self.step, metrics)
+                if self.step % self.cfg.metrics.log_freq == 0 or self.step == self.cfg.job.steps:
+                    self.metrics.log(self.step, metrics)
                 self.checkpointer.save(self.step, last_step=self.step == self.cfg.job.steps)
             self.checkpointer.maybe_wait_for_saving()
             if self.cfg.checkpoint.export_hf:

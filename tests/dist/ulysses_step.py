@@ -141,12 +141,12 @@ def run_case(case: str, model, ref, mine, metas, exchange, build, world, rank, r
                 heads = text.num_attention_heads // p + (text.num_attention_heads + 2 * max(text.num_key_value_heads, p)) // p
                 expected_bytes += passes * text.num_hidden_layers * (p - 1) * tokens * heads * text.head_dim * 4
         for w in range(len(plan.waves)):
-            inp = exchange.inputs(plan, stage_ids, w, fields=("old_logprobs", "ref_logprobs"), return_entropy=True,
-                                  layout_builder=build)
+            [inp] = exchange.inputs(plan, stage_ids, [w], fields=("old_logprobs", "ref_logprobs"),
+                                    return_entropy=True, layout_builder=build)
             if inp.batch is None:
                 dummy = dummy_pack(ARGS, torch.device("cpu"), torch.float32)
                 (model(dummy.batch, dummy.targets).logprobs.sum() * 0.0).backward()
-                exchange.return_logprobs(plan, stage_ids, w, inp, torch.zeros(0), "new_logprobs")
+                exchange.return_logprobs(plan, stage_ids, [(w, inp, torch.zeros(0))], "new_logprobs", waves=[w])
                 continue
             out = model(inp.batch, inp.targets)
             layout = inp.batch.attention_layout
@@ -155,7 +155,7 @@ def run_case(case: str, model, ref, mine, metas, exchange, build, world, rank, r
             loss.backward()
             measured_bytes += layout.comm.total if layout is not None else 0
             loss_sum += loss.detach().double()
-            exchange.return_logprobs(plan, stage_ids, w, inp, out.logprobs, "new_logprobs")
+            exchange.return_logprobs(plan, stage_ids, [(w, inp, out.logprobs)], "new_logprobs", waves=[w])
         if check:
             dist.all_reduce(loss_sum)
             ref_logps, ref_loss, ref_grads = ref

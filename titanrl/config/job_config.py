@@ -173,8 +173,10 @@ class ParallelismConfig:
     p_max: int = 4
     """Largest Ulysses group FlexUlysses may form when ulysses = 'flex' (a power of two; lowered, with a
     message, to what the model's head counts and the number of ranks allow)."""
-    activation_checkpoint: Literal["none", "full", "selective"] = "none"
-    """Activation checkpointing of transformer blocks."""
+    activation_checkpoint: Literal["none", "full"] = "none"
+    """Activation checkpointing of the policy's transformer blocks (vision and decoder): full = keep only each
+    block's input and recompute the block in backward (under Ulysses the recomputation re-issues the block's
+    all-to-alls in forward order). Selective (op-level) checkpointing is planned."""
     fsdp_reshard_after_forward: bool = True
     """Free gathered parameters after forward (less memory, one more all-gather in backward)."""
 
@@ -202,11 +204,18 @@ class BalanceConfig:
     """[balance] How rollout sequences are packed into microbatches across ranks."""
 
     strategy: Literal["lb_mini", "lb_micro", "native"] = "lb_mini"
-    """lb_mini = balance whole minibatches over ranks; lb_micro = per microbatch; native = off."""
+    """How the log-prob and update stages spread trajectories over ranks and synchronise them (ODC paper):
+    lb_mini = Karmarkar-Karp per minibatch with unequal microbatch counts per rank, parameters gathered once and
+    gradients reduced once per minibatch (holds full parameters and unsharded gradients during the minibatch);
+    lb_micro = balanced across ranks, equal microbatch counts, FSDP collectives per layer of every microbatch
+    (less memory); native = every trajectory stays on the rank that generated it, ranks padded to the largest
+    microbatch count (the baseline; only with parallelism.ulysses = 'none'). docs/balance.md"""
     max_tokens_per_microbatch: int = 2048
-    """Token budget of one packed microbatch."""
+    """Token budget of one rank's share of a microbatch (a wave); a trajectory longer than it even at the
+    highest allowed Ulysses degree runs alone, over the budget (reported as parallel/over_budget)."""
     cost_model: Literal["flops", "tokens"] = "flops"
-    """Per-sequence cost for balancing: estimated FLOPs (attention is quadratic) or token count."""
+    """Per-trajectory cost the balancers and FlexUlysses planner use: this model's FLOPs (attention quadratic in
+    the length, linear layers, vision tower per patch) or the token count."""
 
     def problems(self) -> list[str]:
         if self.max_tokens_per_microbatch < 1:
@@ -243,7 +252,11 @@ class RolloutConfig:
     probe_every: int = 1
     """Steps between weight-sync checks comparing engine and trainer log-probs (0 = never)."""
     probe_tolerance: float = 0.001
-    """Largest allowed mean |log-prob difference| in a weight-sync check."""
+    """Largest allowed max |log-prob difference| between engine and trainer in a weight-sync check; above it
+    the run warns with the numbers."""
+    probe_max_violations: int = 3
+    """Consecutive weight-sync checks over probe_tolerance after which the run stops with an error
+    (0 = only warn)."""
     seed: int | None = None
     """Sampling seed of the engine; none = derived from job.seed."""
 
@@ -265,6 +278,8 @@ class RolloutConfig:
             found.append(f"rollout.probe_every must be >= 0 (0 = never), got {self.probe_every}")
         if self.probe_tolerance <= 0:
             found.append(f"rollout.probe_tolerance must be > 0, got {self.probe_tolerance}")
+        if self.probe_max_violations < 0:
+            found.append(f"rollout.probe_max_violations must be >= 0 (0 = only warn), got {self.probe_max_violations}")
         return found
 
 
@@ -423,7 +438,8 @@ class MetricsConfig:
     """[metrics] Where and how often metrics are reported."""
 
     log_freq: int = 1
-    """Log metrics every this many RL steps."""
+    """Report metrics (console line, metrics.jsonl, TensorBoard / W&B) every this many RL steps, and at the last
+    step."""
     jsonl: bool = True
     """Append metrics to <job.dump_folder>/<job.name>/metrics.jsonl."""
     tensorboard: bool = False
@@ -455,7 +471,8 @@ class CompileConfig:
     backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """torch.compile backend."""
     components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model"])
-    """What to compile: transformer blocks ('model') and/or the loss."""
+    """What to compile: 'model' = each transformer block (under Ulysses the attention all-to-alls stay outside
+    the compiled graphs); 'loss' = the PPO-clip policy loss."""
     dynamic: bool = True
     """Compile with dynamic shapes (packed lengths and image grids change every step)."""
 
@@ -518,6 +535,12 @@ class JobConfig:
             found.append(
                 "rollout.temperature must be > 0 for rl.algorithm='grpo': greedy decoding gives "
                 "identical responses, so every advantage is 0"
+            )
+        if self.balance.strategy == "native" and self.parallelism.ulysses != "none":
+            found.append(
+                f"balance.strategy='native' keeps every trajectory on the rank that generated it, but "
+                f"parallelism.ulysses={self.parallelism.ulysses!r} places trajectories on Ulysses groups: use "
+                "balance.strategy='lb_micro' or 'lb_mini'"
             )
         prompt_and_response = self.data.max_prompt_tokens + self.rollout.max_new_tokens
         if prompt_and_response > self.model.max_seq_len:

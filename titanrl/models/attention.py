@@ -3,7 +3,10 @@
 Two backends behind one module, ``VarlenAttention`` (the model's ``inner_attention`` seam), so the
 model never branches on the device:
 - ``"sdpa"`` (CPU and GPU): PyTorch SDPA. Short packs use one call with a block-diagonal
-  mask; long packs loop over sequences so memory stays O(sum of L_i^2), not O((sum L_i)^2).
+  mask; long packs batch the sequences of equal length into one call each (a token permutation
+  computed once per forward puts them side by side), so memory stays O(sum of L_i^2), not
+  O((sum L_i)^2), a vision tower's hundreds of equal windows cost a few calls, and backward stays
+  O(N) (slicing one tensor per sequence would make each slice's backward write a full-size grad).
   Runs forward and backward on CPU (FlexAttention's backward does not, there).
 - ``"flash"`` (CUDA): PyTorch's FlashAttention varlen kernel on the same cu_seqlens.
 
@@ -35,6 +38,11 @@ class VarlenMeta:
     causal: bool
     bounds: list[int] = field(default_factory=list)  # cu_seqlens as Python ints
     mask: torch.Tensor | None = None  # block-diagonal mask, when one masked call is used
+    # sdpa without a mask: tokens permuted so sequences of equal length sit together, and
+    # (length, count) of each run of equal lengths in that order
+    perm: torch.Tensor | None = None
+    inverse: torch.Tensor | None = None
+    length_groups: list[tuple[int, int]] = field(default_factory=list)
 
 
 def make_varlen_meta(cu_seqlens: torch.Tensor, *, causal: bool, backend: "AttnBackend" = "sdpa") -> VarlenMeta:
@@ -43,8 +51,19 @@ def make_varlen_meta(cu_seqlens: torch.Tensor, *, causal: bool, backend: "AttnBa
     max_seqlen = max(lengths) if lengths else 0
     meta = VarlenMeta(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=causal, bounds=bounds)
     total = bounds[-1] if bounds else 0
-    if backend == "sdpa" and len(lengths) > 1 and total * total <= _MASKED_CALL_MAX_ELEMENTS:
-        meta.mask = block_diagonal_mask(cu_seqlens, causal, cu_seqlens.device)
+    if backend == "sdpa" and len(lengths) > 1:
+        if total * total <= _MASKED_CALL_MAX_ELEMENTS:
+            meta.mask = block_diagonal_mask(cu_seqlens, causal, cu_seqlens.device)
+        else:
+            order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+            for i in order:
+                if meta.length_groups and meta.length_groups[-1][0] == lengths[i]:
+                    meta.length_groups[-1] = (lengths[i], meta.length_groups[-1][1] + 1)
+                else:
+                    meta.length_groups.append((lengths[i], 1))
+            if order != sorted(order):
+                perm = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in order]).to(cu_seqlens.device)
+                meta.perm, meta.inverse = perm, torch.argsort(perm)
     return meta
 
 
@@ -61,22 +80,24 @@ def block_diagonal_mask(cu_seqlens: torch.Tensor, causal: bool, device: torch.de
 
 def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, *, scale: float) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
-    # SDPA wants [batch, heads, tokens, dim]
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    if len(meta.bounds) <= 2:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=meta.causal, scale=scale, enable_gqa=gqa)
-    elif meta.mask is not None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=meta.mask, scale=scale, enable_gqa=gqa)
-    else:
-        b = meta.bounds
-        outs = [
-            F.scaled_dot_product_attention(
-                qh[:, :, s:e], kh[:, :, s:e], vh[:, :, s:e], is_causal=meta.causal, scale=scale, enable_gqa=gqa
-            )
-            for s, e in zip(b[:-1], b[1:])
-        ]
-        out = torch.cat(outs, dim=2)
-    return out.squeeze(0).transpose(0, 1)
+    if len(meta.bounds) <= 2 or meta.mask is not None:
+        # SDPA wants [batch, heads, tokens, dim]
+        qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        if meta.mask is None:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=meta.causal, scale=scale, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=meta.mask, scale=scale, enable_gqa=gqa)
+        return out.squeeze(0).transpose(0, 1)
+    if meta.perm is not None:
+        q, k, v = (t.index_select(0, meta.perm) for t in (q, k, v))
+    sizes = [length * count for length, count in meta.length_groups]
+    outs = []
+    for (length, count), qg, kg, vg in zip(meta.length_groups, q.split(sizes), k.split(sizes), v.split(sizes)):
+        qb, kb, vb = (t.reshape(count, length, t.shape[1], t.shape[2]).transpose(1, 2) for t in (qg, kg, vg))
+        ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=meta.causal, scale=scale, enable_gqa=gqa)
+        outs.append(ob.transpose(1, 2).reshape(count * length, ob.shape[1], ob.shape[3]))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return out.index_select(0, meta.inverse) if meta.inverse is not None else out
 
 
 def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, *, scale: float) -> torch.Tensor:

@@ -144,6 +144,14 @@ def _by_cost_desc(microbatches: list[list[int]], costs: np.ndarray) -> list[list
     return [mb for _, _, mb in keyed]
 
 
+def pack_microbatches(samples: Sequence[int], lengths: Sequence[int], costs: Sequence[float],
+                      max_tokens: int) -> list[list[int]]:
+    """One rank's ``samples`` in the fewest memory-feasible microbatches (KK on cost), heaviest
+    first; a sample longer than ``max_tokens`` can only be alone, and is."""
+    lens, cs = np.asarray(lengths, dtype=np.int64), np.asarray(costs, dtype=np.float64)
+    return _pack_ranks([list(samples)], np.minimum(lens, max_tokens), cs, max_tokens, same_count=False)[0]
+
+
 def _pack_ranks(
     rank_samples: list[list[int]], lengths: np.ndarray, costs: np.ndarray, max_tokens: int, same_count: bool
 ) -> MinibatchPlan:
@@ -186,8 +194,12 @@ def partition_minibatch(
     max_tokens_per_microbatch: int,
     cost_fn: Callable[[np.ndarray], np.ndarray] | None = None,
     equal_size: bool | None = None,
+    costs: Sequence[float] | None = None,
 ) -> MinibatchPlan:
     """Per rank, the microbatches (lists of indices into ``lengths``) of one minibatch.
+
+    ``costs`` (per sample) overrides ``cost_fn``: the caller may pass lengths capped at the budget
+    (a longer sample then fills a microbatch alone) while balancing its true cost.
 
     ``equal_size`` (equal sample counts per rank) defaults to True for ``lb_micro`` (verl's
     constraint); ``lb_mini`` by default runs KK both with and without it and keeps the partition
@@ -199,7 +211,7 @@ def partition_minibatch(
     _check(lens, world_size, max_tokens_per_microbatch)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: expected one of {STRATEGIES}")
-    costs = _costs(lens, cost_fn)
+    costs = _costs(lens, cost_fn) if costs is None else np.asarray(costs, dtype=np.float64).reshape(-1)
     n = int(lens.size)
     if strategy == "native":
         bounds = [(n * r) // world_size for r in range(world_size + 1)]

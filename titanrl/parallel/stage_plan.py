@@ -16,6 +16,19 @@ Methods:
 For the global methods the sequences are split into the fewest waves (Karmarkar-Karp on cost, so
 waves are alike) whose plans keep every rank within ``max_tokens``; each wave is planned on its own.
 
+``strategy`` (``balance.strategy``, the ODC paper's names) says how ranks synchronise:
+
+- ``native`` (method ``none`` only): as above, every rank runs every wave (FSDP collectives per layer).
+- ``lb_micro``: the minibatch is balanced across ranks and every rank runs every wave; with method
+  ``none`` the sequences are re-partitioned by Karmarkar-Karp into equal microbatch counts
+  (:func:`partition_minibatch`), with the Ulysses methods the waves above.
+- ``lb_mini``: one synchronisation per minibatch (``sync = "minibatch"``, run by
+  ``titanrl.parallel.odc.minibatch_sync``): ranks run only the waves they have work in, different
+  numbers of them. Method ``none``: Karmarkar-Karp per minibatch with unequal counts, each rank's share
+  packed into as many microbatches as its budget needs. Ulysses methods: the waves' sharded groups come
+  first (their members run them together), then each rank's whole sequences of all waves, repacked into
+  its own microbatches, so no all-to-all follows any rank's final (gradient-reducing) microbatch.
+
 A sequence whose share is over ``max_tokens`` even at the highest degree the method allows cannot be
 made to fit: it runs in a wave of its own (split as far as allowed), and the plan lists it in
 ``over_budget`` so the run can report it instead of failing on one outlier.
@@ -23,6 +36,7 @@ made to fit: it runs in a wave of its own (split as far as allowed), and the pla
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -30,12 +44,14 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from titanrl.parallel.balance import karmarkar_karp
+from titanrl.parallel.balance import karmarkar_karp, pack_microbatches, partition_minibatch
 from titanrl.parallel.cost_model import CostModel
 from titanrl.parallel.flex_ulysses import ShardPlan, plan_bucketing, plan_fixed_sp, plan_shards
 from titanrl.parallel.flex_ulysses.groups import max_degree
 
 StageMethod = Literal["none", "flex", "fixed", "bucketing"]
+BalanceStrategy = Literal["native", "lb_micro", "lb_mini"]
+Sync = Literal["wave", "minibatch"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +114,7 @@ class StagePlan:
     plan_seconds: float
     degrees: tuple[int, ...]  # per sequence (1 = whole on one rank)
     over_budget: tuple[int, ...] = ()  # sequences that cannot fit max_tokens at any allowed degree
+    sync: Sync = "wave"  # "minibatch": a rank runs only its non-empty waves (lb_mini)
 
     @property
     def num_devices(self) -> int:
@@ -122,13 +139,36 @@ class StagePlan:
     def sharded_sequences(self) -> int:
         return sum(1 for d in self.degrees if d > 1)
 
+    def rank_waves(self, rank: int) -> list[int]:
+        """The waves ``rank`` runs: all of them, or (minibatch sync) only those it has work in."""
+        if self.sync == "wave":
+            return list(range(len(self.waves)))
+        return [w for w, wave in enumerate(self.waves) if not wave.ranks[rank].empty]
+
+    def microbatch_counts(self) -> list[int]:
+        return [len(self.rank_waves(r)) for r in range(self.num_devices)]
+
+    @property
+    def planned_times(self) -> tuple[float, float]:
+        """(planned stage time, mean per-rank cost), in cost units: per wave the most loaded rank
+        when waves synchronise, the most loaded rank's total under minibatch sync."""
+        if not self.waves:
+            return 0.0, 0.0
+        totals = np.sum([w.planned_cost for w in self.waves], axis=0)
+        peak = float(totals.max()) if self.sync == "minibatch" else sum(max(w.planned_cost) for w in self.waves)
+        return peak, float(totals.mean())
+
     @property
     def balance_planned(self) -> float:
-        """Sum over waves of the most loaded rank's cost over the sum of the mean: the stage's
-        planned time over its time if every wave were perfectly balanced (waves synchronise)."""
-        peak = sum(max(w.planned_cost) for w in self.waves)
-        mean = sum(float(np.mean(w.planned_cost)) for w in self.waves)
+        """Planned stage time over the time if every rank carried the mean load."""
+        peak, mean = self.planned_times
         return peak / mean if mean > 0 else 1.0
+
+    @property
+    def bubble_planned(self) -> float:
+        """Planned idle fraction: 1 - mean / planned time (ODC appendix G)."""
+        peak, mean = self.planned_times
+        return 1.0 - mean / peak if peak > 0 else 0.0
 
 
 class PlanError(ValueError):
@@ -149,8 +189,9 @@ def _wave_from_shard_plan(plan: ShardPlan, ids: Sequence[int]) -> Wave:
     return Wave(tuple(ranks), tuple(plan.device_cost), tuple(plan.device_tokens))
 
 
-def _plan_local(lengths: Sequence[int], homes: Sequence[int], num_devices: int, max_tokens: int,
-                cost_model: CostModel) -> list[Wave]:
+def _local_microbatches(lengths: Sequence[int], homes: Sequence[int], num_devices: int,
+                        max_tokens: int) -> list[list[list[int]]]:
+    """native: each rank's own sequences, in order, cut greedily at ``max_tokens``."""
     per_rank: list[list[list[int]]] = []
     for r in range(num_devices):
         mbs: list[list[int]] = []
@@ -162,14 +203,43 @@ def _plan_local(lengths: Sequence[int], homes: Sequence[int], num_devices: int, 
             mbs[-1].append(s)
             used += lengths[s]
         per_rank.append(mbs)
+    return per_rank
+
+
+def _waves_of_microbatches(per_rank: Sequence[Sequence[Sequence[int]]], lengths: Sequence[int],
+                           costs: Sequence[float]) -> list[Wave]:
+    """Wave ``w`` = every rank's ``w``-th microbatch of whole sequences (or nothing)."""
     waves = []
     for w in range(max((len(m) for m in per_rank), default=0)):
         members = [tuple(m[w]) if w < len(m) else () for m in per_rank]
-        cost = tuple(float(np.sum(cost_model.compute(np.asarray([lengths[s] for s in ms], dtype=float))))
-                     for ms in members)
-        tokens = tuple(sum(lengths[s] for s in ms) for ms in members)
-        waves.append(Wave(tuple(RankWave(local=ms) for ms in members), cost, tokens))
+        waves.append(Wave(tuple(RankWave(local=ms) for ms in members),
+                          tuple(float(sum(costs[s] for s in ms)) for ms in members),
+                          tuple(sum(lengths[s] for s in ms) for ms in members)))
     return waves
+
+
+def _sharded_first(waves: Sequence[Wave], lengths: Sequence[int], costs: Sequence[float], num_devices: int,
+                   max_tokens: int) -> list[Wave]:
+    """lb_mini with Ulysses: the waves' sharded groups first, then every rank's whole sequences of
+    all waves repacked into its own microbatches (see the module docstring)."""
+    out = []
+    for wave in waves:
+        if not any(rw.sharded for rw in wave.ranks):
+            continue
+        ranks = tuple(RankWave(sharded=rw.sharded) for rw in wave.ranks)
+        cost, tokens = [0.0] * num_devices, [0] * num_devices
+        for r, rw in enumerate(ranks):
+            for step in rw.sharded:
+                for p in step.pieces(r):
+                    cost[r] += costs[p.seq] / step.degree
+                    tokens[r] += p.num_tokens
+        out.append(Wave(ranks, tuple(cost), tuple(tokens)))
+    local = [[s for wave in waves for s in wave.ranks[r].local] for r in range(num_devices)]
+    per_rank = [pack_microbatches(range(len(ls)), [lengths[s] for s in ls], [costs[s] for s in ls], max_tokens)
+                if ls else []
+                for ls in local]
+    per_rank = [[[ls[i] for i in mb] for mb in mbs] for ls, mbs in zip(local, per_rank)]
+    return out + _waves_of_microbatches(per_rank, lengths, costs)
 
 
 def _top_degree(method: StageMethod, num_devices: int, p_max: int, degree: int) -> int:
@@ -188,20 +258,33 @@ def plan_stage(
     method: StageMethod,
     max_tokens: int,
     cost_model: CostModel,
+    strategy: BalanceStrategy | None = None,
     p_max: int = 1,
     degree: int = 1,
 ) -> StagePlan:
-    """Plan one stage (see the module docstring). ``homes[s]`` is the rank holding sequence ``s``."""
+    """Plan one stage (see the module docstring). ``homes[s]`` is the rank holding sequence ``s``;
+    ``strategy`` None = ``native`` for method ``none``, ``lb_micro`` for the others."""
     t0 = time.perf_counter()
+    if strategy is None:
+        strategy = "native" if method == "none" else "lb_micro"
     h = [int(x) for x in lengths]
     if len(homes) != len(h):
         raise ValueError(f"{len(h)} lengths but {len(homes)} home ranks")
+    if strategy == "native" and method != "none":
+        raise ValueError(f"balance.strategy='native' keeps sequences where they are; method {method!r} places them")
     top = _top_degree(method, num_devices, p_max, degree)
     over = tuple(i for i, length in enumerate(h) if math.ceil(length / top) > max_tokens)
+    costs = [float(c) for c in np.asarray(cost_model.compute(np.asarray(h, dtype=float)), dtype=float)]
+    sync: Sync = "minibatch" if strategy == "lb_mini" else "wave"
     if method == "none":
-        waves = _plan_local(h, homes, num_devices, max_tokens, cost_model)
+        if strategy == "native":
+            per_rank = _local_microbatches(h, homes, num_devices, max_tokens)
+        else:  # lengths capped at the budget: a longer sequence fills a microbatch alone
+            per_rank = partition_minibatch([min(x, max_tokens) for x in h], num_devices, strategy=strategy,
+                                           max_tokens_per_microbatch=max_tokens, costs=costs) if h else []
+        waves = _waves_of_microbatches(per_rank, h, costs)
         return StagePlan(method, tuple(h), tuple(homes), tuple(waves), time.perf_counter() - t0,
-                         tuple(1 for _ in h), over)
+                         tuple(1 for _ in h), over, sync)
 
     def plan_one(ids: list[int]) -> ShardPlan:
         sub = [h[i] for i in ids]
@@ -217,11 +300,11 @@ def plan_stage(
 
     rest = [i for i in range(len(h)) if i not in set(over)]
     n = len(rest)
-    costs = [float(c) for c in np.asarray(cost_model.compute(np.asarray([h[i] for i in rest], dtype=float)))]
     num_waves = max(1, math.ceil(sum(h[i] for i in rest) / (num_devices * max_tokens))) if n else 0
     plans: list[tuple[list[int], ShardPlan]] = []
     while n:
-        parts = karmarkar_karp(costs, num_waves, equal_size=False) if num_waves > 1 else [list(range(n))]
+        parts = (karmarkar_karp([costs[i] for i in rest], num_waves, equal_size=False) if num_waves > 1
+                 else [list(range(n))])
         parts = [sorted(rest[k] for k in part) for part in parts if part]
         plans = [(ids, plan_one(ids)) for ids in parts]
         if all(max(plan.device_tokens) <= max_tokens for _, plan in plans):
@@ -231,7 +314,11 @@ def plan_stage(
                             f"{max_tokens}, even with one sequence per wave (lengths {sorted(h)[-4:]} ...)")
         num_waves = min(n, num_waves + max(1, num_waves // 8))
     plans += [([i], plan_one([i])) for i in over]  # each alone, split as far as the method allows
-    return stage_from_shard_plans(method, h, homes, plans, time.perf_counter() - t0, over)
+    stage = stage_from_shard_plans(method, h, homes, plans, time.perf_counter() - t0, over)
+    if sync == "minibatch":
+        waves = _sharded_first(stage.waves, h, costs, num_devices, max_tokens)
+        stage = dataclasses.replace(stage, waves=tuple(waves), sync=sync, plan_seconds=time.perf_counter() - t0)
+    return stage
 
 
 def stage_from_shard_plans(method: str, lengths: Sequence[int], homes: Sequence[int],

@@ -243,43 +243,45 @@ class TrajectoryExchange:
 
     # ------------------------------------------------------------------ one wave
 
-    def inputs(self, plan: StagePlan, stage_ids: Sequence[int], wave: int, *, fields: Sequence[str] = (),
+    def inputs(self, plan: StagePlan, stage_ids: Sequence[int], waves: Sequence[int], *, fields: Sequence[str] = (),
                temperature: float = 1.0, return_entropy: bool = False, layout_builder=None,
-               collective: bool = True) -> WaveInputs:
-        """This rank's inputs of ``wave``; one all-to-all (skipped when ``collective`` is False,
-        which every rank must agree on: the plan moves nothing)."""
+               collective: bool = True) -> list[WaveInputs]:
+        """This rank's inputs of each of ``waves``, moved with one all-to-all (skipped when
+        ``collective`` is False, which every rank must agree on: the plan moves nothing)."""
         metas = [self.metas[i] for i in stage_ids]
         patch_dim = self.args.vision.patch_dim
         send: list[list[np.ndarray]] = [[] for _ in range(self.world)]
         specs: list[list] = [[] for _ in range(self.world)]
-        mine = plan.pieces(wave, self.rank)
-        for dest in range(self.world):
-            theirs = mine if dest == self.rank else plan.pieces(wave, dest)
-            runs = frame_runs(theirs, metas)
-            for p in theirs:
-                if metas[p.seq].home == self.rank:
-                    send[dest] += self._piece_arrays(p, metas[p.seq], fields)
-            for run in runs:
-                if self.by_group[run.group].home == self.rank:
-                    send[dest].append(self._run_pixels(run))
-        for src in range(self.world):
-            if src == self.rank:
-                continue
-            for p in mine:
-                if metas[p.seq].home == src:
-                    specs[src] += _piece_specs(p, metas[p.seq], fields)
-            for run in frame_runs(mine, metas):
-                if self.by_group[run.group].home == src:
-                    specs[src].append(_run_spec(run, self.by_group, patch_dim))
+        for w in waves:
+            mine = plan.pieces(w, self.rank)
+            for dest in range(self.world):
+                theirs = mine if dest == self.rank else plan.pieces(w, dest)
+                for p in theirs:
+                    if metas[p.seq].home == self.rank:
+                        send[dest] += self._piece_arrays(p, metas[p.seq], fields)
+                for run in frame_runs(theirs, metas):
+                    if self.by_group[run.group].home == self.rank:
+                        send[dest].append(self._run_pixels(run))
+            runs = frame_runs(mine, metas)
+            for src in range(self.world):
+                if src == self.rank:
+                    continue
+                specs[src] += [spec for p in mine if metas[p.seq].home == src
+                               for spec in _piece_specs(p, metas[p.seq], fields)]
+                specs[src] += [_run_spec(run, self.by_group, patch_dim) for run in runs
+                               if self.by_group[run.group].home == src]
         received, sent = all_to_all_arrays(send, specs, rank=self.rank, device=self.device, collective=collective)
-        return self._assemble(plan, wave, mine, metas, received, fields, temperature, return_entropy,
-                              layout_builder, sent)
+        cursor = [0] * self.world  # next array of each source, consumed wave by wave in send order
+        out = [self._assemble(plan, w, plan.pieces(w, self.rank), metas, received, cursor, fields, temperature,
+                              return_entropy, layout_builder) for w in waves]
+        if out:
+            out[0].bytes_sent = sent
+        return out
 
-    def _assemble(self, plan, wave, mine, metas, received, fields, temperature, return_entropy, layout_builder,
-                  sent) -> WaveInputs:
+    def _assemble(self, plan, wave, mine, metas, received, cursor, fields, temperature, return_entropy,
+                  layout_builder) -> WaveInputs:
         if not mine:
-            return WaveInputs([], None, None, [], None, None, None, {}, sent)
-        cursor = [0] * self.world  # next array of each source
+            return WaveInputs([], None, None, [], None, None, None, {})
         per_piece = []
         for p in mine:
             src = metas[p.seq].home
@@ -353,29 +355,35 @@ class TrajectoryExchange:
             seq_lengths=torch.tensor([metas[p.seq].response_len for p in mine], device=dev),
             advantages=torch.from_numpy(np.concatenate(adv)).to(dev),
             fields={f: torch.from_numpy(np.concatenate(v)).to(dev) for f, v in extra.items()},
-            bytes_sent=sent,
         )
 
     # ------------------------------------------------------------------ results home
 
-    def return_logprobs(self, plan: StagePlan, stage_ids: Sequence[int], wave: int, inputs: WaveInputs,
-                        logprobs: torch.Tensor, attr: str, *, collective: bool = True) -> int:
+    def return_logprobs(self, plan: StagePlan, stage_ids: Sequence[int], results, attr: str, *,
+                        waves: Sequence[int], collective: bool = True) -> int:
         """Send each piece's log-probs to its home, which writes them into ``traj.<attr>`` (set up by
-        :meth:`begin_results`). Returns the bytes sent."""
+        :meth:`begin_results`). ``results``: (wave, inputs, log-probs) of the waves this rank ran among
+        ``waves`` (every rank passes the same ``waves``); one all-to-all. Returns the bytes sent."""
         metas = [self.metas[i] for i in stage_ids]
-        values = logprobs.detach().float().cpu().numpy()
         send: list[list[np.ndarray]] = [[] for _ in range(self.world)]
-        for p, chunk in zip(inputs.pieces, np.split(values, np.cumsum(inputs.scored_counts)[:-1])):
-            send[metas[p.seq].home].append(chunk)
+        by_wave = {w: (inputs, logprobs) for w, inputs, logprobs in results}
+        for w in waves:
+            if w not in by_wave:
+                continue
+            inputs, logprobs = by_wave[w]
+            values = logprobs.detach().float().cpu().numpy()
+            for p, chunk in zip(inputs.pieces, np.split(values, np.cumsum(inputs.scored_counts)[:-1])):
+                send[metas[p.seq].home].append(chunk)
         specs: list[list] = [[] for _ in range(self.world)]
         placed: list[list[Piece]] = [[] for _ in range(self.world)]
-        for src in range(self.world):
-            for p in plan.pieces(wave, src):
-                if metas[p.seq].home == self.rank:
-                    placed[src].append(p)
-                    if src != self.rank:
-                        a, b = metas[p.seq].scored(p.start, p.end)
-                        specs[src].append(((b - a,), np.dtype(np.float32)))
+        for w in waves:
+            for src in range(self.world):
+                for p in plan.pieces(w, src):
+                    if metas[p.seq].home == self.rank:
+                        placed[src].append(p)
+                        if src != self.rank:
+                            a, b = metas[p.seq].scored(p.start, p.end)
+                            specs[src].append(((b - a,), np.dtype(np.float32)))
         received, sent = all_to_all_arrays(send, specs, rank=self.rank, device=self.device, collective=collective)
         for src in range(self.world):
             for p, chunk in zip(placed[src], received[src]):

@@ -2,15 +2,24 @@
 
 :class:`StageRunner` is what the trainer calls. Per step it all-gathers the trajectories'
 metadata once; per stage it computes the plan every rank computes identically
-(``titanrl.parallel.stage_plan``: ``none`` keeps trajectories on their rank, ``fixed`` / ``flex``
-shard them with Ulysses), and per wave it exchanges the pieces (``titanrl.rl.exchange``), runs the
-model on every rank (a rank with nothing runs a zero-weight dummy, so FSDP's collectives match),
-and returns log-probs to their homes. It also measures what the plans did (``parallel/*``).
+(``titanrl.parallel.stage_plan``: where every token range runs, in which waves, and whether ranks
+synchronise per wave or once per minibatch), moves the pieces (``titanrl.rl.exchange``), runs the
+model, and returns log-probs to their homes. It also measures what the plans did (``parallel/*``,
+``balance/*``).
+
+Synchronisation (``StagePlan.sync``):
+- ``wave`` (native, lb_micro): every rank runs every wave, one exchange per wave; a rank with nothing
+  in a wave runs a zero-weight dummy, so FSDP's per-layer collectives match.
+- ``minibatch`` (lb_mini): one exchange for the whole stage, parameters gathered once and gradients
+  reduced once (``titanrl.parallel.odc.minibatch_sync``); each rank runs only its own waves. A rank
+  whose last wave holds a sharded group (or that has none) reduces in a trailing dummy, so no
+  all-to-all ever waits behind a gradient reduction.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -20,7 +29,8 @@ import torch
 from titanrl.distributed import all_gather_objects
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.parallel.cost_model import CostModel
-from titanrl.parallel.stage_plan import StageMethod, StagePlan, plan_stage
+from titanrl.parallel.odc import minibatch_sync
+from titanrl.parallel.stage_plan import BalanceStrategy, StageMethod, StagePlan, plan_stage
 from titanrl.parallel.ulysses import UlyssesLayout, layout_builder
 from titanrl.rl.batch import Trajectory, dummy_pack
 from titanrl.rl.exchange import TrajectoryExchange, TrajectoryMeta, WaveInputs, gather_metadata
@@ -71,21 +81,29 @@ class StepStats:
     planned_peak: float = 0.0
     planned_mean: float = 0.0
     exchange_bytes: int = 0
-    busy_seconds: float = 0.0
+    busy_seconds: float = 0.0  # log-prob + update stages
+    update_busy_seconds: float = 0.0
+    update_planned_peak: float = 0.0
+    update_planned_mean: float = 0.0
     waves: int = 0
+    microbatches: int = 0  # update microbatches this rank ran (dummies included), over the step
+    reducing_microbatches: int = 0  # of those, the ones whose backward reduced gradients
+    minibatches: int = 0
     layouts: list[UlyssesLayout] = field(default_factory=list)
 
 
 class StageRunner:
     def __init__(self, *, args: Qwen2_5_VLArgs, rank: int, world: int, device: torch.device, dtype: torch.dtype,
-                 method: StageMethod, max_tokens: int, cost_model: CostModel, p_max: int = 1, degree: int = 1,
-                 groups: dict | None = None, attn_backend: str = "sdpa", overlap: bool = True) -> None:
+                 method: StageMethod, max_tokens: int, cost_model: CostModel, strategy: BalanceStrategy | None = None,
+                 p_max: int = 1, degree: int = 1, groups: dict | None = None, attn_backend: str = "sdpa",
+                 overlap: bool = True, reshard_after_forward: bool = True) -> None:
         self.args = args
         self.rank = rank
         self.world = world
         self.device = device
         self.dtype = dtype
         self.method = method
+        self.strategy = strategy
         self.max_tokens = max_tokens
         self.cost_model = cost_model
         self.p_max = p_max
@@ -93,6 +111,7 @@ class StageRunner:
         self.groups = groups or {}
         self.attn_backend = attn_backend
         self.overlap = overlap
+        self.reshard_after_forward = reshard_after_forward
         self.clock = _busy_clock(device)
         self.metas: list[TrajectoryMeta] = []
         self.exchange: TrajectoryExchange | None = None
@@ -123,8 +142,8 @@ class StageRunner:
         if key not in self._plans:
             metas = [self.metas[i] for i in ids]
             plan = plan_stage([m.num_tokens for m in metas], [m.home for m in metas], self.world,
-                              method=self.method, max_tokens=self.max_tokens, cost_model=self.cost_model,
-                              p_max=self.p_max, degree=self.degree)
+                              method=self.method, strategy=self.strategy, max_tokens=self.max_tokens,
+                              cost_model=self.cost_model, p_max=self.p_max, degree=self.degree)
             self._plans[key] = plan
             s = self.stats
             s.plan_seconds += plan.plan_seconds
@@ -144,23 +163,36 @@ class StageRunner:
 
     # ------------------------------------------------------------------ waves
 
-    def _waves(self, ids: Sequence[int], fields: Sequence[str], *, temperature: float, return_entropy: bool):
-        plan = self.plan(ids)
+    def _inputs(self, plan: StagePlan, ids: Sequence[int], fields: Sequence[str], *, temperature: float,
+                return_entropy: bool):
+        """(wave, inputs) of every wave this rank runs: one exchange per wave under wave sync, one
+        for the whole stage under minibatch sync."""
         s = self.stats
         moves = plan.moves_data()
         lengths = [self.metas[i].num_tokens for i in ids]
         build = layout_builder(self.groups, rank=self.rank, lengths=lengths, backend=self.attn_backend,
                                device=self.device, overlap=self.overlap)
-        for w, wave in enumerate(plan.waves):
-            s.planned_peak += max(wave.planned_cost)
-            s.planned_mean += float(np.mean(wave.planned_cost))
-            s.waves += 1
-            inputs = self.exchange.inputs(plan, ids, w, fields=fields, temperature=temperature,
-                                          return_entropy=return_entropy, layout_builder=build, collective=moves)
-            s.exchange_bytes += inputs.bytes_sent
-            if inputs.batch is not None and isinstance(inputs.batch.attention_layout, UlyssesLayout):
-                s.layouts.append(inputs.batch.attention_layout)
-            yield plan, w, inputs, moves
+        peak, mean = plan.planned_times
+        s.planned_peak += peak
+        s.planned_mean += mean
+        s.waves += len(plan.waves)
+        kw = dict(fields=fields, temperature=temperature, return_entropy=return_entropy, layout_builder=build,
+                  collective=moves)
+        batches = [[w] for w in range(len(plan.waves))] if plan.sync == "wave" else [list(range(len(plan.waves)))]
+        mine = set(plan.rank_waves(self.rank))
+        for waves in batches:
+            for w, inputs in zip(waves, self.exchange.inputs(plan, ids, waves, **kw)):
+                s.exchange_bytes += inputs.bytes_sent
+                if w not in mine:
+                    continue
+                if inputs.batch is not None and isinstance(inputs.batch.attention_layout, UlyssesLayout):
+                    s.layouts.append(inputs.batch.attention_layout)
+                yield w, inputs
+
+    def _sync(self, model, plan: StagePlan, *, train: bool):
+        if plan.sync == "minibatch":
+            return minibatch_sync(model, train=train, reshard_after_forward=self.reshard_after_forward)
+        return nullcontext(lambda: None)
 
     def _dummy(self, model, backward: bool) -> None:
         dummy = dummy_pack(self.args, self.device, self.dtype)
@@ -174,46 +206,77 @@ class StageRunner:
     def logprobs(self, model, attr: str, *, temperature: float) -> None:
         """``traj.<attr>`` of every home trajectory: the model's log-probs of its response."""
         ids = self.all_ids()
+        plan = self.plan(ids)
         self.exchange.begin_results(attr)
-        for plan, w, inputs, moves in self._waves(ids, (), temperature=temperature, return_entropy=False):
-            t0 = self.clock()
-            if inputs.batch is None:
-                self._dummy(model, backward=False)
-                logp = torch.zeros(0)
-            else:
-                logp = model(inputs.batch, inputs.targets).logprobs
-            self.stats.busy_seconds += self.clock() - t0
-            self.stats.exchange_bytes += self.exchange.return_logprobs(plan, ids, w, inputs, logp, attr,
-                                                                       collective=moves)
+        done: list[tuple[int, WaveInputs, torch.Tensor]] = []
+        with self._sync(model, plan, train=False):
+            for w, inputs in self._inputs(plan, ids, (), temperature=temperature, return_entropy=False):
+                t0 = self.clock()
+                if inputs.batch is None:
+                    self._dummy(model, backward=False)
+                    logp = torch.zeros(0)
+                else:
+                    logp = model(inputs.batch, inputs.targets).logprobs
+                self.stats.busy_seconds += self.clock() - t0
+                done.append((w, inputs, logp))
+                if plan.sync == "wave":  # results home per wave; under minibatch sync once, below
+                    self.stats.exchange_bytes += self.exchange.return_logprobs(
+                        plan, ids, done, attr, waves=[w], collective=plan.moves_data())
+                    done = []
+        if plan.sync == "minibatch":
+            self.stats.exchange_bytes += self.exchange.return_logprobs(
+                plan, ids, done, attr, waves=range(len(plan.waves)), collective=plan.moves_data())
 
     def train_minibatch(self, model, ids: Sequence[int], fields: Sequence[str], loss_fn, *, temperature: float):
         """Forward + backward of every wave of one minibatch; ``loss_fn(out, inputs, global_tokens,
         global_seqs)`` returns the policy-loss output whose ``.loss`` is this rank's contribution
-        to the minibatch mean. Returns the summed outputs' detached terms."""
+        to the minibatch mean. Returns the outputs (detached terms are read by the caller)."""
         metas = [self.metas[i] for i in ids]
         global_tokens = float(max(sum(m.response_len for m in metas), 1))
         global_seqs = float(max(len(metas), 1))
+        plan = self.plan(ids)
+        s = self.stats
+        s.minibatches += 1
+        peak, mean = plan.planned_times
+        s.update_planned_peak += peak
+        s.update_planned_mean += mean
         results = []
-        for _plan, _w, inputs, _moves in self._waves(ids, fields, temperature=temperature, return_entropy=True):
-            t0 = self.clock()
-            if inputs.batch is None:
-                self._dummy(model, backward=True)
-            else:
+        t0 = self.clock()
+        with self._sync(model, plan, train=True) as last:
+            mine = plan.rank_waves(self.rank)
+            # under minibatch sync the rank's final microbatch reduces; it must hold no sharded group
+            trailing_dummy = plan.sync == "minibatch" and (not mine or bool(plan.waves[mine[-1]].ranks[self.rank].sharded))
+            for w, inputs in self._inputs(plan, ids, fields, temperature=temperature, return_entropy=True):
+                if plan.sync == "minibatch" and w == mine[-1] and not trailing_dummy:
+                    last()
+                s.microbatches += 1
+                if inputs.batch is None:
+                    self._dummy(model, backward=True)
+                    continue
                 out = model(inputs.batch, inputs.targets)
                 res = loss_fn(out, inputs, global_tokens, global_seqs)
                 res.loss.backward()
                 results.append(res)
-            self.stats.busy_seconds += self.clock() - t0
+            if trailing_dummy:
+                last()
+                s.microbatches += 1
+                self._dummy(model, backward=True)
+        s.reducing_microbatches += 1 if plan.sync == "minibatch" else len(plan.waves)
+        busy = self.clock() - t0
+        s.busy_seconds += busy
+        s.update_busy_seconds += busy
         return results
 
     # ------------------------------------------------------------------ metrics
 
     def metrics(self) -> dict[str, float]:
-        """The ``parallel/*`` metrics of the step (collective: every rank calls it)."""
+        """The ``parallel/*`` and ``balance/*`` metrics of the step (collective: every rank calls it)."""
         s = self.stats
         a2a = sum(layout.comm.total for layout in s.layouts)
-        every = all_gather_objects((s.busy_seconds, a2a, s.exchange_bytes))
+        every = all_gather_objects((s.busy_seconds, a2a, s.exchange_bytes, s.update_busy_seconds, s.microbatches))
         busy = np.asarray([e[0] for e in every], dtype=np.float64)
+        update = np.asarray([e[3] for e in every], dtype=np.float64)
+        micro = [e[4] for e in every]
         return {
             "parallel/degree_max": float(s.degree_max),
             "parallel/sharded_sequences": float(s.sharded_sequences),
@@ -224,4 +287,10 @@ class StageRunner:
             "parallel/over_budget": float(s.over_budget),
             "parallel/balance_planned": s.planned_peak / s.planned_mean if s.planned_mean > 0 else 1.0,
             "parallel/balance_measured": float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
+            "balance/bubble_measured": float(1.0 - update.mean() / update.max()) if update.max() > 0 else 0.0,
+            "balance/bubble_planned": (1.0 - s.update_planned_mean / s.update_planned_peak
+                                       if s.update_planned_peak > 0 else 0.0),
+            "balance/microbatches_min": float(min(micro)),
+            "balance/microbatches_max": float(max(micro)),
+            "balance/syncs_per_minibatch": s.reducing_microbatches / max(s.minibatches, 1),
         }

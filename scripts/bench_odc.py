@@ -1,0 +1,246 @@
+"""ODC-style balancing of the update stage: native vs lb_micro vs lb_mini (``balance.strategy``).
+
+    python scripts/bench_odc.py            # -> benchmarks/odc.{json,md}
+    python scripts/bench_odc.py --quick    # smaller batches, for a smoke run
+
+Real compute of the ``small`` model (random init, FSDP2 on gloo) through the trainer's own
+``StageRunner``: one update minibatch (forward, backward, gradient clipping, AdamW) of an RL step's
+trajectories, whose prompts were split across ranks by Karmarkar-Karp on cost as the trainer's rollout
+split does. Two batches: ``aime`` (ODC's AIME-like RL: text prompts of 100-300 tokens, 8 responses each
+with long-tailed lengths, median 400, up to 3500 tokens) and ``video`` (a long video prompt of the
+only-video mixture among image prompts of the video-heavy mixture, 2 responses each). Each strategy runs
+in its own launch (so each rank's peak memory is its own), every launch on the same batch and weights:
+2 ranks with one thread each (wall-clock ratios), and 4 ranks (4 processes share 2 cores: per-rank CPU
+time only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+STRATEGIES = ("native", "lb_micro", "lb_mini")
+
+
+def aime_batch(model_dir: Path, prompts: int, responses: int, seed: int):
+    import numpy as np
+
+    from titanrl.data.manifest import SampleRecord
+    from titanrl.data.preprocess import PreparedSample
+    from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs
+    from titanrl.rl.batch import Trajectory
+
+    args = Qwen2_5_VLArgs.from_pretrained(model_dir)
+    rng = np.random.default_rng(seed)
+    trajs = []
+    for g in range(prompts):
+        ids = rng.integers(0, 1000, int(rng.integers(100, 300))).astype(np.int64)
+        prompt = PreparedSample(SampleRecord(id=f"aime-{g}", source="aime", prompt="", media=[], answer=""), ids,
+                                [], None, [])
+        for _ in range(responses):
+            r = int(min(3500, max(16, rng.lognormal(np.log(400), 0.9))))
+            t = Trajectory(prompt=prompt, group=g, response_ids=rng.integers(0, 1000, r).astype(np.int64),
+                           rollout_logprobs=np.zeros(r, np.float32))
+            t.advantage = float(rng.normal())
+            trajs.append(t)
+    return args, trajs
+
+
+class PeakRSS:
+    """Samples this process's resident memory every 20 ms; ``peak - start`` is what a stage added."""
+
+    def __init__(self) -> None:
+        self.start = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self._rss())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self._rss()) - self.start
+
+
+def worker(opts) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bench_flex_ulysses import build_batch
+    from titanrl.distributed import all_gather_objects
+    from titanrl.models.qwen2_5_vl import Qwen2_5_VLModel
+    from titanrl.parallel.balance import karmarkar_karp
+    from titanrl.parallel.parallelize import parallelize_qwen2_5_vl
+    from titanrl.rl.grpo import ppo_clip_loss
+    from titanrl.rl.stages import StageRunner, build_cost_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    if opts.batch == "aime":
+        args, trajs = aime_batch(Path(opts.model_dir), opts.prompts, opts.responses, opts.seed)
+    else:
+        args, trajs = build_batch(Path(opts.model_dir), 1, opts.prompts, opts.responses, opts.seed)
+    cost_model = build_cost_model(args, "flops")
+    groups = sorted({t.group for t in trajs})
+    prompt_cost = [sum(float(cost_model.compute(t.num_tokens)) for t in trajs if t.group == g) for g in groups]
+    home = {groups[i]: r for r, part in enumerate(karmarkar_karp(prompt_cost, world)) for i in part}
+    mine = [t for t in trajs if home[t.group] == rank]
+    for t in mine:
+        t.old_logprobs = torch.full((t.num_response_tokens,), -6.9)
+
+    torch.manual_seed(0)
+    model = Qwen2_5_VLModel(args)
+    model.init_weights()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    model = parallelize_qwen2_5_vl(model, dp_mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def loss_fn(out, inp, global_tokens, global_seqs):
+        return ppo_clip_loss(out.logprobs, inp.fields["old_logprobs"], inp.advantages, inp.seq_index,
+                             inp.seq_lengths, clip_low=0.2, clip_high=0.2, mode="token-mean",
+                             global_tokens=global_tokens, global_seqs=global_seqs)
+
+    runner = StageRunner(args=args, rank=rank, world=world, device=device, dtype=torch.float32, method="none",
+                         strategy=opts.strategy, max_tokens=opts.max_tokens, cost_model=cost_model)
+    for batch in (mine[:1], mine):  # a warm-up minibatch of one trajectory per rank, then the measured one
+        runner.begin_step(batch)
+        memory = PeakRSS()
+        dist.barrier()
+        t0 = time.perf_counter()
+        runner.train_minibatch(model, runner.all_ids(), ("old_logprobs",), loss_fn, temperature=1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        dist.barrier()
+        seconds = time.perf_counter() - t0
+        added = memory.stop()
+        metrics = runner.metrics()
+    plan = runner.plan(runner.all_ids())
+    every = all_gather_objects((runner.stats.update_busy_seconds, added))
+    if rank == 0:
+        lengths = sorted((t.num_tokens for t in trajs), reverse=True)
+        Path(opts.out).write_text(json.dumps({
+            "strategy": opts.strategy, "world": world, "batch": opts.batch, "update_s": seconds,
+            "busy_s": [e[0] for e in every], "peak_added_bytes": [e[1] for e in every],
+            "microbatches": plan.microbatch_counts(), "lengths": lengths, "total_tokens": int(np.sum(lengths)),
+            "max_tokens": opts.max_tokens, **metrics,
+        }, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(world: int, strategy: str, batch: str, opts, out: Path) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), __file__,
+           "--worker", "--out", str(out), "--model-dir", str(opts.model_dir), "--strategy", strategy,
+           "--batch", batch, "--prompts", str(opts.prompts_of[batch]), "--responses", str(opts.responses_of[batch]),
+           "--max-tokens", str(opts.max_tokens), "--seed", str(opts.seed)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-6000:])
+        raise SystemExit(f"{strategy} on {world} ranks ({batch}) failed")
+    return json.loads(out.read_text())
+
+
+def report(rows: list[dict], command: str) -> str:
+    lines = ["# ODC-style balancing of the update stage", "",
+             "Generated by `scripts/bench_odc.py` from `benchmarks/odc.json` (do not edit). One update minibatch",
+             "(forward, backward, clipping, AdamW) of the `small` model (random init, fp32, FSDP2 on gloo, CPU)",
+             "through the trainer's `StageRunner`, per `balance.strategy`; prompts split across ranks by",
+             "Karmarkar-Karp on cost (the trainer's rollout split). Each strategy in its own launch.", "",
+             f"Reproduce: `{command}`.", ""]
+    for batch in dict.fromkeys(r["batch"] for r in rows):
+        for world in sorted({r["world"] for r in rows if r["batch"] == batch}):
+            sub = {r["strategy"]: r for r in rows if r["batch"] == batch and r["world"] == world}
+            first = next(iter(sub.values()))
+            kind = "one thread each: wall-clock" if world == 2 else "4 processes on 2 cores: CPU time only"
+            lines += [f"## {batch}, {world} ranks ({kind})", "",
+                      f"{len(first['lengths'])} trajectories, {first['total_tokens']} tokens (longest "
+                      f"{', '.join(str(x) for x in first['lengths'][:4])}), budget {first['max_tokens']} tokens "
+                      "per rank per microbatch.", "",
+                      "| strategy | update s | vs native | bubble measured | bubble planned | microbatches per rank | "
+                      "syncs / minibatch | busy s per rank | peak added MB per rank |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            base = sub["native"]["update_s"]
+            for name in STRATEGIES:
+                r = sub[name]
+                speed = f"{base / r['update_s']:.2f}x" if world == 2 else "-"
+                lines.append(
+                    f"| {name} | {r['update_s']:.1f} | {speed} | {100 * r['balance/bubble_measured']:.1f}% | "
+                    f"{100 * r['balance/bubble_planned']:.1f}% | {' / '.join(str(m) for m in r['microbatches'])} | "
+                    f"{r['balance/syncs_per_minibatch']:.0f} | {' / '.join(f'{b:.1f}' for b in r['busy_s'])} | "
+                    f"{' / '.join(f'{b / 2**20:.0f}' for b in r['peak_added_bytes'])} |")
+            lines.append("")
+    lines += ["`bubble measured` = 1 - mean / max of the ranks' busy time (CPU time inside the stage's forward and",
+              "backward); `bubble planned` = the same from the plan's costs (this model's FLOPs). `microbatches`",
+              "include the zero-weight dummies native pads with. `peak added MB`: the rank's resident memory during",
+              "the stage above its start (sampled every 20 ms); lb_mini holds full parameters and unsharded",
+              "gradients for the minibatch (the small model: ~140 MB each). Wall-clock ratios only for 2 ranks.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--out", default="")
+    p.add_argument("--model-dir", default="")
+    p.add_argument("--strategy", default="native")
+    p.add_argument("--batch", default="aime")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--responses", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--batches", default="aime,video")
+    opts = p.parse_args()
+    if opts.worker:
+        worker(opts)
+        return
+    from bench_flex_ulysses import small_model_dir
+
+    opts.model_dir = small_model_dir()
+    opts.prompts_of = {"aime": 2 if opts.quick else 8, "video": 1 if opts.quick else 5}
+    opts.responses_of = {"aime": 4 if opts.quick else 8, "video": 1 if opts.quick else 2}
+    command = "python scripts/bench_odc.py " + " ".join(sys.argv[1:])
+    rows = []
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in opts.batches.split(","):
+            for world in (int(w) for w in opts.worlds.split(",")):
+                for strategy in STRATEGIES:
+                    t0 = time.time()
+                    rows.append(launch(world, strategy, batch, opts, Path(tmp) / "r.json"))
+                    print(f"{batch} {world} ranks {strategy}: {rows[-1]['update_s']:.1f} s "
+                          f"(launch {time.time() - t0:.0f} s)", flush=True)
+                    if not opts.quick:
+                        (ROOT / "benchmarks" / "odc.json").write_text(json.dumps(rows, indent=1))
+    text = report(rows, command.strip())
+    if not opts.quick:
+        (ROOT / "benchmarks" / "odc.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,8 +7,9 @@ Real compute of the ``small`` model (random init, FSDP2 on gloo) through the tra
 ``StageRunner``: one update minibatch (forward, backward, gradient clipping, AdamW) of an RL step's
 trajectories, whose prompts were split across ranks by Karmarkar-Karp on cost as the trainer's rollout
 split does. Two batches: ``aime`` (ODC's AIME-like RL: text prompts of 100-300 tokens, 8 responses each
-with long-tailed lengths, median 400, up to 3500 tokens) and ``video`` (a long video prompt of the
-only-video mixture among image prompts of the video-heavy mixture, 2 responses each). Each strategy runs
+with long-tailed lengths, median 400, up to 3500 tokens; 8 prompts x 4) and ``video`` (a long video prompt of the
+only-video mixture among image prompts of the video-heavy mixture, 2 responses each; activation
+checkpointing on, which 4 ranks need to fit this 24 GB machine). Each strategy runs
 in its own launch (so each rank's peak memory is its own), every launch on the same batch and weights:
 2 ranks with one thread each (wall-clock ratios), and 4 ranks (4 processes share 2 cores: per-rank CPU
 time only).
@@ -112,7 +113,7 @@ def worker(opts) -> None:
     model = Qwen2_5_VLModel(args)
     model.init_weights()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    model = parallelize_qwen2_5_vl(model, dp_mesh=mesh)
+    model = parallelize_qwen2_5_vl(model, dp_mesh=mesh, activation_checkpoint=opts.ac)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def loss_fn(out, inp, global_tokens, global_seqs):
@@ -140,7 +141,8 @@ def worker(opts) -> None:
     if rank == 0:
         lengths = sorted((t.num_tokens for t in trajs), reverse=True)
         Path(opts.out).write_text(json.dumps({
-            "strategy": opts.strategy, "world": world, "batch": opts.batch, "update_s": seconds,
+            "strategy": opts.strategy, "world": world, "batch": opts.batch, "activation_checkpoint": opts.ac,
+            "update_s": seconds,
             "busy_s": [e[0] for e in every], "peak_added_bytes": [e[1] for e in every],
             "microbatches": plan.microbatch_counts(), "lengths": lengths, "total_tokens": int(np.sum(lengths)),
             "max_tokens": opts.max_tokens, **metrics,
@@ -154,7 +156,7 @@ def launch(world: int, strategy: str, batch: str, opts, out: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), __file__,
            "--worker", "--out", str(out), "--model-dir", str(opts.model_dir), "--strategy", strategy,
            "--batch", batch, "--prompts", str(opts.prompts_of[batch]), "--responses", str(opts.responses_of[batch]),
-           "--max-tokens", str(opts.max_tokens), "--seed", str(opts.seed)]
+           "--max-tokens", str(opts.max_tokens), "--seed", str(opts.seed), "--ac", opts.ac_of[batch]]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-6000:])
@@ -174,7 +176,8 @@ def report(rows: list[dict], command: str) -> str:
             sub = {r["strategy"]: r for r in rows if r["batch"] == batch and r["world"] == world}
             first = next(iter(sub.values()))
             kind = "one thread each: wall-clock" if world == 2 else "4 processes on 2 cores: CPU time only"
-            lines += [f"## {batch}, {world} ranks ({kind})", "",
+            lines += [f"## {batch}, {world} ranks ({kind}; activation checkpointing: "
+                      f"{first.get('activation_checkpoint', 'none')})", "",
                       f"{len(first['lengths'])} trajectories, {first['total_tokens']} tokens (longest "
                       f"{', '.join(str(x) for x in first['lengths'][:4])}), budget {first['max_tokens']} tokens "
                       "per rank per microbatch.", "",
@@ -191,8 +194,10 @@ def report(rows: list[dict], command: str) -> str:
                     f"{r['balance/syncs_per_minibatch']:.0f} | {' / '.join(f'{b:.1f}' for b in r['busy_s'])} | "
                     f"{' / '.join(f'{b / 2**20:.0f}' for b in r['peak_added_bytes'])} |")
             lines.append("")
-    lines += ["`bubble measured` = 1 - mean / max of the ranks' busy time (CPU time inside the stage's forward and",
-              "backward); `bubble planned` = the same from the plan's costs (this model's FLOPs). `microbatches`",
+    lines += ["`bubble measured` = 1 - sum mean / sum max of the ranks' busy time (CPU time inside forward and",
+              "backward) per synchronisation unit: every microbatch for native / lb_micro (ranks wait at every",
+              "layer), the minibatch for lb_mini; `bubble planned` = the same from the plan's costs (this model's",
+              "FLOPs). `microbatches`",
               "include the zero-weight dummies native pads with. `peak added MB`: the rank's resident memory during",
               "the stage above its start (sampled every 20 ms); lb_mini holds full parameters and unsharded",
               "gradients for the minibatch (the small model: ~140 MB each). Wall-clock ratios only for 2 ranks.", ""]
@@ -213,6 +218,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--batches", default="aime,video")
+    p.add_argument("--ac", default="none", choices=["none", "full"])
     opts = p.parse_args()
     if opts.worker:
         worker(opts)
@@ -221,7 +227,10 @@ def main() -> None:
 
     opts.model_dir = small_model_dir()
     opts.prompts_of = {"aime": 2 if opts.quick else 8, "video": 1 if opts.quick else 5}
-    opts.responses_of = {"aime": 4 if opts.quick else 8, "video": 1 if opts.quick else 2}
+    opts.responses_of = {"aime": 2 if opts.quick else 4, "video": 1 if opts.quick else 2}
+    # a ~7K-token video trajectory needs ~11 GB of fp32 activations: with 4 ranks on this 24 GB machine
+    # only activation checkpointing fits (used for every strategy of that batch)
+    opts.ac_of = {"aime": "none", "video": "full"}
     command = "python scripts/bench_odc.py " + " ".join(sys.argv[1:])
     rows = []
     import tempfile

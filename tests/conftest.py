@@ -8,6 +8,13 @@ import pytest
 
 
 @pytest.fixture(scope="session")
+def run_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One ``model.cache_dir`` for the end-to-end runs of the session: the tiny checkpoint and the
+    synthetic dataset are built once (under the asset builder's file lock), not once per test."""
+    return tmp_path_factory.mktemp("titanrl_cache")
+
+
+@pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init tiny Qwen2.5-VL checkpoint directory (seed 0), built once per test session.
 

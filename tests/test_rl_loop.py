@@ -19,11 +19,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+CACHE: Path | None = None
+
+
+@pytest.fixture(autouse=True)
+def _shared_cache(run_cache):
+    global CACHE
+    CACHE = run_cache
 
 
 def train_cmd(tmp: Path, *overrides: str, nproc: int | None = None) -> list[str]:
-    base = ["--config", "configs/tiny_cpu.toml", f"--model.cache_dir={tmp.parent / 'cache'}",
-            f"--job.dump_folder={tmp / 'out'}"]
+    base = ["--config", "configs/tiny_cpu.toml", f"--model.cache_dir={CACHE}", f"--job.dump_folder={tmp / 'out'}"]
     if nproc is None:
         return [sys.executable, "-m", "titanrl.train", *base, *overrides]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
@@ -87,24 +93,22 @@ def test_killed_and_resumed_flex_run_matches_uninterrupted(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_and_four_ranks_match_one(tmp_path):
+def test_two_ranks_match_one(tmp_path):
     """Same global batch and seed: prompts are split across ranks by cost, but sampling seeds,
     GRPO groups, minibatches and loss normalisers depend only on global batch positions, so the
-    step's statistics (and the gradient, seen through its norm) equal the 1-rank run."""
+    step's statistics (and the gradient, seen through its norm) equal the 1-rank run. (4 ranks and the
+    placement modes: test_placement_modes_on_four_ranks_match_one.)"""
     # entropy_coef > 0: a random policy rarely earns a reward, and the comparison needs a gradient
     common = ["--job.steps=2", "--checkpoint.enable=false", "--rl.global_batch_size=4", "--rl.minibatches=2",
               "--rl.entropy_coef=0.01"]
     run(train_cmd(tmp_path / "one", *common))
     run(train_cmd(tmp_path / "two", *common, nproc=2))
-    run(train_cmd(tmp_path / "four", *common[1:], "--job.steps=1", nproc=4))
-    one, two, four = metrics(tmp_path / "one"), metrics(tmp_path / "two"), metrics(tmp_path / "four")
-    # Step 1 only: after one update the weights agree to ~1e-7, which can flip a sampled token.
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert sorted(two) == [1, 2]
-    for other, steps in ((two, (1,)), (four, (1,))):
-        for step in steps:
-            for key in ("reward/mean", "response/length_mean", "loss", "kl", "entropy", "grad_norm"):
-                a, b = one[step][key], other[step][key]
-                assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (step, key, a, b)
+    for step in (1, 2):
+        for key in ("reward/mean", "response/length_mean", "loss", "kl", "entropy", "grad_norm"):
+            a, b = one[step][key], two[step][key]
+            assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (step, key, a, b)
     assert one[1]["grad_norm"] > 0  # the comparison is not between two zeros
 
 
@@ -150,3 +154,23 @@ def test_placement_modes_on_four_ranks_match_one(tmp_path):
     assert fixed[1]["parallel/degree_max"] == 2 and fixed[1]["parallel/a2a_bytes"] > 0
     for s in (1, 2, 3):
         assert flex[s]["parallel/balance_planned"] >= 1.0 and flex[s]["parallel/balance_measured"] >= 1.0
+
+
+def test_probe_warns_then_stops_after_consecutive_violations(capsys):
+    """rollout.probe_tolerance is enforced: a violation warns with the numbers, a good check resets the
+    count, and probe_max_violations in a row stop the run with a clear error."""
+    from types import SimpleNamespace
+
+    from titanrl.config import JobConfig
+    from titanrl.trainer import Trainer
+
+    cfg = JobConfig()
+    cfg.rollout.probe_tolerance, cfg.rollout.probe_max_violations = 1e-3, 2
+    fake = SimpleNamespace(cfg=cfg, info=SimpleNamespace(is_main=True), step=5, probe_violations=0)
+    Trainer.check_probe(fake, 0.5)
+    assert "differ by 0.5 (> rollout.probe_tolerance=0.001), 1 time(s) in a row" in capsys.readouterr().out
+    Trainer.check_probe(fake, 1e-4)  # back within tolerance
+    assert fake.probe_violations == 0
+    Trainer.check_probe(fake, 0.5)
+    with pytest.raises(RuntimeError, match="exceeded rollout.probe_tolerance=0.001 in 2 consecutive checks"):
+        Trainer.check_probe(fake, 0.7)

@@ -83,6 +83,9 @@ class StepStats:
     exchange_bytes: int = 0
     busy_seconds: float = 0.0  # log-prob + update stages
     update_busy_seconds: float = 0.0
+    # busy seconds of each update synchronisation unit (a wave under wave sync, a minibatch under
+    # minibatch sync), in order: the same units on every rank
+    update_units: list[float] = field(default_factory=list)
     update_planned_peak: float = 0.0
     update_planned_mean: float = 0.0
     waves: int = 0
@@ -242,6 +245,7 @@ class StageRunner:
         s.update_planned_mean += mean
         results = []
         t0 = self.clock()
+        units: list[float] = []
         with self._sync(model, plan, train=True) as last:
             mine = plan.rank_waves(self.rank)
             # under minibatch sync the rank's final microbatch reduces; it must hold no sharded group
@@ -250,13 +254,15 @@ class StageRunner:
                 if plan.sync == "minibatch" and w == mine[-1] and not trailing_dummy:
                     last()
                 s.microbatches += 1
+                t_wave = self.clock()
                 if inputs.batch is None:
                     self._dummy(model, backward=True)
-                    continue
-                out = model(inputs.batch, inputs.targets)
-                res = loss_fn(out, inputs, global_tokens, global_seqs)
-                res.loss.backward()
-                results.append(res)
+                else:
+                    out = model(inputs.batch, inputs.targets)
+                    res = loss_fn(out, inputs, global_tokens, global_seqs)
+                    res.loss.backward()
+                    results.append(res)
+                units.append(self.clock() - t_wave)
             if trailing_dummy:
                 last()
                 s.microbatches += 1
@@ -265,6 +271,8 @@ class StageRunner:
         busy = self.clock() - t0
         s.busy_seconds += busy
         s.update_busy_seconds += busy
+        # ranks wait for each other at every wave under wave sync, only at the minibatch's end otherwise
+        s.update_units += units if plan.sync == "wave" else [busy]
         return results
 
     # ------------------------------------------------------------------ metrics
@@ -273,10 +281,11 @@ class StageRunner:
         """The ``parallel/*`` and ``balance/*`` metrics of the step (collective: every rank calls it)."""
         s = self.stats
         a2a = sum(layout.comm.total for layout in s.layouts)
-        every = all_gather_objects((s.busy_seconds, a2a, s.exchange_bytes, s.update_busy_seconds, s.microbatches))
+        every = all_gather_objects((s.busy_seconds, a2a, s.exchange_bytes, s.update_units, s.microbatches))
         busy = np.asarray([e[0] for e in every], dtype=np.float64)
-        update = np.asarray([e[3] for e in every], dtype=np.float64)
+        units = np.asarray([e[3] for e in every], dtype=np.float64)  # [rank, synchronisation unit]
         micro = [e[4] for e in every]
+        unit_peak = float(units.max(axis=0).sum()) if units.size else 0.0
         return {
             "parallel/degree_max": float(s.degree_max),
             "parallel/sharded_sequences": float(s.sharded_sequences),
@@ -287,7 +296,8 @@ class StageRunner:
             "parallel/over_budget": float(s.over_budget),
             "parallel/balance_planned": s.planned_peak / s.planned_mean if s.planned_mean > 0 else 1.0,
             "parallel/balance_measured": float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
-            "balance/bubble_measured": float(1.0 - update.mean() / update.max()) if update.max() > 0 else 0.0,
+            # idle share of the update: per synchronisation unit the ranks wait for the busiest one
+            "balance/bubble_measured": 1.0 - float(units.mean(axis=0).sum()) / unit_peak if unit_peak > 0 else 0.0,
             "balance/bubble_planned": (1.0 - s.update_planned_mean / s.update_planned_peak
                                        if s.update_planned_peak > 0 else 0.0),
             "balance/microbatches_min": float(min(micro)),

@@ -11,8 +11,8 @@ prompt with ``--responses`` responses of random length. (Whole mixture draws at 
 20-40 TFLOP per method, too slow for this 2-core machine.) Methods, all in one run on the same
 trajectories and weights:
 
-- ``none``: today's default path: trajectories stay on the rank that generated them (prompts split
-  across ranks by Karmarkar-Karp on cost, as the trainer does), microbatches cut locally;
+- ``none``: ``balance.strategy = native``: trajectories stay on the rank that generated them (prompts
+  split across ranks by Karmarkar-Karp on cost, as the trainer does), microbatches cut locally;
 - ``bucketing``: verl's way, whole sequences dealt to ranks in equal counts by Karmarkar-Karp on
   verl's workload ``24576 s + s^2``;
 - ``fixed2`` / ``fixed4``: Ulysses with one degree for every sequence;

@@ -135,6 +135,30 @@ def test_save_and_reload_into_transformers(tmp_path, hf_model, ours, hf_dir):
     assert "lm_head.weight" in keys and not any(k.startswith("model.language_model") for k in keys)
 
 
+def test_sharded_save_loads_into_transformers_and_vllm_headers(tmp_path, hf_model, ours, hf_dir):
+    """A shard budget smaller than the model gives several files and an index (the layout of the
+    streamed weight push and export); transformers reloads it with identical logits, and a second
+    save into the same folder as one file leaves no stale shard behind."""
+    import json
+
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from titanrl.rollout.weights import read_headers
+
+    save_hf_checkpoint(ours.state_dict(), ours.args, tmp_path, assets_from=hf_dir, shard_bytes=200_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and not (tmp_path / "model.safetensors").exists()
+    assert index["metadata"]["total_size"] == sum(p.numel() * p.element_size() for p in ours.parameters())
+    reloaded = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    sample = make_sample(np.random.default_rng(4), [("image", (1, 6, 6))])
+    assert torch.equal(hf_logits(hf_model, sample), hf_logits(reloaded, sample))
+    assert set(read_headers(tmp_path)) == set(index["weight_map"])
+    save_hf_checkpoint(ours.state_dict(), ours.args, tmp_path, assets_from=hf_dir)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+
+
 def test_shared_vision_encoding_equals_separate(ours):
     """The n responses of one prompt share one vision encoding in a pack (vision_key): same
     logits as encoding the media once per sequence, with the vision tower run once."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,14 @@ def test_single_process_run_writes_config_and_metrics(tmp_path, run_cache):
     lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [2, 3]  # every log_freq steps, and the last one
     assert "step 3/3" in proc.stdout and "step 1/3" not in proc.stdout
+    # The console holds titanrl's lines only; vLLM's log (several lines per weight push) is in the rank's log.
+    console = proc.stdout + proc.stderr
+    vllm_line = re.compile(r"(INFO|WARNING|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d \[")
+    assert not vllm_line.search(console), vllm_line.search(console).group(0)
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert vllm_line.search(log) and "step 3/3" in log
+    assert "Failed to load weights" not in log  # buffer-only layers: see vllm_engine._DerivedBufferFilter
+    assert "[titanrl] done: steps 1-3" in proc.stdout and f"metrics   {run_dir / 'metrics.jsonl'}" in proc.stdout
 
 
 @pytest.fixture()
@@ -70,4 +79,5 @@ def test_corrupt_video_is_an_error_naming_the_sample(tmp_path, corrupt_manifest,
     proc = run_train(tmp_path, f"--data.manifest={manifest}", "--data.on_bad_sample=error", "--job.steps=1",
                      cache=run_cache)
     assert proc.returncode != 0
-    assert bad_id in proc.stderr
+    assert bad_id in proc.stderr and "Traceback" not in proc.stderr + proc.stdout  # the traceback is in the log
+    assert "Traceback" in (tmp_path / "out" / "tiny_cpu" / "logs" / "rank0.log").read_text()

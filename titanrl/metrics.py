@@ -4,10 +4,11 @@ when enabled. Only rank 0 writes; values are already reduced across ranks by the
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+from titanrl.console import say
 
 
 def format_step_line(step: int, total: int, metrics: dict[str, float]) -> str:
@@ -29,6 +30,60 @@ def format_step_line(step: int, total: int, metrics: dict[str, float]) -> str:
     if metrics.get("data/skipped", 0):
         parts.append(f"skipped {int(metrics['data/skipped'])}")
     return " | ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _best(history: Sequence[dict[str, float]], steps: Sequence[int], key: str) -> str | None:
+    values = [(h[key], s) for h, s in zip(history, steps) if key in h]
+    if not values:
+        return None
+    tail = [v for v, _ in values[-10:]]
+    best, at = max(values)
+    return (f"final {values[-1][0]:.3f} (mean of the last {len(tail)}: {sum(tail) / len(tail):.3f}), "
+            f"best {best:.3f} at step {at}")
+
+
+def format_summary(history: Sequence[dict[str, float]], first_step: int, wall_s: float,
+                   places: dict[str, str]) -> str:
+    """The end-of-run report: what was reached, where the time went, where the outputs are.
+
+    ``history`` holds every step this process ran (``first_step`` is the first one's number),
+    ``wall_s`` the run's wall-clock time from start-up, ``places`` label -> path of its outputs."""
+    lines = []
+    if not history:
+        lines.append(f"[titanrl] done: no step to run (already at step {first_step - 1}); {_duration(wall_s)}")
+    else:
+        steps = list(range(first_step, first_step + len(history)))
+        step_s = [sum(v for k, v in h.items() if k.startswith("time/")) for h in history]
+        lines.append(f"[titanrl] done: steps {steps[0]}-{steps[-1]} in {_duration(wall_s)} "
+                     f"({sum(step_s) / len(step_s):.2f} s per step, start-up and saving included in the total)")
+        for label, key in (("reward", "reward/mean"), ("accuracy", "reward/accuracy")):
+            text = _best(history, steps, key)
+            if text:
+                lines.append(f"  {label:<9} {text}")
+        stages: dict[str, float] = {}
+        for h in history:
+            for k, v in h.items():
+                if k.startswith("time/"):
+                    stages[k.split("/", 1)[1]] = stages.get(k.split("/", 1)[1], 0.0) + v
+        total = sum(stages.values()) or 1.0
+        lines.append("  time      " + ", ".join(f"{name} {_duration(v)} ({100 * v / total:.0f}%)"
+                                               for name, v in stages.items()))
+        rates = [h["throughput/tokens_per_s"] for h in history if "throughput/tokens_per_s" in h]
+        if rates:
+            lines.append(f"  tokens/s  {sum(rates) / len(rates):.0f} mean over steps (prompt + response tokens "
+                         "per second of step time)")
+        skipped = history[-1].get("data/skipped", 0)
+        if skipped:
+            lines.append(f"  skipped   {int(skipped)} sample(s) (data.on_bad_sample = skip; named in the logs)")
+    for label, where in places.items():
+        lines.append(f"  {label:<9} {where}")
+    return "\n".join(lines)
 
 
 class MetricsLogger:
@@ -77,7 +132,7 @@ class MetricsLogger:
             if self.progress == "bar":
                 done = int(20 * step / max(self.total_steps, 1))
                 line = f"[{'#' * done}{'.' * (20 - done)}] " + line
-            print(line, file=sys.stdout, flush=True)
+            say(line)
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         if self._tb is not None:

@@ -2,43 +2,71 @@
 or the same under ``torchrun --nproc-per-node N -m titanrl.train ...``.
 
 The config is parsed and validated before torch is imported: a typo in a key costs
-milliseconds and a clear message (exit code 2), not a model load.
+milliseconds and a clear message (exit code 2), not a model load. Then, unless
+``metrics.verbose``, every rank's own output goes to ``<run dir>/logs/rank<N>.log`` and the console
+keeps titanrl's lines only (``titanrl.console``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
+
+# Errors a user causes and fixes without reading our code: one named line on the console, the
+# traceback in the rank's log. Anything else is a bug of ours and shows its traceback.
+_USER_ERRORS = (
+    "titanrl.config.errors.ConfigError",
+    "titanrl.data.shadow.types.BadSampleError",
+    "titanrl.data.shadow.types.DataUnavailableError",
+    "titanrl.data.manifest.ManifestError",
+    "titanrl.data.media.MediaError",
+    "titanrl.rl.timing.CollectiveError",
+)
+
+
+def _is_user_error(err: BaseException) -> bool:
+    names = {f"{c.__module__}.{c.__qualname__}" for c in type(err).__mro__}
+    return any(name in names for name in _USER_ERRORS)
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.time()
     from titanrl.config import config_to_toml, parse_args_or_exit
+    from titanrl.console import log_path, report_exception, route_output, say
 
     cfg = parse_args_or_exit(sys.argv[1:] if argv is None else argv)
-
-    import os
-
-    if int(os.environ.get("RANK", "0")) == 0:
-        print("[titanrl] resolved config:\n" + config_to_toml(cfg, with_docs=False), flush=True)
+    rank = int(os.environ.get("RANK", "0"))
+    if not cfg.metrics.verbose:
+        route_output(cfg.run_dir / "logs", rank)
+    if rank == 0:
+        say("[titanrl] resolved config:\n" + config_to_toml(cfg, with_docs=False))
+        if log_path() is not None:
+            say(f"[titanrl] third-party output (vLLM, Ray, torch) goes to {log_path().parent}/rank<N>.log; "
+                "--metrics.verbose=true shows it here")
 
     from titanrl.config.errors import ConfigError
     from titanrl.distributed import init_distributed, shutdown
-    from titanrl.trainer import Trainer
 
-    info = init_distributed()
+    info = init_distributed(cfg.job.collective_timeout_s)
     try:
+        from titanrl.trainer import Trainer
+
         try:
             trainer = Trainer(cfg, info)
         except ConfigError as err:  # a check that needs the world size or the model's shape
             if info.is_main:
-                print(str(err), file=sys.stderr, flush=True)
+                say(str(err), error=True)
             return 2
         if info.is_main:
-            print(
-                f"[titanrl] {info.world_size} rank(s) on {info.device.type}; model {trainer.model_dir}; "
-                f"{len(trainer.records)} samples from {trainer.manifest}; run dir {cfg.run_dir}",
-                flush=True,
-            )
+            say(f"[titanrl] {info.world_size} rank(s) on {info.device.type}; model {trainer.model_dir}; "
+                f"{len(trainer.records)} samples from {trainer.manifest}; run dir {cfg.run_dir}")
         trainer.train()
+        if info.is_main:
+            say(trainer.summary(time.time() - started))
+    except Exception as err:  # noqa: BLE001 - every rank ends with a named line; see report_exception
+        report_exception(err, rank=info.rank, expected=_is_user_error(err), verbose=cfg.metrics.verbose)
+        return 1
     finally:
         shutdown()
     return 0

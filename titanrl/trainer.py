@@ -12,10 +12,7 @@ does not depend on how prompts were split across ranks.
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -23,12 +20,13 @@ import torch
 from titanrl import assets
 from titanrl.checkpoint import CallbackState, RNGState, build_checkpoint_manager
 from titanrl.config import JobConfig, config_to_dict, save_resolved
+from titanrl.console import log_path, say
 from titanrl.data.manifest import SampleRecord, read_manifest
 from titanrl.data.preprocess import PreparedSample
 from titanrl.data.prompt import PromptEncoder
 from titanrl.data.shadow import BadSample, Materialized, SampleMeta, build_loader
 from titanrl.distributed import DistInfo, all_reduce_max, all_reduce_sum, build_dp_mesh, build_ulysses_groups
-from titanrl.metrics import MetricsLogger
+from titanrl.metrics import MetricsLogger, format_summary
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights
 from titanrl.optim import build_lr_scheduler, build_optimizer
 from titanrl.parallel.balance import karmarkar_karp
@@ -37,6 +35,7 @@ from titanrl.parallel.ulysses import resolve_ulysses
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
 from titanrl.rl.grpo import build_policy_loss, group_advantages
 from titanrl.rl.stages import StageRunner, build_cost_model
+from titanrl.rl.timing import StageTimer
 from titanrl.rl.rewards import exact_match, load_reward
 from titanrl.rl.weight_sync import WeightPusher
 from titanrl.rollout import RolloutRequest, build_rollout_engine, mm_limits_for, probe_logprobs
@@ -53,17 +52,6 @@ class SkipCounter:
 
     def total(self) -> int:
         return sum(self.counts.values())
-
-
-class StageTimer:
-    def __init__(self) -> None:
-        self.times: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        yield
-        self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.perf_counter() - t0
 
 
 class Trainer:
@@ -88,7 +76,7 @@ class Trainer:
         # before any model or engine is built.
         self.ulysses = resolve_ulysses(cfg.parallelism, self.args.text, info.world_size)
         if info.is_main and self.ulysses.message:
-            print(f"[titanrl] {self.ulysses.message}", flush=True)
+            say(f"[titanrl] {self.ulysses.message}")
         mesh = build_dp_mesh(info)
         self.model = self._build_model(mesh, trainable=True)
         self.ref_model = self._build_model(mesh, trainable=False) if cfg.rl.kl_coef > 0 else None
@@ -137,7 +125,9 @@ class Trainer:
             # The engine started from the initial checkpoint: give it the resumed weights.
             self.pusher.push(self.model, self.engine)
             if info.is_main:
-                print(f"[titanrl] resumed from step {self.step}", flush=True)
+                say(f"[titanrl] resumed from step {self.step}")
+        self.first_step = self.step + 1  # of this process (a resumed run starts past 1)
+        self.history: list[dict[str, float]] = []  # every step's metrics, for the end-of-run summary
 
     def _build_model(self, mesh, *, trainable: bool) -> Qwen2_5_VLModel:
         cfg = self.cfg
@@ -189,8 +179,8 @@ class Trainer:
             else:
                 assert isinstance(item, BadSample)
                 self.skips.add(item.reason)
-                print(f"[titanrl] rank {self.info.rank}: skipping sample {item.sample_id!r}: {item.reason}: "
-                      f"{item.detail}", flush=True)
+                say(f"[titanrl] rank {self.info.rank}: skipping sample {item.sample_id!r}: {item.reason}: "
+                f"{item.detail}")
         self.data_wait_s = step.wait_s
         return prompts
 
@@ -293,9 +283,8 @@ class Trainer:
             return
         self.probe_violations += 1
         if self.info.is_main:
-            print(f"[titanrl] warning: step {self.step}: vLLM and trainer log-probs differ by {diff:.3g} "
-                  f"(> rollout.probe_tolerance={r.probe_tolerance}), {self.probe_violations} time(s) in a row",
-                  flush=True)
+            say(f"[titanrl] warning: step {self.step}: vLLM and trainer log-probs differ by {diff:.3g} "
+                  f"(> rollout.probe_tolerance={r.probe_tolerance}), {self.probe_violations} time(s) in a row")
         if r.probe_max_violations and self.probe_violations >= r.probe_max_violations:
             raise RuntimeError(
                 f"the weight-sync probe exceeded rollout.probe_tolerance={r.probe_tolerance} in "
@@ -306,7 +295,7 @@ class Trainer:
     # ------------------------------------------------------------------ step
 
     def rl_step(self) -> dict[str, float]:
-        timer = StageTimer()
+        timer = StageTimer(self.info.rank, self.cfg.job.collective_timeout_s)
         with timer("data"):
             prompts = self.next_prompts()
         self.model.eval()
@@ -353,7 +342,7 @@ class Trainer:
         }
 
     def train(self) -> list[dict[str, float]]:
-        history = []
+        history = self.history
         try:
             while self.step < self.cfg.job.steps:
                 metrics = self.rl_step()
@@ -368,16 +357,31 @@ class Trainer:
             self.close()
         return history
 
+    def summary(self, wall_s: float) -> str:
+        """What the run reached and where its outputs are (printed by the entry point at the end)."""
+        run = self.cfg.run_dir
+        places = {}
+        if self.cfg.checkpoint.enable:
+            places["checkpoint"] = f"{self.cfg.checkpoint_dir} (step {self.step}; rerun the command to resume)"
+        if self.cfg.metrics.jsonl:
+            places["metrics"] = f"{run / 'metrics.jsonl'} (plots: python -m titanrl.plot {run})"
+        if self.cfg.metrics.tensorboard:
+            places["tensorboard"] = str(run / "tensorboard")
+        if log_path() is not None:
+            places["logs"] = f"{log_path().parent}/rank<N>.log"
+        if self.cfg.checkpoint.export_hf:
+            places["model"] = f"{run / 'hf'} (HF format: transformers and vLLM load it)"
+        return format_summary(self.history, self.first_step, wall_s, places)
+
     def export_hf(self, outdir) -> None:
         """The trained policy as an HF directory (original Qwen2.5-VL names + tokenizer/processor)
         that transformers and vLLM load."""
-        from titanrl.models.qwen2_5_vl.state_dict_adapter import save_hf_checkpoint
-        from titanrl.rl.weight_sync import full_state_dict
+        from titanrl.rl.weight_sync import write_hf
 
-        state = full_state_dict(self.model, self.info)
+        write_hf(self.model, self.args, outdir, dtype=self.param_dtype, writer_rank=self.info.is_main,
+                 assets_from=self.model_dir)
         if self.info.is_main:
-            save_hf_checkpoint(state, self.args, outdir, assets_from=self.model_dir, dtype=self.param_dtype)
-            print(f"[titanrl] exported the policy to {outdir}", flush=True)
+            say(f"[titanrl] exported the policy to {outdir}")
 
     def close(self) -> None:
         self.metrics.close()

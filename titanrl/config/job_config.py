@@ -44,6 +44,9 @@ class JobRunConfig:
     """Number of RL steps (one step = rollout + policy update on rl.global_batch_size prompts)."""
     description: str = "Tiny Qwen2.5-VL-shaped model, GRPO on synthetic data, CPU only."
     """Free-text description, copied into the saved config and logs."""
+    collective_timeout_s: float = 600.0
+    """How long a rank waits in one collective (another rank died or hangs) before the run ends with an error
+    naming the stage and the rank (gloo); with NCCL, PyTorch's watchdog aborts the rank after this long."""
 
     def problems(self) -> list[str]:
         found = []
@@ -53,6 +56,8 @@ class JobRunConfig:
             found.append(f"job.seed must be >= 0, got {self.seed}")
         if self.steps < 1:
             found.append(f"job.steps must be >= 1, got {self.steps}")
+        if self.collective_timeout_s <= 0:
+            found.append(f"job.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         return found
 
 
@@ -451,7 +456,11 @@ class MetricsConfig:
     wandb_mode: Literal["offline", "online"] = "offline"
     """W&B mode; offline needs no network (sync later with `wandb sync`)."""
     progress: Literal["bar", "line", "none"] = "bar"
-    """Console progress: a live bar, one line per logged step, or nothing."""
+    """Console progress: one line per logged step with a progress bar in front, the line alone, or nothing."""
+    verbose: bool = False
+    """Show third-party output (vLLM, Ray, torch warnings) and full tracebacks on the console. When false it goes,
+    with titanrl's own lines, to <job.dump_folder>/<job.name>/logs/rank<N>.log, and the console shows only
+    titanrl's messages, the step lines and the end-of-run summary."""
 
     def problems(self) -> list[str]:
         found = []

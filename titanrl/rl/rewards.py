@@ -11,6 +11,7 @@ import re
 from fractions import Fraction
 from typing import Callable, Protocol
 
+from titanrl.config.errors import ConfigError
 from titanrl.data.manifest import SampleRecord
 
 
@@ -79,12 +80,12 @@ def load_reward(spec: str) -> Callable[[str, SampleRecord], float]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"rl.reward={spec!r}: cannot import module {module_name!r} ({e})") from e
+        raise ConfigError(f"rl.reward={spec!r}: cannot import module {module_name!r} ({e})") from e
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
-            raise ValueError(f"rl.reward={spec!r}: module {module_name!r} has no {attr!r}")
+            raise ConfigError(f"rl.reward={spec!r}: module {module_name!r} has no {attr!r}")
     if not callable(fn):
-        raise ValueError(f"rl.reward={spec!r} is not callable")
+        raise ConfigError(f"rl.reward={spec!r} is not callable")
     return fn

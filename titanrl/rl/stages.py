@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from titanrl.console import say
 from titanrl.distributed import all_gather_objects
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.parallel.cost_model import CostModel
@@ -153,10 +154,10 @@ class StageRunner:
             for i in plan.over_budget:
                 m = metas[i]
                 if m.name not in self._warned and self.rank == 0:
-                    print(f"[titanrl] sample {m.name!r}: a trajectory of {m.num_tokens} tokens is over "
+                    say(f"[titanrl] sample {m.name!r}: a trajectory of {m.num_tokens} tokens is over "
                           f"balance.max_tokens_per_microbatch={self.max_tokens} on one rank even split as far as "
                           f"parallelism.ulysses={self.method!r} allows; it runs alone, over the budget "
-                          "(counted in parallel/over_budget)", flush=True)
+                          "(counted in parallel/over_budget)")
                 self._warned.add(m.name)
             s.degree_max = max(s.degree_max, plan.degree_max)
             if len(ids) == len(self.metas):  # the whole step's plan (the log-prob stages)

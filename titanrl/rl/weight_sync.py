@@ -1,9 +1,13 @@
 """Push the trainer's current weights into the rollout engines without restarting them.
 
-Every rank takes part in gathering the full (unsharded) state dict; one rank per machine
-(local rank 0) converts it to HF names and writes one safetensors file into shared memory;
-after a barrier each rank's engine reloads in place from that directory. A directory per push
-(alternating between two) keeps an engine from ever reading a half-written file.
+The weights stream: parameter by parameter, every rank takes part in unsharding it (FSDP2's
+``DTensor.full_tensor``, a collective), cast to the parameter dtype before it leaves the device;
+only one rank per machine (local rank 0) keeps it, converts it to its HF name and adds it to the
+shard being written into shared memory (``HFShardWriter``: at most ``SHARD_BYTES`` pending); the
+others drop it at once. So the extra host memory of a push is, per machine, the files themselves
+plus one shard, and per non-writing rank one parameter - not a full fp32 copy of the model per rank
+(28 GB per rank at 7B). After a barrier each rank's engine reloads in place from that directory.
+A directory per push (alternating between two) keeps an engine from ever reading a half-written file.
 """
 
 from __future__ import annotations
@@ -12,34 +16,53 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from titanrl.distributed import DistInfo, barrier
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
-from titanrl.models.qwen2_5_vl.state_dict_adapter import save_hf_checkpoint
+from titanrl.models.qwen2_5_vl.state_dict_adapter import HFShardWriter
 
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
+SHARD_BYTES = 256 << 20  # what the writer holds before a shard goes to the file (bounds host memory)
 
 
-def clean_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def clean_name(name: str) -> str:
     """Strip the module wrappers compile / activation checkpointing add to parameter names."""
-    out = {}
-    for k, v in state.items():
-        for prefix in _WRAPPER_PREFIXES:
-            k = k.replace(prefix, "")
-        out[k] = v
-    return out
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
-def full_state_dict(model: torch.nn.Module, info: DistInfo) -> dict[str, torch.Tensor]:
-    """Unsharded fp32 CPU copies of all parameters (a collective when distributed)."""
-    if info.distributed:
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-    else:
-        state = model.state_dict()
-    return {k: v.detach().to("cpu", torch.float32) for k, v in clean_names(state).items()}
+def stream_full_state(model: torch.nn.Module, dtype: torch.dtype | None, *, keep: bool
+                      ) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(name, unsharded tensor) for every entry of the model's state dict, one at a time, in the same
+    order on every rank (each sharded entry is a collective every rank must join). Floating tensors are
+    cast to ``dtype`` on their device first; ranks with ``keep=False`` get None and hold nothing."""
+    for name, value in model.state_dict().items():
+        value = value.detach()
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)  # before the gather: bf16 parameters move half the bytes of fp32 masters
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        yield clean_name(name), (value.to("cpu") if keep else None)
+        del value
+
+
+def write_hf(model: torch.nn.Module, args: Qwen2_5_VLArgs, outdir: Path, *,
+             dtype: torch.dtype | None, writer_rank: bool, assets_from: Path | None,
+             shard_bytes: int = SHARD_BYTES) -> HFShardWriter | None:
+    """Stream the model's full weights into an HF directory written by the ranks with ``writer_rank``
+    (the others take part in the gathers only). Returns the writer (for its counters) on writers."""
+    writer = HFShardWriter(outdir, args, dtype=dtype, shard_bytes=shard_bytes) if writer_rank else None
+    for name, tensor in stream_full_state(model, dtype, keep=writer is not None):
+        if writer is not None:
+            writer.add(name, tensor)
+    if writer is not None:
+        writer.close(assets_from)
+    return writer
 
 
 def shm_root(job_name: str) -> Path:
@@ -54,12 +77,12 @@ class WeightPusher:
         self.pushes = 0
 
     def export(self, model: torch.nn.Module) -> Path:
-        state = full_state_dict(model, self.info)
         target = self.root / f"slot{self.pushes % 2}"
-        if self.info.local_rank == 0:
-            if target.exists():
-                shutil.rmtree(target)
-            save_hf_checkpoint(state, self.args, target, assets_from=self.model_dir, dtype=self.dtype)
+        writer_rank = self.info.local_rank == 0  # one writer per machine; the others wait at the barrier
+        if writer_rank and target.exists():
+            shutil.rmtree(target)
+        write_hf(model, self.args, target, dtype=self.dtype, writer_rank=writer_rank,
+                 assets_from=self.model_dir)
         barrier()
         self.pushes += 1
         return target

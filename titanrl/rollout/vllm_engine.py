@@ -24,7 +24,9 @@ What that costs, and how it is contained:
   machine the first is moot.
 - Shutdown: call ``close()``. vLLM's own shutdown (also run if the engine is garbage-collected)
   destroys the default process group; ``close`` keeps the trainer's.
-- Logs: vLLM logs at INFO on every rank; set ``VLLM_LOGGING_LEVEL=WARNING`` to quiet it.
+- Logs: vLLM logs at INFO on every rank; the trainer routes it to the rank's log file
+  (``metrics.verbose``); set ``VLLM_LOGGING_LEVEL=WARNING`` to quiet it there too. The per-reload
+  "Failed to load weights" warnings of buffer-only layers are dropped (``_DerivedBufferFilter``).
 
 Environment set before vLLM is imported (only where unset; see ``VLLM_ENV``).
 """
@@ -124,7 +126,36 @@ def _reload_worker(worker: Any, files: list[str]) -> None:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
 
+    _quiet_derived_buffer_warnings(worker.model_runner.get_model())
     worker.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+
+
+class _DerivedBufferFilter(logging.Filter):
+    """Drops vLLM's "<Layer>: Failed to load weights" for layers that own buffers but no parameters.
+
+    vLLM's layer-wise reload counts buffers as loadable; layers whose only tensors are derived at
+    construction (rotary cos/sin caches: ``RotaryEmbedding``, ``MRotaryEmbedding``; the image
+    rescale/normalise constants of ``FusedMMInputNorm``) find nothing of theirs in a checkpoint, so
+    every reload warns per such layer although vLLM then puts the same tensors back. Nothing was
+    lost: the trainer's weights all arrive (the rollout probe checks it). A layer that has parameters
+    and fails to load still warns."""
+
+    def __init__(self, names: set[str]) -> None:
+        super().__init__()
+        self.names = names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.names)
+
+
+def _quiet_derived_buffer_warnings(model: torch.nn.Module) -> None:
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if any(isinstance(f, _DerivedBufferFilter) for f in logger.filters):
+        return
+    derived = {type(m).__name__ for m in model.modules()
+               if any(True for _ in m.buffers(recurse=False)) and not any(True for _ in m.parameters(recurse=False))}
+    with_params = {type(m).__name__ for m in model.modules() if any(True for _ in m.parameters(recurse=False))}
+    logger.addFilter(_DerivedBufferFilter(derived - with_params))
 
 
 def video_metadata(media: DecodedMedia, temporal_patch_size: int) -> dict[str, Any]:

@@ -181,17 +181,23 @@ def push_weights(engine, state_dict: Mapping[str, torch.Tensor], args, sync_dir:
 
     Every rank must call it (gathering DTensors is a collective). ``sync_dir`` is emptied and
     reused; keep it per rank (``default_sync_dir``)."""
-    from titanrl.models.qwen2_5_vl.state_dict_adapter import save_hf_checkpoint
+    from titanrl.models.qwen2_5_vl.state_dict_adapter import HFShardWriter
 
-    t0 = time.perf_counter()
-    full = {k: full_tensor(v) for k, v in state_dict.items()}
-    t1 = time.perf_counter()
     sync_dir = Path(sync_dir)
     if sync_dir.exists():
         shutil.rmtree(sync_dir)
-    # the same writer as the trainer's per-machine push and the HF export
-    save_hf_checkpoint(full, args, sync_dir, dtype=dtype)
-    t2 = time.perf_counter()
+    # the same writer as the trainer's per-machine push and the HF export: one tensor at a time
+    writer = HFShardWriter(sync_dir, args, dtype=dtype)
+    gather_s = write_s = 0.0
+    for k, v in state_dict.items():
+        t0 = time.perf_counter()
+        full = full_tensor(v)
+        t1 = time.perf_counter()
+        writer.add(k, full)
+        del full
+        gather_s, write_s = gather_s + t1 - t0, write_s + time.perf_counter() - t1
+    t0 = time.perf_counter()
+    writer.close()
+    write_s += time.perf_counter() - t0
     load_s = engine.load_weights(sync_dir)
-    size = (sync_dir / "model.safetensors").stat().st_size
-    return SyncTimings(gather_s=t1 - t0, write_s=t2 - t1, load_s=load_s, bytes=size)
+    return SyncTimings(gather_s=gather_s, write_s=write_s, load_s=load_s, bytes=writer.bytes_written)

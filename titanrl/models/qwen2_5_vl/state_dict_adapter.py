@@ -177,6 +177,67 @@ _ASSET_FILES = (
 )
 
 
+class HFShardWriter:
+    """Writes an HF weight directory tensor by tensor, holding at most ``shard_bytes`` (plus the tensor
+    being added) in memory: full shards become ``model-NNNNN.safetensors`` files with a
+    ``model.safetensors.index.json`` (transformers' and vLLM's sharded layout); a model that fits one
+    shard is a single ``model.safetensors``."""
+
+    def __init__(self, outdir: str | Path, args: Qwen2_5_VLArgs, *, dtype: torch.dtype | None = None,
+                 shard_bytes: int = 1 << 30) -> None:
+        self.outdir = Path(outdir)
+        self.outdir.mkdir(parents=True, exist_ok=True)
+        for stale in [*self.outdir.glob("model*.safetensors"), self.outdir / "model.safetensors.index.json"]:
+            stale.unlink(missing_ok=True)  # an earlier export's shards must not mix with this one's
+        self.adapter = Qwen2_5_VLStateDictAdapter(args)
+        self.args, self.dtype, self.shard_bytes = args, dtype, shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.weight_map: dict[str, str] = {}
+        self.files: list[str] = []
+        self.bytes_written = 0
+        self.peak_pending_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """One titanrl-named tensor; it is converted (HF name, dtype, CPU) and may end a shard."""
+        for hf_name, t in self.adapter.to_hf({name: tensor}).items():
+            if self.dtype is not None and t.is_floating_point():
+                t = t.to(self.dtype)
+            t = t.detach().contiguous().cpu()
+            self.pending[hf_name] = t
+            self.pending_bytes += t.numel() * t.element_size()
+            self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
+        if self.pending_bytes >= self.shard_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        name = f"model-{len(self.files) + 1:05d}.safetensors"
+        save_file(self.pending, str(self.outdir / name), metadata={"format": "pt"})
+        self.weight_map.update({k: name for k in self.pending})
+        self.files.append(name)
+        self.bytes_written += self.pending_bytes
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self, assets_from: str | Path | None = None) -> Path:
+        self._flush()
+        if len(self.files) == 1:
+            (self.outdir / self.files[0]).rename(self.outdir / "model.safetensors")
+            self.files = ["model.safetensors"]
+        elif self.files:
+            index = {"metadata": {"total_size": self.bytes_written}, "weight_map": dict(sorted(self.weight_map.items()))}
+            (self.outdir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if assets_from is not None:
+            for name in _ASSET_FILES:
+                src = Path(assets_from) / name
+                if src.is_file() and src.resolve() != (self.outdir / name).resolve():
+                    shutil.copy2(src, self.outdir / name)
+        elif self.args.hf_config:
+            (self.outdir / "config.json").write_text(json.dumps(self.args.hf_config, indent=2))
+        return self.outdir
+
+
 def save_hf_checkpoint(
     state_dict: dict[str, torch.Tensor],
     args: Qwen2_5_VLArgs,
@@ -184,19 +245,11 @@ def save_hf_checkpoint(
     *,
     assets_from: str | Path | None = None,
     dtype: torch.dtype | None = None,
+    shard_bytes: int = 1 << 30,
 ) -> Path:
     """Write an HF directory (weights under original names + config/tokenizer/processor files
     copied from ``assets_from``) that transformers and vLLM load."""
-    outdir = Path(outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
-    hf = Qwen2_5_VLStateDictAdapter(args).to_hf(state_dict)
-    hf = {k: (t.to(dtype) if dtype is not None else t).detach().contiguous().cpu() for k, t in hf.items()}
-    save_file(hf, str(outdir / "model.safetensors"), metadata={"format": "pt"})
-    if assets_from is not None:
-        for name in _ASSET_FILES:
-            src = Path(assets_from) / name
-            if src.is_file() and src.resolve() != (outdir / name).resolve():
-                shutil.copy2(src, outdir / name)
-    elif args.hf_config:
-        (outdir / "config.json").write_text(json.dumps(args.hf_config, indent=2))
-    return outdir
+    writer = HFShardWriter(outdir, args, dtype=dtype, shard_bytes=shard_bytes)
+    for name, tensor in state_dict.items():
+        writer.add(name, tensor)
+    return writer.close(assets_from)

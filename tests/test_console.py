@@ -1,0 +1,111 @@
+"""The console a user reads: output routing, the end-of-run summary, error lines, plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from titanrl.metrics import format_summary
+from titanrl.plot import main as plot_main
+
+_ROUTED = textwrap.dedent("""
+    import os, subprocess, sys, warnings
+    from pathlib import Path
+    from titanrl.console import route_output, say, report_exception
+    route_output(Path(sys.argv[1]), rank=3)
+    print("python print")
+    os.write(2, b"raw fd 2 write\\n")
+    subprocess.run([sys.executable, "-c", "print('child process print')"], check=True)
+    warnings.warn("a library warning")
+    say("[titanrl] our line")
+    try:
+        raise ValueError("bad sample 'x-1'")
+    except ValueError as err:
+        report_exception(err, rank=3, expected=True, verbose=False)
+    try:
+        raise KeyError("a bug of ours")
+    except KeyError as err:
+        report_exception(err, rank=3, expected=False, verbose=False)
+""")
+
+
+def test_routed_output_keeps_only_titanrl_lines_on_the_console(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _ROUTED, str(tmp_path / "logs")], capture_output=True, text=True,
+                          timeout=120, check=True)
+    console = proc.stdout + proc.stderr
+    log = (tmp_path / "logs" / "rank3.log").read_text()
+    for third_party in ("python print", "raw fd 2 write", "child process print", "a library warning"):
+        assert third_party not in console and third_party in log, third_party
+    assert "[titanrl] our line" in proc.stdout and "[titanrl] our line" in log
+    # A user error: one named line, the traceback only in the log; a bug: the traceback on the console too.
+    assert f"error on rank 3: bad sample 'x-1' (traceback in {tmp_path / 'logs' / 'rank3.log'})" in proc.stderr
+    assert proc.stderr.count("Traceback") == 1 and "KeyError: 'a bug of ours'" in proc.stderr
+    assert log.count("Traceback") == 2
+
+
+def test_summary_reports_reached_values_stage_times_and_places():
+    history = [
+        {"reward/mean": 0.2, "reward/accuracy": 0.1, "time/rollout": 2.0, "time/update": 1.0,
+         "throughput/tokens_per_s": 100.0, "data/skipped": 0.0},
+        {"reward/mean": 0.9, "reward/accuracy": 0.8, "time/rollout": 2.0, "time/update": 3.0,
+         "throughput/tokens_per_s": 300.0, "data/skipped": 2.0},
+        {"reward/mean": 0.7, "reward/accuracy": 0.6, "time/rollout": 4.0, "time/update": 0.0,
+         "throughput/tokens_per_s": 200.0, "data/skipped": 2.0},
+    ]
+    text = format_summary(history, first_step=11, wall_s=125.0, places={"metrics": "/r/metrics.jsonl"})
+    lines = text.splitlines()
+    assert lines[0].startswith("[titanrl] done: steps 11-13 in 2m05s (4.00 s per step")
+    assert "reward    final 0.700 (mean of the last 3: 0.600), best 0.900 at step 12" in text
+    assert "accuracy  final 0.600 (mean of the last 3: 0.500), best 0.800 at step 12" in text
+    assert "rollout 8s (67%), update 4s (33%)" in text
+    assert "tokens/s  200 mean" in text and "skipped   2 sample(s)" in text
+    assert lines[-1] == "  metrics   /r/metrics.jsonl"
+    assert "no step to run" in format_summary([], first_step=5, wall_s=1.0, places={})
+
+
+def test_plot_writes_reward_stage_and_balance_pngs(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "reward/mean": s / 10, "reward/accuracy": s / 20, "time/rollout": 1.0, "time/update": 0.5,
+             "parallel/balance_measured": 1.1, "balance/bubble_measured": 0.05} for s in (1, 2, 3)]
+    rows.append({**rows[-1], "reward/mean": 0.99})  # a resumed run logs step 3 again: the last one wins
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert plot_main([str(run)]) == 0
+    for name in ("reward.png", "stages.png", "balance.png"):
+        data = (run / "plots" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    assert "wrote" in capsys.readouterr().out
+    # a single-rank run without balance metrics gets no balance plot
+    solo = tmp_path / "solo"
+    solo.mkdir()
+    (solo / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5, "time/rollout": 1.0}) + "\n")
+    plot_main([str(solo)])
+    assert sorted(p.name for p in (solo / "plots").iterdir()) == ["reward.png", "stages.png"]
+
+
+def test_plot_names_a_missing_metrics_file(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "titanrl.plot", str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0 and f"{tmp_path / 'metrics.jsonl'} does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_the_run_with_an_error_naming_stage_rank_and_timeout():
+    script = Path(__file__).parent / "dist" / "collective_timeout.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), "3",
+           "20"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert ("error on rank 0: stage 'update': rank 0 waited more than job.collective_timeout_s=3 s for a collective"
+            in proc.stderr), proc.stderr[-3000:]
+    assert "stage 'rollout'" not in proc.stderr
+    ended = re.search(r"rank 0 ended after ([\d.]+) s", proc.stderr)
+    assert ended and float(ended.group(1)) < 15, proc.stderr[-3000:]  # at the timeout, not when rank 1 woke

@@ -264,6 +264,81 @@ def test_preprocessor_core_bounds_decode_ahead(dataset, table, settings):
     core.close()
 
 
+_CRASHING_PROCESS = r"""
+import pickle, sys, threading, time, json
+from pathlib import Path
+from titanrl.data.shadow.preprocessor import DecodeTask, PreprocessorCore
+manifest_dir, settings_file, journal, mode, first, then = sys.argv[1:7]
+settings, records = pickle.loads(Path(settings_file).read_bytes())
+core = PreprocessorCore(manifest_dir, settings, num_threads=0, journal_path=journal)
+fetch = lambda sid: core.fetch(DecodeTask("0:0:" + sid, 0, records[sid], 1))
+if mode == "concurrent":  # the crash happens while the first sample is decoding too
+    threading.Thread(target=fetch, args=(first,), daemon=True).start()
+    while first not in json.loads(Path(journal).read_text())["in_flight"]:
+        time.sleep(0.001)
+elif mode == "sequential":
+    print("first ok" if fetch(first).ok else "first failed", flush=True)
+fetch(then)
+print("no crash")
+"""
+
+
+def test_a_sample_that_kills_the_decoder_is_condemned_and_the_others_decode(dataset, table, settings, tmp_path):
+    """The decoder dies for real (SIGSEGV in a child process, as a crash inside FFmpeg would); each next
+    preprocessor process on the same journal (what Ray's restart gives) decodes suspects one at a time,
+    condemns the sample that was decoding alone, and serves everything else."""
+    import pickle
+    import signal
+    import subprocess
+
+    from titanrl.data.shadow.crash_journal import CrashJournal
+    from titanrl.data.shadow.preprocessor import FAULT_DECODE_CRASH_ENV
+
+    good = [m for m in table.metas if m.problem is None and m.media]
+    videos = [m for m in good if m.media[0].kind == "video"]
+    innocent = max(videos, key=lambda m: sum(g.t * g.h * g.w for g in m.grids))  # the longest decode
+    culprit = next(m for m in good if m is not innocent)
+    culprit_file = Path(culprit.record.media[0].path).name
+    assert culprit_file != Path(innocent.record.media[0].path).name
+    records = {m.sample_id: m.record for m in good}
+    settings_file = tmp_path / "settings.pkl"
+    settings_file.write_bytes(pickle.dumps((settings, records)))
+    journal = tmp_path / "journal.json"
+    env = {**os.environ, FAULT_DECODE_CRASH_ENV: culprit_file}
+
+    def run(mode: str, first: str, then: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _CRASHING_PROCESS, str(dataset.parent), str(settings_file),
+                               str(journal), mode, first, then], env=env, capture_output=True, text=True, timeout=120)
+
+    # 1) the decoder dies with two samples in flight: the journal says both were decoding
+    proc = run("concurrent", innocent.sample_id, culprit.sample_id)
+    assert proc.returncode == -signal.SIGSEGV, proc.stderr[-2000:]
+    assert set(json.loads(journal.read_text())["in_flight"]) == {innocent.sample_id, culprit.sample_id}
+    # 2) the restarted process decodes each suspect alone: the innocent decodes, the culprit kills it again
+    proc = run("sequential", innocent.sample_id, culprit.sample_id)
+    assert proc.returncode == -signal.SIGSEGV and "first ok" in proc.stdout, proc.stderr[-2000:]
+    assert json.loads(journal.read_text())["in_flight"] == {culprit.sample_id: [str(dataset.parent /
+                                                                               culprit.record.media[0].path)]}
+    # one death alone is a strike, not a verdict (the process may have been killed from outside): again
+    proc = run("alone", "", culprit.sample_id)
+    assert proc.returncode == -signal.SIGSEGV, proc.stderr[-2000:]
+    # 3) the next process condemns it: a named decoder_crash bad sample, never decoded again; the rest decodes
+    core = PreprocessorCore(str(dataset.parent), settings, num_threads=0, journal_path=str(journal))
+    reply = core.fetch(DecodeTask(f"1:0:{culprit.sample_id}", 1, culprit.record, 1))
+    assert reply.error_kind == "decoder_crash" and culprit_file in reply.error_detail
+    assert core.get_stats()["restarts"] == 3 and not core._journal.suspects and core._journal.unattributed == 0
+    assert all(core.fetch(DecodeTask(f"1:{i}:{m.sample_id}", 1, m.record, 1)).ok for i, m in enumerate(good[1:4]))
+    core.close()
+    assert not journal.exists()
+    # 4) restarts that no decode explains stop after a bound, with a clear error
+    from titanrl.data.shadow.crash_journal import MAX_UNATTRIBUTED, PreprocessorCrashLoop
+
+    CrashJournal(journal)
+    with pytest.raises(PreprocessorCrashLoop, match="decoding nothing"):
+        for _ in range(MAX_UNATTRIBUTED + 1):
+            CrashJournal(journal)
+
+
 # ------------------------------------------------------------------------------------ centralized baseline
 
 

@@ -14,8 +14,8 @@ import pytest
 from titanrl.data.synth import generate_dataset
 
 
-def run_train(tmp_path: Path, *overrides: str, nproc: int | None = None, cache: Path | None = None
-              ) -> subprocess.CompletedProcess:
+def run_train(tmp_path: Path, *overrides: str, nproc: int | None = None, cache: Path | None = None,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     base = [
         "--config", "configs/tiny_cpu.toml",
         f"--model.cache_dir={cache or tmp_path / 'cache'}", f"--job.dump_folder={tmp_path / 'out'}", "--job.steps=2",
@@ -25,7 +25,7 @@ def run_train(tmp_path: Path, *overrides: str, nproc: int | None = None, cache: 
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "titanrl.train"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     root = Path(__file__).resolve().parents[1]
     return subprocess.run(cmd + base + list(overrides), cwd=root, env=env, capture_output=True, text=True,
                           timeout=600)
@@ -81,3 +81,20 @@ def test_corrupt_video_is_an_error_naming_the_sample(tmp_path, corrupt_manifest,
     assert proc.returncode != 0
     assert bad_id in proc.stderr and "Traceback" not in proc.stderr + proc.stdout  # the traceback is in the log
     assert "Traceback" in (tmp_path / "out" / "tiny_cpu" / "logs" / "rank0.log").read_text()
+
+
+def test_a_file_that_kills_the_decoder_is_skipped_and_counted(tmp_path, run_cache):
+    """The preprocessor process dies decoding one file (SIGSEGV, as in a crash inside FFmpeg); Ray
+    restarts it, the crash journal names the sample, and the run skips and counts it."""
+    from titanrl.data.shadow.preprocessor import FAULT_DECODE_CRASH_ENV
+
+    manifest = generate_dataset(tmp_path / "data", "only-video", 4, seed=1)
+    first = json.loads(manifest.read_text().splitlines()[0])
+    name = Path(first["media"][0]["path"]).name
+    proc = run_train(tmp_path, f"--data.manifest={manifest}", "--data.on_bad_sample=skip", "--job.steps=1",
+                     "--rl.global_batch_size=4", cache=run_cache, env={FAULT_DECODE_CRASH_ENV: name})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next((l for l in proc.stdout.splitlines() if "skipping sample" in l), "")
+    assert f"skipping sample {first['id']!r}: decoder_crash" in line and name in line, proc.stdout[-3000:]
+    metrics = json.loads((tmp_path / "out" / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["data/skipped"] == 1

@@ -44,8 +44,8 @@ if TYPE_CHECKING:
     from titanrl.data.preprocess import MediaSettings
     from titanrl.data.prompt import PromptEncoder
 
-ProblemKind = Literal["missing", "corrupt", "unsupported", "too_long"]
-PROBLEM_KINDS: tuple[str, ...] = ("missing", "corrupt", "unsupported", "too_long")
+ProblemKind = Literal["missing", "corrupt", "unsupported", "too_long", "decoder_crash"]
+PROBLEM_KINDS: tuple[str, ...] = ("missing", "corrupt", "unsupported", "too_long", "decoder_crash")
 
 CACHE_VERSION = 1
 CACHE_SUFFIX = ".meta.jsonl"

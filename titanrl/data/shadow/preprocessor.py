@@ -13,11 +13,17 @@ so it can be tested without Ray (``put`` / ``get`` default to keeping arrays in 
 - An entry is evicted when its last consumer has fetched it (``consume=True``) or released it; a
   byte budget bounds what is decoded ahead: background decodes wait while the cache is over budget, and
   after ``stall_s`` evict the oldest steps' entries (which then re-decode if still wanted).
+- A file that crashes the decoder kills the process; Ray restarts it, and the ``CrashJournal`` (on the
+  node's disk) tells the new process which sample did it: that sample becomes a ``decoder_crash`` bad
+  sample (skipped and counted, or a named error), never decoded again; samples that were decoding beside
+  it are decoded again one at a time.
 """
 
 from __future__ import annotations
 
 import collections
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,7 +35,12 @@ import numpy as np
 from titanrl.data.manifest import SampleRecord
 from titanrl.data.media import MediaError
 from titanrl.data.preprocess import MediaSettings, decode_media
+from titanrl.data.shadow.crash_journal import CrashJournal
 from titanrl.data.shadow.metadata import classify_media_error
+
+# Fault injection for tests: media file names (comma-separated) whose decode kills this process with
+# SIGSEGV, as a crash inside FFmpeg would - the real process death, restart and recovery follow.
+FAULT_DECODE_CRASH_ENV = "TITANRL_FAULT_DECODE_CRASH"
 
 
 @dataclass(frozen=True)
@@ -101,6 +112,7 @@ class PreprocessorCore:
         stall_s: float = 2.0,
         put: Callable[[Any], Any] | None = None,
         get: Callable[[Any], Any] | None = None,
+        journal_path: str | None = None,
     ) -> None:
         self.manifest_dir = Path(manifest_dir)
         self.settings = settings
@@ -115,6 +127,11 @@ class PreprocessorCore:
         self._cached_bytes = 0
         self._closed = False
         self.stats: dict[str, float] = collections.defaultdict(float, {k: 0.0 for k in STAT_KEYS})
+        self._journal = CrashJournal(journal_path)  # raises when restarts loop without a culprit
+        self.stats["restarts"] = self._journal.restarts
+        self._active_decodes = 0
+        self._exclusive = False  # a suspect of a past crash decodes alone
+        self._crash_on = {n for n in os.environ.get(FAULT_DECODE_CRASH_ENV, "").split(",") if n}
         self._threads = [threading.Thread(target=self._worker, name=f"decode-{i}", daemon=True)
                          for i in range(num_threads)]
         for t in self._threads:
@@ -193,6 +210,7 @@ class PreprocessorCore:
     def close(self) -> None:
         with self._cond:
             self._closed = True
+            self._journal.remove()
             self._cond.notify_all()
 
     # ------------------------------------------------------------------------------ internals
@@ -230,17 +248,36 @@ class PreprocessorCore:
         t0 = time.perf_counter()
         refs, fps, kinds, nbytes = [], [], [], 0
         error_kind = error_detail = ""
-        try:
-            for media in decode_media(entry.task.record, self.manifest_dir, self.settings):
-                refs.append(self._put(media.frames))
-                fps.append(media.sampled_fps)
-                kinds.append(media.kind)
-                nbytes += media.frames.nbytes
-                self.stats["frames"] += media.frames.shape[0]
-        except MediaError as error:
-            error_kind, error_detail = classify_media_error(error), str(error)
-        except Exception as error:  # a decoder crash must fail this sample, not the actor
-            error_kind, error_detail = "corrupt", f"{type(error).__name__}: {error}"
+        record = entry.task.record
+        with self._cond:
+            verdict = self._journal.verdict(record.id)
+            if verdict == "condemned":
+                error_kind, error_detail = "decoder_crash", self._journal.crash_detail(record.id)
+            else:
+                exclusive = verdict == "suspect"
+                while self._exclusive or (exclusive and self._active_decodes):
+                    self._cond.wait(timeout=0.2)
+                self._exclusive = exclusive
+                self._active_decodes += 1
+                self._journal.start(record.id, [str(self.manifest_dir / m.path) for m in record.media])
+        if not error_kind:
+            try:
+                if any(Path(m.path).name in self._crash_on for m in record.media):
+                    os.kill(os.getpid(), signal.SIGSEGV)
+                for media in decode_media(record, self.manifest_dir, self.settings):
+                    refs.append(self._put(media.frames))
+                    fps.append(media.sampled_fps)
+                    kinds.append(media.kind)
+                    nbytes += media.frames.nbytes
+                    self.stats["frames"] += media.frames.shape[0]
+            except MediaError as error:
+                error_kind, error_detail = classify_media_error(error), str(error)
+            except Exception as error:  # a Python-level decoder failure fails this sample, not the actor
+                error_kind, error_detail = "corrupt", f"{type(error).__name__}: {error}"
+            with self._cond:
+                self._journal.finish(record.id)
+                self._active_decodes -= 1
+                self._exclusive = False if exclusive else self._exclusive
         with self._cond:
             if error_kind:
                 entry.state, entry.error_kind, entry.error_detail = FAILED, error_kind, error_detail

@@ -28,9 +28,11 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from titanrl.data.shadow.comm import Comm
@@ -217,7 +219,7 @@ def start_preprocessors(
     settings: Any,
     num_threads: int,
     cache_bytes: int,
-    max_restarts: int = 4,
+    max_restarts: int = -1,
 ) -> None:
     """Rank 0 places one preprocessor per node; every rank gets handles to all of them (collective)."""
     import ray
@@ -243,10 +245,13 @@ def start_preprocessors(
                     num_cpus=0,  # threads that wait on I/O and FFmpeg; placement is by node, not by CPUs
                     # fetches wait for decodes in their own threads; decodes have theirs
                     max_concurrency=4 * num_threads + 32,
+                    # unbounded: every restart is bounded by the crash journal instead (a crash condemns a
+                    # sample, narrows the suspects, or counts towards crash_journal.MAX_UNATTRIBUTED)
                     max_restarts=max_restarts,
                     max_task_retries=2,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                ).remote(manifest_dir, settings, num_threads, cache_bytes))
+                ).remote(manifest_dir, settings, num_threads, cache_bytes,
+                         journal_path=str(Path(tempfile.gettempdir()) / f"{name}.crash-journal.json")))
                 specs.append({"name": name, "node_id": node})
             ray.get([a.ping.remote() for a in actors], timeout=ACTOR_READY_TIMEOUT_S)
         except Exception as error:

@@ -54,7 +54,7 @@ class BadSample:
     position: int
     index: int
     sample_id: str
-    reason: str  # missing | corrupt | unsupported | too_long
+    reason: str  # missing | corrupt | unsupported | too_long | decoder_crash
     detail: str
 
     def error(self, manifest: str = "") -> BadSampleError:

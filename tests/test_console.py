@@ -61,12 +61,12 @@ def test_summary_reports_reached_values_stage_times_and_places():
     ]
     text = format_summary(history, first_step=11, wall_s=125.0, places={"metrics": "/r/metrics.jsonl"})
     lines = text.splitlines()
-    assert lines[0].startswith("[titanrl] done: steps 11-13 in 2m05s (4.00 s per step")
-    assert "reward    final 0.700 (mean of the last 3: 0.600), best 0.900 at step 12" in text
-    assert "accuracy  final 0.600 (mean of the last 3: 0.500), best 0.800 at step 12" in text
+    assert lines[0] == "[titanrl] done: steps 11-13, 4.00 s per step; 2m05s in all (start-up and saving included)"
+    assert "reward     final 0.700 (mean of the last 3: 0.600), best 0.900 at step 12" in text
+    assert "accuracy   final 0.600 (mean of the last 3: 0.500), best 0.800 at step 12" in text
     assert "rollout 8s (67%), update 4s (33%)" in text
-    assert "tokens/s  200 mean" in text and "skipped   2 sample(s)" in text
-    assert lines[-1] == "  metrics   /r/metrics.jsonl"
+    assert "tokens/s   200 mean" in text and "skipped    2 sample(s)" in text
+    assert lines[-1] == "  metrics    /r/metrics.jsonl"
     assert "no step to run" in format_summary([], first_step=5, wall_s=1.0, places={})
 
 

@@ -53,7 +53,7 @@ def test_single_process_run_writes_config_and_metrics(tmp_path, run_cache):
     log = (run_dir / "logs" / "rank0.log").read_text()
     assert vllm_line.search(log) and "step 3/3" in log
     assert "Failed to load weights" not in log  # buffer-only layers: see vllm_engine._DerivedBufferFilter
-    assert "[titanrl] done: steps 1-3" in proc.stdout and f"metrics   {run_dir / 'metrics.jsonl'}" in proc.stdout
+    assert "[titanrl] done: steps 1-3" in proc.stdout and f"metrics    {run_dir / 'metrics.jsonl'}" in proc.stdout
 
 
 @pytest.fixture()

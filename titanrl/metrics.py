@@ -60,29 +60,29 @@ def format_summary(history: Sequence[dict[str, float]], first_step: int, wall_s:
     else:
         steps = list(range(first_step, first_step + len(history)))
         step_s = [sum(v for k, v in h.items() if k.startswith("time/")) for h in history]
-        lines.append(f"[titanrl] done: steps {steps[0]}-{steps[-1]} in {_duration(wall_s)} "
-                     f"({sum(step_s) / len(step_s):.2f} s per step, start-up and saving included in the total)")
+        lines.append(f"[titanrl] done: steps {steps[0]}-{steps[-1]}, {sum(step_s) / len(step_s):.2f} s per step; "
+                     f"{_duration(wall_s)} in all (start-up and saving included)")
         for label, key in (("reward", "reward/mean"), ("accuracy", "reward/accuracy")):
             text = _best(history, steps, key)
             if text:
-                lines.append(f"  {label:<9} {text}")
+                lines.append(f"  {label:<10} {text}")
         stages: dict[str, float] = {}
         for h in history:
             for k, v in h.items():
                 if k.startswith("time/"):
                     stages[k.split("/", 1)[1]] = stages.get(k.split("/", 1)[1], 0.0) + v
         total = sum(stages.values()) or 1.0
-        lines.append("  time      " + ", ".join(f"{name} {_duration(v)} ({100 * v / total:.0f}%)"
+        lines.append("  time       " + ", ".join(f"{name} {_duration(v)} ({100 * v / total:.0f}%)"
                                                for name, v in stages.items()))
         rates = [h["throughput/tokens_per_s"] for h in history if "throughput/tokens_per_s" in h]
         if rates:
-            lines.append(f"  tokens/s  {sum(rates) / len(rates):.0f} mean over steps (prompt + response tokens "
+            lines.append(f"  tokens/s   {sum(rates) / len(rates):.0f} mean over steps (prompt + response tokens "
                          "per second of step time)")
         skipped = history[-1].get("data/skipped", 0)
         if skipped:
-            lines.append(f"  skipped   {int(skipped)} sample(s) (data.on_bad_sample = skip; named in the logs)")
+            lines.append(f"  skipped    {int(skipped)} sample(s) (data.on_bad_sample = skip; named in the logs)")
     for label, where in places.items():
-        lines.append(f"  {label:<9} {where}")
+        lines.append(f"  {label:<10} {where}")
     return "\n".join(lines)
 
 

@@ -22,8 +22,8 @@ so it can be tested without Ray (``put`` / ``get`` default to keeping arrays in 
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,8 +38,9 @@ from titanrl.data.preprocess import MediaSettings, decode_media
 from titanrl.data.shadow.crash_journal import CrashJournal
 from titanrl.data.shadow.metadata import classify_media_error
 
-# Fault injection for tests: media file names (comma-separated) whose decode kills this process with
-# SIGSEGV, as a crash inside FFmpeg would - the real process death, restart and recovery follow.
+# Fault injection for tests: media file names (comma-separated) whose decode reads address 0 - a
+# synchronous SIGSEGV in the decoding thread, as a crash inside FFmpeg is (a signal sent to the process
+# with os.kill would be handled by another thread while this one went on decoding).
 FAULT_DECODE_CRASH_ENV = "TITANRL_FAULT_DECODE_CRASH"
 
 
@@ -263,7 +264,7 @@ class PreprocessorCore:
         if not error_kind:
             try:
                 if any(Path(m.path).name in self._crash_on for m in record.media):
-                    os.kill(os.getpid(), signal.SIGSEGV)
+                    ctypes.string_at(0)  # a NULL read: a real SIGSEGV in this decoding thread, as FFmpeg's would be
                 for media in decode_media(record, self.manifest_dir, self.settings):
                     refs.append(self._put(media.frames))
                     fps.append(media.sampled_fps)

@@ -279,6 +279,10 @@ def shutdown(session: RaySession, comm: Comm, *, timeout_s: float = 30.0) -> Non
 
     comm.barrier()
     if comm.rank == 0:
+        try:  # lets each preprocessor remove its crash journal; a dead one just does not answer
+            ray.get([handle.close.remote() for handle in session.handles], timeout=5)
+        except Exception:
+            pass
         for handle in session.handles:
             try:
                 ray.kill(handle, no_restart=True)

@@ -62,10 +62,6 @@ def say(message: str, *, error: bool = False) -> None:
     print(message, file=stream, flush=True)
 
 
-def warn(message: str) -> None:
-    say(f"[titanrl] warning: {message}")
-
-
 def report_exception(err: BaseException, *, rank: int, expected: bool, verbose: bool) -> None:
     """End a run that raised: the traceback always goes to the rank's log (or stderr); the console
     gets one named line for errors the user can fix (``expected``: bad config, bad sample, bad

@@ -196,7 +196,6 @@ class HFShardWriter:
         self.weight_map: dict[str, str] = {}
         self.files: list[str] = []
         self.bytes_written = 0
-        self.peak_pending_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """One titanrl-named tensor; it is converted (HF name, dtype, CPU) and may end a shard."""
@@ -206,7 +205,6 @@ class HFShardWriter:
             t = t.detach().contiguous().cpu()
             self.pending[hf_name] = t
             self.pending_bytes += t.numel() * t.element_size()
-            self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
         if self.pending_bytes >= self.shard_bytes:
             self._flush()
 

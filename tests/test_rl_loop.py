@@ -126,7 +126,8 @@ def test_reward_rises_from_chance(tmp_path):
 @pytest.mark.slow
 def test_placement_modes_on_four_ranks_match_one(tmp_path):
     """FlexUlysses with ODC's lb_mini (sharded groups first, one gradient reduction per minibatch),
-    fixed-degree Ulysses with lb_micro, and lb_mini alone move and shard trajectories across 4 ranks (a
+    fixed-degree Ulysses with lb_micro and vision balancing (images and frames encoded where the vision
+    plan puts them, embeddings routed), and lb_mini alone move and shard trajectories across 4 ranks (a
     small token budget forces several waves, sharded sequences and unequal microbatch counts); every step
     statistic of 3 steps equals the 1-rank run: log-probs, loss and gradient do not depend on where the
     tokens ran."""
@@ -136,7 +137,7 @@ def test_placement_modes_on_four_ranks_match_one(tmp_path):
     run(train_cmd(tmp_path / "flex", *common, "--parallelism.ulysses=flex", "--parallelism.p_max=4",
                   "--balance.strategy=lb_mini", nproc=4))
     run(train_cmd(tmp_path / "fixed", *common, "--parallelism.ulysses=fixed", "--parallelism.ulysses_degree=2",
-                  "--balance.strategy=lb_micro", nproc=4))
+                  "--balance.strategy=lb_micro", "--parallelism.vision_balance=true", nproc=4))
     run(train_cmd(tmp_path / "mini", *common, "--balance.strategy=lb_mini", nproc=4))
     one, flex, fixed, mini = (metrics(tmp_path / d) for d in ("one", "flex", "fixed", "mini"))
     for other in (flex, fixed, mini):
@@ -150,6 +151,7 @@ def test_placement_modes_on_four_ranks_match_one(tmp_path):
     assert one[1]["grad_norm"] > 0
     assert max(flex[s]["parallel/sharded_sequences"] for s in (1, 2, 3)) > 0  # the plan really sharded
     assert fixed[1]["parallel/degree_max"] == 2 and fixed[1]["parallel/a2a_bytes"] > 0
+    assert all(fixed[s]["vision/bytes_moved"] > 0 for s in (1, 2, 3))  # units really encoded elsewhere
     for s in (1, 2, 3):
         assert flex[s]["parallel/balance_planned"] >= 1.0 and flex[s]["parallel/balance_measured"] >= 1.0
 

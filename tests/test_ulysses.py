@@ -146,14 +146,16 @@ def run(out: Path, *extra: str, nproc: int = 4, timeout: float = 600) -> dict:
     return torch.load(out)
 
 
-def assert_equal(res: dict) -> None:
+def assert_equal(res: dict, *, sharded: bool = True) -> None:
     assert res["logp"] < TOL and res["loss"] < TOL and res["grad"] < TOL, res
     # the counted all-to-all bytes (forward, backward, recomputation) are the plans' exact volume
-    assert res["a2a_bytes"] == res["a2a_bytes_expected"] > 0, res
+    assert res["a2a_bytes"] == res["a2a_bytes_expected"], res
+    assert (res["a2a_bytes"] > 0) == sharded, res
 
 
 # One launch runs every case (start-up, the reference and the FSDP models are shared).
-CASES = "fixed:2,fixed:4,flex,random:50,ac-random:8,seq-random:8,compile-fixed:4,deadlock:200"
+CASES = ("fixed:2,fixed:4,flex,random:50,ac-random:8,seq-random:8,compile-fixed:4,deadlock:200,"
+         "none,vision-none,vision-lbmicro,vision-fixed:4,vision-flex,vision-random:20")
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +205,26 @@ def test_two_hundred_random_plans_do_not_deadlock(four_ranks):
     res = four_ranks["deadlock:200"]
     assert res["plans"] == 200 and res["max_degree"] == 4
     assert res["seconds"] < 300  # a hang would have hit the launch's timeout already
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["vision-none", "vision-lbmicro", "vision-fixed:4", "vision-flex",
+                                  "vision-random:20"])
+def test_vision_balancing_matches_single_process(four_ranks, case):
+    """Images and frames encoded where the wave's vision plan puts them (not where their tokens are),
+    embeddings routed by one autograd all-to-all: log-probs, loss and every gradient (vision tower
+    included) still equal the single-process result, alone and under Ulysses plans of degree 2 and 4."""
+    res = four_ranks[case]
+    assert_equal(res, sharded=case not in ("vision-none", "vision-lbmicro"))
+    forward, backward = res["route_bytes"]
+    assert forward > 0 and backward == forward  # embeddings crossed ranks; their gradients came back
+    if case == "vision-none":  # trajectories stay home: only ranks with work in a wave can take units
+        assert res["vision_balance_planned"] < 0.7 * four_ranks["none"]["vision_balance_planned"], res
+    else:
+        assert res["vision_balance_planned"] < 1.15, res
+
+
+@pytest.mark.slow
+def test_encoding_where_the_tokens_are_matches_too(four_ranks):
+    assert_equal(four_ranks["none"], sharded=False)
+    assert four_ranks["none"]["route_bytes"] == (0.0, 0.0) and four_ranks["none"]["pixel_bytes"] == 0

@@ -133,6 +133,13 @@ def all_to_all_arrays(
     return received, sum(in_sizes)
 
 
+def new_world_group(info: DistInfo):
+    """A process group of every rank, separate from the default one (and so from FSDP's): a
+    collective issued on it never has to be ordered against the others' (vision balancing's
+    embedding route runs inside the model's forward and backward). Every rank must call it."""
+    return dist.new_group(ranks=list(range(info.world_size)))
+
+
 def build_ulysses_groups(rank: int, world: int, degrees: Sequence[int], device: torch.device) -> dict:
     """This rank's process group for every Ulysses degree ``p > 1`` in ``degrees``: the ``ulysses``
     dimension of a ``(world / p, p)`` DeviceMesh, so the groups of degree ``p`` are the aligned

@@ -25,7 +25,8 @@ from titanrl.data.manifest import SampleRecord, read_manifest
 from titanrl.data.preprocess import PreparedSample
 from titanrl.data.prompt import PromptEncoder
 from titanrl.data.shadow import BadSample, Materialized, SampleMeta, build_loader
-from titanrl.distributed import DistInfo, all_reduce_max, all_reduce_sum, build_dp_mesh, build_ulysses_groups
+from titanrl.distributed import (DistInfo, all_reduce_max, all_reduce_sum, build_dp_mesh, build_ulysses_groups,
+                                 new_world_group)
 from titanrl.metrics import MetricsLogger, format_summary
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights
 from titanrl.optim import build_lr_scheduler, build_optimizer
@@ -34,6 +35,7 @@ from titanrl.parallel.parallelize import CompileOptions, parallelize_qwen2_5_vl
 from titanrl.parallel.ulysses import resolve_ulysses
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
 from titanrl.rl.grpo import build_policy_loss, group_advantages
+from titanrl.rl.exchange import VisionBalancing
 from titanrl.rl.stages import StageRunner, build_cost_model
 from titanrl.rl.timing import StageTimer
 from titanrl.rl.rewards import exact_match, load_reward
@@ -80,14 +82,18 @@ class Trainer:
         mesh = build_dp_mesh(info)
         self.model = self._build_model(mesh, trainable=True)
         self.ref_model = self._build_model(mesh, trainable=False) if cfg.rl.kl_coef > 0 else None
+        cost_model = build_cost_model(self.args, cfg.balance.cost_model)
         self.stages = StageRunner(
             args=self.args, rank=info.rank, world=info.world_size, device=info.device, dtype=self.param_dtype,
             method=self.ulysses.method, strategy=cfg.balance.strategy, max_tokens=cfg.balance.max_tokens_per_microbatch,
             reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-            cost_model=build_cost_model(self.args, cfg.balance.cost_model), p_max=self.ulysses.p_max,
+            cost_model=cost_model, p_max=self.ulysses.p_max,
             degree=self.ulysses.degree, attn_backend=cfg.model.attn_backend,
             groups=build_ulysses_groups(info.rank, info.world_size, self.ulysses.degrees, info.device)
             if info.distributed else {},
+            vision=VisionBalancing(
+                enabled=cfg.parallelism.vision_balance and info.distributed, cost_model=cost_model,
+                group=new_world_group(info) if cfg.parallelism.vision_balance and info.distributed else None),
         )
         self.policy_loss = build_policy_loss(cfg.rl)
         if cfg.compile.enable and "loss" in cfg.compile.components:

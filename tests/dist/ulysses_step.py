@@ -12,8 +12,11 @@ reference. Rank 0 writes the largest errors per case to ``--out``.
 
 Cases (``--cases``, all in one launch): ``fixed:<degree>``, ``flex`` (the FlexUlysses planner),
 ``random:<n>`` (n random plans of degrees 1/2/4 with random groups and packing), ``deadlock:<n>``
-(n random plans, forward + backward only, no comparison: the test bounds the time); prefixed
-``ac-`` (activation checkpointing), ``compile-`` (compiled blocks) or ``seq-`` (no overlap).
+(n random plans, forward + backward only, no comparison: the test bounds the time), ``none`` and
+``lbmicro`` (no sequence parallelism: trajectories at home, or Karmarkar-Karp-placed); prefixed
+``ac-`` (activation checkpointing), ``compile-`` (compiled blocks), ``seq-`` (no overlap) or
+``vision-`` (vision balancing: images and frames encoded where the wave's vision plan puts them,
+embeddings routed to the ranks holding their tokens).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from titanrl.parallel.parallelize import CompileOptions, parallelize_qwen2_5_vl 
 from titanrl.parallel.stage_plan import plan_stage, stage_from_shard_plans  # noqa: E402
 from titanrl.parallel.ulysses import layout_builder  # noqa: E402
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories  # noqa: E402
-from titanrl.rl.exchange import TrajectoryExchange, gather_metadata  # noqa: E402
+from titanrl.rl.exchange import TrajectoryExchange, VisionBalancing, gather_metadata  # noqa: E402
 from titanrl.rl.grpo import ppo_clip_loss  # noqa: E402
 
 LOSS = dict(clip_low=0.2, clip_high=0.28, mode="seq-mean-token-mean", kl_coef=0.1, kl_estimator="k3",
@@ -125,6 +128,9 @@ def run_case(case: str, model, ref, mine, metas, exchange, build, world, rank, r
     for _ in range(plans):
         if mode in ("random", "deadlock"):
             plan = random_stage(lengths, homes, world, rng)
+        elif mode in ("none", "lbmicro"):
+            plan = plan_stage(lengths, homes, world, method="none", max_tokens=MAX_TOKENS, cost_model=CostModel(),
+                              strategy="native" if mode == "none" else "lb_micro")
         else:
             plan = plan_stage(lengths, homes, world, method=mode, max_tokens=MAX_TOKENS, cost_model=CostModel(),
                               p_max=4, degree=int(arg or 1))
@@ -145,6 +151,7 @@ def run_case(case: str, model, ref, mine, metas, exchange, build, world, rank, r
                                     return_entropy=True, layout_builder=build)
             if inp.batch is None:
                 dummy = dummy_pack(ARGS, torch.device("cpu"), torch.float32)
+                dummy.batch.vision_route = inp.vision_route
                 (model(dummy.batch, dummy.targets).logprobs.sum() * 0.0).backward()
                 exchange.return_logprobs(plan, stage_ids, [(w, inp, torch.zeros(0))], "new_logprobs", waves=[w])
                 continue
@@ -169,12 +176,16 @@ def run_case(case: str, model, ref, mine, metas, exchange, build, world, rank, r
                 ref_shard = distribute_tensor(g, q.grad.device_mesh, q.grad.placements, src_data_rank=None)
                 errors["grad"] = max(errors["grad"], (q.grad.to_local() - ref_shard.to_local()).abs().max().item())
         model.zero_grad(set_to_none=True)
+    v = exchange.vision_stats
     err = torch.tensor([errors["logp"], errors["loss"], errors["grad"], max_degree], dtype=torch.float64)
     dist.all_reduce(err, op=dist.ReduceOp.MAX)
-    total = torch.tensor([measured_bytes], dtype=torch.float64)
+    total = torch.tensor([measured_bytes, v.route.forward_bytes, v.route.backward_bytes, v.pixel_bytes],
+                         dtype=torch.float64)
     dist.all_reduce(total)
     return {"logp": err[0].item(), "loss": err[1].item(), "grad": err[2].item(), "plans": plans,
-            "max_degree": int(err[3].item()), "a2a_bytes": total.item(), "a2a_bytes_expected": float(expected_bytes)}
+            "max_degree": int(err[3].item()), "a2a_bytes": total[0].item(), "a2a_bytes_expected": float(expected_bytes),
+            "route_bytes": (total[1].item(), total[2].item()), "pixel_bytes": total[3].item(),
+            "vision_balance_planned": v.planned_peak / v.planned_mean if v.planned_mean else 1.0}
 
 
 MAX_TOKENS = 120  # per-rank budget of a wave: the batch needs several waves and sharded sequences
@@ -185,9 +196,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--cases", required=True,
-                   help="comma-separated; each case is [ac-|compile-|seq-]mode[:n]: fixed:<degree>, flex, "
-                        "random:<plans>, deadlock:<plans>; ac- = activation checkpointing, compile- = "
-                        "compiled blocks (aot_eager), seq- = no all-to-all overlap")
+                   help="comma-separated; each case is [ac-|compile-|seq-|vision-]mode[:n]: fixed:<degree>, "
+                        "flex, random:<plans>, deadlock:<plans>, none, lbmicro; ac- = activation checkpointing, "
+                        "compile- = compiled blocks (aot_eager), seq- = no all-to-all overlap, vision- = vision "
+                        "balancing")
     opts = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -205,7 +217,7 @@ def main() -> None:
     mine = [t for t in trajs_global if home_of(t.group, world) == rank]
     metas = gather_metadata(mine, rank, ARGS)
     lengths = [m.num_tokens for m in metas]
-    exchange = TrajectoryExchange(ARGS, rank, world, torch.device("cpu"), torch.float32, mine, metas)
+    vision_group = dist.new_group(ranks=list(range(world)))
     models: dict[tuple[str, str], Qwen2_5_VLModel] = {}
     results = {}
     rng = np.random.default_rng(1234)
@@ -221,6 +233,10 @@ def main() -> None:
                 model, dp_mesh=mesh, activation_checkpoint=ac, ulysses=True,
                 compile_options=CompileOptions(enable=backend != "none", backend=backend if backend != "none"
                                                else "inductor"))
+        # a fresh exchange per case: its vision counters are per case
+        exchange = TrajectoryExchange(ARGS, rank, world, torch.device("cpu"), torch.float32, mine, metas,
+                                      vision=VisionBalancing(enabled=variant == "vision", cost_model=CostModel(),
+                                                             group=vision_group))
         build = layout_builder(groups, rank=rank, lengths=lengths, backend="sdpa", device=torch.device("cpu"),
                                overlap=variant != "seq")
         t0 = time.perf_counter()

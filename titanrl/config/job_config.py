@@ -184,6 +184,13 @@ class ParallelismConfig:
     all-to-alls in forward order). Selective (op-level) checkpointing is planned."""
     fsdp_reshard_after_forward: bool = True
     """Free gathered parameters after forward (less memory, one more all-gather in backward)."""
+    vision_balance: bool = False
+    """Vision-tower balancing (FlexRL sec. 3.3) in the log-prob and update stages: per wave, the images and video
+    temporal patches the ranks' tokens use are spread over the ranks by vision cost (each encoded once, also when
+    several ranks use it), each rank encodes only its share, and the embeddings go with one all-to-all to the ranks
+    holding their placeholder tokens (gradients come back the same way). false = every rank encodes the media its
+    own tokens use. Needs balance.strategy = 'native' or 'lb_micro' (ranks run every wave together); under 'lb_mini'
+    ranks run different waves at different times, so it is refused there (planned: within Ulysses groups)."""
 
     def problems(self) -> list[str]:
         found = []
@@ -550,6 +557,12 @@ class JobConfig:
                 f"balance.strategy='native' keeps every trajectory on the rank that generated it, but "
                 f"parallelism.ulysses={self.parallelism.ulysses!r} places trajectories on Ulysses groups: use "
                 "balance.strategy='lb_micro' or 'lb_mini'"
+            )
+        if self.parallelism.vision_balance and self.balance.strategy == "lb_mini":
+            found.append(
+                "parallelism.vision_balance=true routes vision embeddings between ranks in every wave, but "
+                "balance.strategy='lb_mini' lets ranks run different waves at different times (one synchronisation "
+                "per minibatch): use balance.strategy='lb_micro' or 'native', or parallelism.vision_balance=false"
             )
         prompt_and_response = self.data.max_prompt_tokens + self.rollout.max_new_tokens
         if prompt_and_response > self.model.max_seq_len:

@@ -48,6 +48,10 @@ class PackedBatch:
     # layout: titanrl.parallel.ulysses.UlyssesLayout), handed to every ``inner_attention`` as is;
     # None = every sequence of ``cu_seqlens`` is whole in this stream.
     attention_layout: object | None = None
+    # Vision balancing (titanrl.parallel.vision_route.VisionRoute): a callable from the rows this
+    # rank's vision tower produced to the rows this stream's placeholders need (encoded on other
+    # ranks too); None = the rows produced here are the ones needed.
+    vision_route: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +77,7 @@ class PackedBatch:
             pixel_values=pv,
             vision_token_index=None if self.vision_token_index is None else self.vision_token_index.to(device),
             attention_layout=self.attention_layout,
+            vision_route=self.vision_route,
         )
 
 

@@ -23,7 +23,7 @@ responses) can become the unit by giving it its own token stream and scored posi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -35,7 +35,10 @@ from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.models.qwen2_5_vl.model import LogprobTargets
 from titanrl.models.qwen2_5_vl.positions import mrope_position_ids
 from titanrl.models.vision_grid import VisionGrid
+from titanrl.parallel.cost_model import CostModel
 from titanrl.parallel.stage_plan import Piece, StagePlan
+from titanrl.parallel.vision_plan import FrameRun, ItemShape, WaveVisionPlan, plan_wave_vision, route_indices, runs_of
+from titanrl.parallel.vision_route import RouteCounter, VisionRoute
 
 # Per-token inputs a stage can ask for, beside ids / positions / targets.
 FIELDS = ("old_logprobs", "ref_logprobs")
@@ -120,16 +123,6 @@ def gather_metadata(trajs: Sequence, rank: int, args: Qwen2_5_VLArgs) -> list[Tr
     return sorted(every, key=lambda m: (m.group, m.home, m.index))
 
 
-@dataclass(frozen=True)
-class FrameRun:
-    """Temporal patches ``[f0, f1)`` of media item ``item`` of trajectory ``seq``'s prompt."""
-
-    group: int
-    item: int
-    f0: int
-    f1: int
-
-
 def frame_runs(pieces: Sequence[Piece], metas: Sequence[TrajectoryMeta]) -> list[FrameRun]:
     """The vision inputs a rank needs for ``pieces`` (stage ids index ``metas``): per prompt and
     media item, the union of the temporal patches its pieces touch, as maximal runs, sorted."""
@@ -140,18 +133,7 @@ def frame_runs(pieces: Sequence[Piece], metas: Sequence[TrajectoryMeta]) -> list
             frames = item.frames(p.start, p.end)
             if frames is not None:
                 needed.setdefault((m.group, k), set()).update(range(*frames))
-    runs = []
-    for (group, k), frames in sorted(needed.items()):
-        ordered = sorted(frames)
-        start = prev = ordered[0]
-        for f in ordered[1:] + [None]:
-            if f is None or f != prev + 1:
-                runs.append(FrameRun(group, k, start, prev + 1))
-                if f is not None:
-                    start = f
-            if f is not None:
-                prev = f
-    return runs
+    return runs_of(needed)
 
 
 class TrajectoryTokens:
@@ -198,10 +180,36 @@ class WaveInputs:
     advantages: torch.Tensor | None  # [K]
     fields: dict[str, torch.Tensor]  # [K] per requested field
     bytes_sent: int = 0
+    # set when vision balancing routes embeddings in this wave: every rank's forward (a dummy's
+    # too) must call it, since it is a collective
+    vision_route: VisionRoute | None = None
 
     @property
     def num_tokens(self) -> int:
         return 0 if self.batch is None else self.batch.num_tokens
+
+
+@dataclass(frozen=True)
+class VisionBalancing:
+    """``parallelism.vision_balance``: when ``enabled``, the vision tower's units of a wave are spread
+    over ranks by ``cost_model`` (``titanrl.parallel.vision_plan``) and embeddings routed over
+    ``group`` (every rank); otherwise every rank encodes what its own tokens use (the cost is still
+    planned, for the ``vision/*`` metrics)."""
+
+    enabled: bool
+    cost_model: CostModel
+    group: object = None
+    tol: float = 0.02
+
+
+@dataclass
+class VisionStats:
+    """What a step's vision work was planned as and moved (this rank's view; sums over waves)."""
+
+    planned_peak: float = 0.0  # per wave the busiest rank's vision cost
+    planned_mean: float = 0.0
+    pixel_bytes: int = 0  # pixels this rank sent to other ranks
+    route: RouteCounter = field(default_factory=RouteCounter)
 
 
 class TrajectoryExchange:
@@ -210,7 +218,7 @@ class TrajectoryExchange:
     to indices into ``metas``."""
 
     def __init__(self, args: Qwen2_5_VLArgs, rank: int, world: int, device: torch.device, dtype: torch.dtype,
-                 trajs: Sequence, metas: Sequence[TrajectoryMeta]) -> None:
+                 trajs: Sequence, metas: Sequence[TrajectoryMeta], vision: VisionBalancing | None = None) -> None:
         self.args = args
         self.rank = rank
         self.world = world
@@ -220,6 +228,10 @@ class TrajectoryExchange:
         self.metas = metas
         self.tokens = TrajectoryTokens(args)
         self.by_group = {m.group: m for m in metas}
+        self.vision = vision
+        self.vision_stats = VisionStats()
+        self.shapes = {(m.group, k): ItemShape(it.patches_per_frame, it.tokens_per_frame, not it.grid.is_video)
+                       for m in metas for k, it in enumerate(m.media)}
 
     # ------------------------------------------------------------------ home side
 
@@ -243,13 +255,35 @@ class TrajectoryExchange:
 
     # ------------------------------------------------------------------ one wave
 
+    def vision_plan(self, plan: StagePlan, metas: Sequence[TrajectoryMeta], wave: int) -> WaveVisionPlan:
+        """Who encodes what in ``wave`` (the same on every rank)."""
+        pieces = [plan.pieces(wave, r) for r in range(self.world)]
+        needs = [frame_runs(p, metas) for p in pieces]
+        return plan_wave_vision(needs, self.shapes, self.vision.cost_model, eligible=[bool(p) for p in pieces],
+                                tol=self.vision.tol)
+
+    def _count_vision(self, vplans: dict[int, WaveVisionPlan]) -> None:
+        s = self.vision_stats
+        for vp in vplans.values():
+            cost = vp.encode_cost if self.vision.enabled else vp.need_cost
+            s.planned_peak += max(cost)
+            s.planned_mean += float(np.mean(cost))
+
     def inputs(self, plan: StagePlan, stage_ids: Sequence[int], waves: Sequence[int], *, fields: Sequence[str] = (),
                temperature: float = 1.0, return_entropy: bool = False, layout_builder=None,
                collective: bool = True) -> list[WaveInputs]:
         """This rank's inputs of each of ``waves``, moved with one all-to-all (skipped when
-        ``collective`` is False, which every rank must agree on: the plan moves nothing)."""
+        ``collective`` is False and vision balancing moves no pixels, which every rank agrees on).
+
+        Pixels go to the rank that encodes them: the one whose tokens use them, or with vision
+        balancing the one the wave's vision plan names."""
         metas = [self.metas[i] for i in stage_ids]
         patch_dim = self.args.vision.patch_dim
+        vplans = {w: self.vision_plan(plan, metas, w) for w in waves} if self.vision is not None else {}
+        self._count_vision(vplans)
+        if not (self.vision is not None and self.vision.enabled):
+            vplans = {}
+        home = lambda run: self.by_group[run.group].home  # noqa: E731
         send: list[list[np.ndarray]] = [[] for _ in range(self.world)]
         specs: list[list] = [[] for _ in range(self.world)]
         for w in waves:
@@ -259,50 +293,62 @@ class TrajectoryExchange:
                 for p in theirs:
                     if metas[p.seq].home == self.rank:
                         send[dest] += self._piece_arrays(p, metas[p.seq], fields)
-                for run in frame_runs(theirs, metas):
-                    if self.by_group[run.group].home == self.rank:
+                runs = vplans[w].encode[dest] if vplans else frame_runs(theirs, metas)
+                for run in runs:
+                    if home(run) == self.rank:
                         send[dest].append(self._run_pixels(run))
-            runs = frame_runs(mine, metas)
+                        if dest != self.rank:
+                            self.vision_stats.pixel_bytes += send[dest][-1].nbytes
+            runs = vplans[w].encode[self.rank] if vplans else frame_runs(mine, metas)
             for src in range(self.world):
                 if src == self.rank:
                     continue
                 specs[src] += [spec for p in mine if metas[p.seq].home == src
                                for spec in _piece_specs(p, metas[p.seq], fields)]
-                specs[src] += [_run_spec(run, self.by_group, patch_dim) for run in runs
-                               if self.by_group[run.group].home == src]
+                specs[src] += [_run_spec(run, self.by_group, patch_dim) for run in runs if home(run) == src]
+        if vplans:  # pixels move to encoders even where every piece stays home
+            collective = collective or any(home(run) != r for vp in vplans.values()
+                                           for r, runs in enumerate(vp.encode) for run in runs)
         received, sent = all_to_all_arrays(send, specs, rank=self.rank, device=self.device, collective=collective)
         cursor = [0] * self.world  # next array of each source, consumed wave by wave in send order
         out = [self._assemble(plan, w, plan.pieces(w, self.rank), metas, received, cursor, fields, temperature,
-                              return_entropy, layout_builder) for w in waves]
+                              return_entropy, layout_builder, vplans.get(w)) for w in waves]
         if out:
             out[0].bytes_sent = sent
         return out
 
     def _assemble(self, plan, wave, mine, metas, received, cursor, fields, temperature, return_entropy,
-                  layout_builder) -> WaveInputs:
-        if not mine:
-            return WaveInputs([], None, None, [], None, None, None, {})
+                  layout_builder, vplan: WaveVisionPlan | None) -> WaveInputs:
+        route = None
+        if vplan is not None and (vplan.moves() or mine):
+            route = VisionRoute(route_indices(vplan, self.rank, self.shapes), self.rank, self.vision.group,
+                                collective=vplan.moves(), counter=self.vision_stats.route)
+        if not mine:  # a dummy forward still joins the route's collective
+            return WaveInputs([], None, None, [], None, None, None, {}, vision_route=route)
         per_piece = []
         for p in mine:
             src = metas[p.seq].home
             k = 3 + len(fields)
             per_piece.append(received[src][cursor[src]:cursor[src] + k])
             cursor[src] += k
-        runs = frame_runs(mine, metas)
+        need_runs = frame_runs(mine, metas)
+        enc_runs = list(vplan.encode[self.rank]) if vplan is not None else need_runs
         pixels = []
-        for run in runs:
+        for run in enc_runs:
             src = self.by_group[run.group].home
             pixels.append(received[src][cursor[src]])
             cursor[src] += 1
 
-        # vision: one grid per run, in run order; row of each placeholder token in stream order
+        # vision: one grid per encoded run, in run order; the row of each placeholder token in the
+        # rows of the runs it needs (what the route returns, or the encoded rows themselves)
         grids: list[VisionGrid] = []
+        for run in enc_runs:
+            g = self.by_group[run.group].media[run.item].grid
+            grids.append(VisionGrid(run.f1 - run.f0, g.h, g.w, g.is_video, g.second_per_grid))
         run_rows: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (group, item) -> (f0, f1, first row)
         rows = 0
-        for run in runs:
+        for run in need_runs:
             item = self.by_group[run.group].media[run.item]
-            g = item.grid
-            grids.append(VisionGrid(run.f1 - run.f0, g.h, g.w, g.is_video, g.second_per_grid))
             run_rows.setdefault((run.group, run.item), []).append((run.f0, run.f1, rows))
             rows += (run.f1 - run.f0) * item.tokens_per_frame
         token_rows = []
@@ -343,6 +389,7 @@ class TrajectoryExchange:
             pixel_values=torch.from_numpy(np.concatenate(pixels)).to(dev, self.dtype) if pixels else None,
             vision_token_index=torch.from_numpy(np.concatenate(token_rows)).to(dev) if token_rows else None,
             attention_layout=layout,
+            vision_route=route,
         )
         targets = LogprobTargets(
             positions=torch.from_numpy(np.concatenate(tgt_pos).astype(np.int64)).to(dev),

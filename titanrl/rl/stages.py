@@ -34,7 +34,7 @@ from titanrl.parallel.odc import minibatch_sync
 from titanrl.parallel.stage_plan import BalanceStrategy, StageMethod, StagePlan, plan_stage
 from titanrl.parallel.ulysses import UlyssesLayout, layout_builder
 from titanrl.rl.batch import Trajectory, dummy_pack
-from titanrl.rl.exchange import TrajectoryExchange, TrajectoryMeta, WaveInputs, gather_metadata
+from titanrl.rl.exchange import TrajectoryExchange, TrajectoryMeta, VisionBalancing, WaveInputs, gather_metadata
 
 
 def build_cost_model(args: Qwen2_5_VLArgs, kind: str) -> CostModel:
@@ -94,13 +94,15 @@ class StepStats:
     reducing_microbatches: int = 0  # of those, the ones whose backward reduced gradients
     minibatches: int = 0
     layouts: list[UlyssesLayout] = field(default_factory=list)
+    vision_seconds: float = 0.0  # vision-tower forward time (busy clock), every stage
 
 
 class StageRunner:
     def __init__(self, *, args: Qwen2_5_VLArgs, rank: int, world: int, device: torch.device, dtype: torch.dtype,
                  method: StageMethod, max_tokens: int, cost_model: CostModel, strategy: BalanceStrategy | None = None,
                  p_max: int = 1, degree: int = 1, groups: dict | None = None, attn_backend: str = "sdpa",
-                 overlap: bool = True, reshard_after_forward: bool = True) -> None:
+                 overlap: bool = True, reshard_after_forward: bool = True,
+                 vision: VisionBalancing | None = None) -> None:
         self.args = args
         self.rank = rank
         self.world = world
@@ -116,7 +118,9 @@ class StageRunner:
         self.attn_backend = attn_backend
         self.overlap = overlap
         self.reshard_after_forward = reshard_after_forward
+        self.vision = vision or VisionBalancing(enabled=False, cost_model=cost_model)
         self.clock = _busy_clock(device)
+        self._timed_vision: set[int] = set()
         self.metas: list[TrajectoryMeta] = []
         self.exchange: TrajectoryExchange | None = None
         self._plans: dict[tuple[int, ...], StagePlan] = {}
@@ -129,7 +133,7 @@ class StageRunner:
         """After rewards: every rank learns every trajectory's metadata (one all-gather)."""
         self.metas = gather_metadata(trajs, self.rank, self.args)
         self.exchange = TrajectoryExchange(self.args, self.rank, self.world, self.device, self.dtype, trajs,
-                                           self.metas)
+                                           self.metas, vision=self.vision)
         self._plans = {}
         self.stats = StepStats()
 
@@ -193,13 +197,28 @@ class StageRunner:
                     s.layouts.append(inputs.batch.attention_layout)
                 yield w, inputs
 
+    def _time_vision(self, model) -> None:
+        """Count the vision tower's forward time (``vision/balance_measured``) of ``model``."""
+        if id(model) in self._timed_vision:
+            return
+        self._timed_vision.add(id(model))
+        start: list[float] = []
+        model.vision.register_forward_pre_hook(lambda *_: start.append(self.clock()))
+
+        def done(*_):
+            self.stats.vision_seconds += self.clock() - start.pop()
+
+        model.vision.register_forward_hook(done)
+
     def _sync(self, model, plan: StagePlan, *, train: bool):
         if plan.sync == "minibatch":
             return minibatch_sync(model, train=train, reshard_after_forward=self.reshard_after_forward)
         return nullcontext(lambda: None)
 
-    def _dummy(self, model, backward: bool) -> None:
+    def _dummy(self, model, backward: bool, inputs: WaveInputs | None = None) -> None:
         dummy = dummy_pack(self.args, self.device, self.dtype)
+        if inputs is not None and inputs.vision_route is not None:
+            dummy.batch.vision_route = inputs.vision_route  # the wave's embedding route is a collective
         out = model(dummy.batch, dummy.targets)
         if backward:
             # zero weight, but every parameter (output projection included) is touched, so FSDP
@@ -211,13 +230,14 @@ class StageRunner:
         """``traj.<attr>`` of every home trajectory: the model's log-probs of its response."""
         ids = self.all_ids()
         plan = self.plan(ids)
+        self._time_vision(model)
         self.exchange.begin_results(attr)
         done: list[tuple[int, WaveInputs, torch.Tensor]] = []
         with self._sync(model, plan, train=False):
             for w, inputs in self._inputs(plan, ids, (), temperature=temperature, return_entropy=False):
                 t0 = self.clock()
                 if inputs.batch is None:
-                    self._dummy(model, backward=False)
+                    self._dummy(model, backward=False, inputs=inputs)
                     logp = torch.zeros(0)
                 else:
                     logp = model(inputs.batch, inputs.targets).logprobs
@@ -239,6 +259,7 @@ class StageRunner:
         global_tokens = float(max(sum(m.response_len for m in metas), 1))
         global_seqs = float(max(len(metas), 1))
         plan = self.plan(ids)
+        self._time_vision(model)
         s = self.stats
         s.minibatches += 1
         peak, mean = plan.planned_times
@@ -257,7 +278,7 @@ class StageRunner:
                 s.microbatches += 1
                 t_wave = self.clock()
                 if inputs.batch is None:
-                    self._dummy(model, backward=True)
+                    self._dummy(model, backward=True, inputs=inputs)
                 else:
                     out = model(inputs.batch, inputs.targets)
                     res = loss_fn(out, inputs, global_tokens, global_seqs)
@@ -282,7 +303,11 @@ class StageRunner:
         """The ``parallel/*`` and ``balance/*`` metrics of the step (collective: every rank calls it)."""
         s = self.stats
         a2a = sum(layout.comm.total for layout in s.layouts)
-        every = all_gather_objects((s.busy_seconds, a2a, s.exchange_bytes, s.update_units, s.microbatches))
+        v = self.exchange.vision_stats if self.exchange is not None else None
+        vision_bytes = 0 if v is None else v.pixel_bytes + v.route.forward_bytes + v.route.backward_bytes
+        every = all_gather_objects((s.busy_seconds, a2a, s.exchange_bytes, s.update_units, s.microbatches,
+                                    s.vision_seconds, vision_bytes))
+        vision_busy = np.asarray([e[5] for e in every], dtype=np.float64)
         busy = np.asarray([e[0] for e in every], dtype=np.float64)
         units = np.asarray([e[3] for e in every], dtype=np.float64)  # [rank, synchronisation unit]
         micro = [e[4] for e in every]
@@ -304,4 +329,11 @@ class StageRunner:
             "balance/microbatches_min": float(min(micro)),
             "balance/microbatches_max": float(max(micro)),
             "balance/syncs_per_minibatch": s.reducing_microbatches / max(s.minibatches, 1),
+            # vision tower: planned = per wave the busiest rank's vision cost over the mean;
+            # measured = the busiest rank's vision-tower forward time over the mean (busy clock)
+            "vision/balance_planned": (v.planned_peak / v.planned_mean if v is not None and v.planned_mean > 0
+                                       else 1.0),
+            "vision/balance_measured": (float(vision_busy.max() / vision_busy.mean()) if vision_busy.mean() > 0
+                                        else 1.0),
+            "vision/bytes_moved": float(sum(e[6] for e in every)),
         }

@@ -306,26 +306,34 @@ class Qwen2_5_VLModel(nn.Module):
     def embed(self, batch: PackedBatch) -> torch.Tensor:
         """Token embeddings with vision features written into the image/video placeholder slots."""
         h = self.tok_embeddings(batch.input_ids)
+        unused = None
         if batch.pixel_values is not None and batch.pixel_values.numel() > 0:
             vision_embeds = self.vision(batch.pixel_values, batch.grids).to(h.dtype)
-            if batch.vision_token_index is not None:
-                vision_embeds = vision_embeds[batch.vision_token_index]
-            slots = (batch.input_ids == self.args.image_token_id) | (batch.input_ids == self.args.video_token_id)
-            num_slots = int(slots.sum())
-            if num_slots != vision_embeds.shape[0]:
-                raise ValueError(
-                    f"{num_slots} image/video placeholder tokens but the vision tower produced "
-                    f"{vision_embeds.shape[0]} embeddings: prompt expansion and grids disagree"
-                )
-            h = h.masked_scatter(slots[:, None], vision_embeds)
         else:
-            # A text-only pack still runs the vision tower on one zero 2x2 patch block and adds
-            # 0 x its output: under FSDP every rank must issue the same all-gathers and
-            # reduce-scatters, whatever media its share of the batch happens to hold.
+            # No pixels still runs the vision tower on one zero 2x2 patch block and adds 0 x its
+            # output: under FSDP every rank must issue the same all-gathers and reduce-scatters,
+            # whatever media its share of the batch happens to hold.
             v = self.args.vision
-            dummy = h.new_zeros(v.merge_unit, v.patch_dim)
-            dummy_grid = VisionGrid(1, v.spatial_merge_size, v.spatial_merge_size)
-            h = h + 0.0 * self.vision(dummy, [dummy_grid]).sum()
+            unused = self.vision(h.new_zeros(v.merge_unit, v.patch_dim),
+                                 [VisionGrid(1, v.spatial_merge_size, v.spatial_merge_size)]).to(h.dtype)
+            vision_embeds = unused[:0]
+        if batch.vision_route is not None:  # rows encoded on other ranks arrive (a collective)
+            vision_embeds = batch.vision_route(vision_embeds)
+        if batch.vision_token_index is not None:
+            vision_embeds = vision_embeds[batch.vision_token_index]
+        slots = (batch.input_ids == self.args.image_token_id) | (batch.input_ids == self.args.video_token_id)
+        num_slots = int(slots.sum())
+        if num_slots != vision_embeds.shape[0]:
+            raise ValueError(
+                f"{num_slots} image/video placeholder tokens but the vision tower produced "
+                f"{vision_embeds.shape[0]} embeddings: prompt expansion and grids disagree"
+            )
+        if num_slots:
+            h = h.masked_scatter(slots[:, None], vision_embeds)
+        elif batch.vision_route is not None:
+            h = h + 0.0 * vision_embeds.sum()  # keeps the route's backward collective in the graph
+        if unused is not None:
+            h = h + 0.0 * unused.sum()
         return h
 
     def forward(self, batch: PackedBatch, targets: LogprobTargets | None = None) -> ModelOutput:

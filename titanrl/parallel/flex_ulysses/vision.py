@@ -94,6 +94,53 @@ def _unit_patches(images: Sequence[int], frames: Sequence[int], patches: Sequenc
     return out
 
 
+def assign_units(
+    cost: Sequence[float] | np.ndarray,
+    preferred: Sequence[int],
+    num_devices: int,
+    *,
+    eligible: Sequence[bool] | None = None,
+    tol: float = 0.02,
+) -> np.ndarray:
+    """The rank that encodes each unit (steps 1-3 of the module docstring): ``preferred[k]`` is the
+    rank holding unit ``k``'s tokens (-1: none), ``eligible[r]`` whether rank ``r`` may encode at all
+    (default: every rank). Deterministic: every rank computes the same answer."""
+    cost = np.asarray(cost, dtype=np.float64).reshape(-1)
+    u = cost.size
+    ok = np.ones(num_devices, dtype=bool) if eligible is None else np.asarray(eligible, dtype=bool)
+    if u and not ok.any():
+        raise ValueError("no rank is eligible to encode vision units")
+    device = np.asarray([r if r >= 0 and ok[r] else -1 for r in preferred], dtype=np.int64).reshape(-1)
+    if device.size != u:
+        raise ValueError(f"{device.size} preferred ranks for {u} units")
+    loads = np.zeros(num_devices, dtype=np.float64)
+    cap = (1.0 + tol) * float(cost.sum()) / int(ok.sum()) if u else 0.0
+    placed = device >= 0
+    if placed.any():
+        loads = np.bincount(device[placed], weights=cost[placed], minlength=num_devices).astype(np.float64)
+        for r in range(num_devices):
+            if loads[r] <= cap:
+                continue
+            mine = [int(k) for k in np.nonzero(device == r)[0]]
+            mine.sort(key=lambda k: (cost[k], k))
+            while loads[r] > cap and mine:
+                excess = loads[r] - cap
+                pick = next((k for k in mine if cost[k] >= excess), mine[-1])
+                mine.remove(pick)
+                device[pick] = -1
+                loads[r] -= cost[pick]
+    todo = [int(k) for k in np.nonzero(device < 0)[0]]
+    todo.sort(key=lambda k: (-cost[k], k))
+    heap = [(float(loads[r]), r) for r in range(num_devices) if ok[r]]
+    heapq.heapify(heap)
+    for k in todo:
+        load, r = heapq.heappop(heap)
+        device[k] = r
+        loads[r] = load + cost[k]
+        heapq.heappush(heap, (float(loads[r]), r))
+    return device
+
+
 def plan_vision(
     images_per_sample: Sequence[int],
     frames_per_sample: Sequence[int],
@@ -149,37 +196,8 @@ def plan_vision(
                     out.append((r, lo, hi))
             dests[k] = tuple(out)
 
-    device = np.full(u, -1, dtype=np.int64)
-    loads = np.zeros(num_devices, dtype=np.float64)
-    mean = float(cost.sum()) / num_devices if u else 0.0
-    cap = (1.0 + tol) * mean
-    if shard_plan is not None and u:
-        for k in range(u):
-            if dests[k]:
-                device[k] = dests[k][0][0]
-        placed = device >= 0
-        loads = np.bincount(device[placed], weights=cost[placed], minlength=num_devices).astype(np.float64)
-        for r in range(num_devices):
-            if loads[r] <= cap:
-                continue
-            mine = [int(k) for k in np.nonzero(device == r)[0]]
-            mine.sort(key=lambda k: (cost[k], k))
-            while loads[r] > cap and mine:
-                excess = loads[r] - cap
-                pick = next((k for k in mine if cost[k] >= excess), mine[-1])
-                mine.remove(pick)
-                device[pick] = -1
-                loads[r] -= cost[pick]
-    todo = [int(k) for k in np.nonzero(device < 0)[0]]
-    todo.sort(key=lambda k: (-cost[k], k))
-    heap = [(float(loads[r]), r) for r in range(num_devices)]
-    heapq.heapify(heap)
-    for k in todo:
-        load, r = heapq.heappop(heap)
-        device[k] = r
-        loads[r] = load + cost[k]
-        heapq.heappush(heap, (float(loads[r]), r))
-
+    preferred = [d[0][0] if d else -1 for d in dests]
+    device = assign_units(cost, preferred, num_devices, tol=tol)
     units = tuple(
         VisionUnit(
             index=k, sample=sample_of[k], kind=kind_of[k], ordinal=ordinal_of[k], patches=patch_of[k],

@@ -1,0 +1,102 @@
+"""Vision balancing's plan and route as pure functions (the 4-rank equality runs in test_ulysses.py).
+
+- every frame a wave's tokens use is encoded exactly once, by a rank with work in the wave;
+- the route, simulated here with labelled rows, hands every rank exactly the rows of its needs in
+  need order (what it would have encoded itself), whoever encoded them;
+- on a video-only wave the planned vision balance is near 1 where encoding at the token holder is
+  far from it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from titanrl.config import ConfigError, JobConfig, load_config
+from titanrl.parallel.cost_model import CostModel
+from titanrl.parallel.vision_plan import FrameRun, ItemShape, plan_wave_vision, route_indices, runs_of
+
+
+def random_needs(rng, world: int):
+    shapes, needs = {}, [dict() for _ in range(world)]
+    for group in range(int(rng.integers(1, 7))):
+        for item in range(int(rng.integers(1, 3))):
+            video = bool(rng.random() < 0.6)
+            t = int(rng.integers(1, 17)) if video else 1
+            hw = int(rng.choice([4, 16, 64]))
+            shapes[(group, item)] = ItemShape(hw, hw // 4, not video)
+            for r in rng.choice(world, size=int(rng.integers(1, world + 1)), replace=False):
+                f0 = int(rng.integers(0, t))
+                f1 = int(rng.integers(f0 + 1, t + 1))
+                needs[r].setdefault((group, item), set()).update(range(f0, f1))
+    return shapes, [runs_of(n) if n else [] for n in needs]
+
+
+def label_rows(runs, shapes):
+    """(group, item, frame, token in frame) of every output row of ``runs`` in order."""
+    return [(r.group, r.item, f, k) for r in runs for f in range(r.f0, r.f1)
+            for k in range(shapes[r.key].tokens_per_frame)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_needed_frame_is_encoded_once_and_routed_in_need_order(world):
+    rng = np.random.default_rng(world)
+    for _ in range(200):
+        shapes, needs = random_needs(rng, world)
+        eligible = [bool(n) for n in needs]
+        if not any(eligible):
+            continue
+        plan = plan_wave_vision(needs, shapes, CostModel(), eligible=eligible)
+        encoded = [label_rows(plan.encode[r], shapes) for r in range(world)]
+        # each frame encoded once, only frames someone needs, only by ranks with work
+        flat = [(g, i, f) for rows in encoded for (g, i, f, k) in rows if k == 0]
+        needed = {(r.group, r.item, f) for runs in needs for r in runs for f in range(r.f0, r.f1)}
+        assert len(flat) == len(set(flat)) and set(flat) == needed
+        assert all(eligible[r] or not plan.encode[r] for r in range(world))
+        # simulate the all-to-all with labelled rows
+        idx = [route_indices(plan, r, shapes) for r in range(world)]
+        outbox = []
+        for r in range(world):
+            sent = [encoded[r][i] for i in idx[r].send_index]
+            chunks, at = [], 0
+            for n in idx[r].send_counts:
+                chunks.append(sent[at:at + n])
+                at += n
+            outbox.append(chunks)
+        for r in range(world):
+            received = [row for src in range(world) for row in outbox[src][r]]
+            assert [len(outbox[src][r]) for src in range(world)] == list(idx[r].recv_counts)
+            assert [received[i] for i in idx[r].recv_order] == label_rows(needs[r], shapes)
+
+
+def test_video_only_wave_balances_by_frames():
+    # four ranks, one holds a 64-temporal-patch video, the others short clips: encoding where the
+    # tokens are leaves one rank with most of the vision work
+    shapes = {(0, 0): ItemShape(256, 64, False)} | {(g, 0): ItemShape(256, 64, False) for g in (1, 2, 3)}
+    needs = [[FrameRun(0, 0, 0, 64)], [FrameRun(1, 0, 0, 4)], [FrameRun(2, 0, 0, 4)], [FrameRun(3, 0, 0, 8)]]
+    plan = plan_wave_vision(needs, shapes, CostModel(), eligible=[True] * 4)
+    balanced = max(plan.encode_cost) / np.mean(plan.encode_cost)
+    local = max(plan.need_cost) / np.mean(plan.need_cost)
+    assert local > 2.5 and balanced <= 1.10, (local, balanced)
+    assert plan.moves() and plan.rows_sent(shapes) > 0
+    # locality first: every short clip stays with the rank that uses it
+    for r in (1, 2, 3):
+        assert FrameRun(r, 0, 0, needs[r][0].f1) in plan.encode[r]
+
+
+def test_no_balancing_needed_moves_nothing():
+    shapes = {(0, 0): ItemShape(16, 4, True), (1, 0): ItemShape(16, 4, True)}
+    plan = plan_wave_vision([[FrameRun(0, 0, 0, 1)], [FrameRun(1, 0, 0, 1)]], shapes, CostModel(),
+                            eligible=[True, True])
+    assert not plan.moves() and plan.encode == ((FrameRun(0, 0, 0, 1),), (FrameRun(1, 0, 0, 1),))
+
+
+def test_vision_balance_is_refused_under_lb_mini():
+    cfg = JobConfig()
+    cfg.parallelism.vision_balance = True
+    cfg.balance.strategy = "lb_mini"
+    assert any("vision_balance" in p and "lb_mini" in p for p in cfg.problems())
+    cfg.balance.strategy = "lb_micro"
+    assert not [p for p in cfg.problems() if "vision_balance" in p]
+    with pytest.raises(ConfigError, match="vision_balance"):
+        load_config(None, ["--parallelism.vision_balance=true", "--balance.strategy=lb_mini"])

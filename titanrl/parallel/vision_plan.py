@@ -1,0 +1,208 @@
+"""Which rank encodes which images and video frames of a wave, and where their embeddings go
+(FlexRL sec. 3.3, "Vision Tower Balancing", at run time).
+
+Input: each rank's *needs* in a wave - the frame runs whose placeholder tokens fall in its pieces
+(:func:`frame_runs`). Units: a whole image, or one temporal patch of a video
+(Qwen2.5-VL's vision attention, windowed and full, never crosses a temporal patch, so a frame
+encoded alone gives exactly its rows of the whole clip). A unit needed by several ranks (the ``n``
+responses of a prompt on different ranks, a frame cut by a slice boundary) is encoded once.
+
+Units go to ranks by :func:`~titanrl.parallel.flex_ulysses.vision.assign_units` on vision cost:
+first to the lowest rank that needs them (no traffic), then the overloaded ranks shed and the rest
+is placed longest-first on the least-loaded rank. Only ranks with work in the wave encode (a rank
+without any runs a two-token dummy, no vision). Adjacent frames of one video on one rank are
+encoded as one run.
+
+The route (:class:`RouteIndices`, per rank): the encoder's output rows to send to each rank, in
+the order of the destination's needs, and on the destination the permutation that puts the
+received rows into its need order - the rows the unbalanced path would have encoded itself, so
+everything after the route is unchanged. All of it is derived from the plan on every rank: no
+size handshake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from titanrl.parallel.cost_model import CostModel
+from titanrl.parallel.flex_ulysses.vision import assign_units
+
+ItemKey = tuple[int, int]  # (prompt group, media item of the prompt)
+
+
+@dataclass(frozen=True)
+class FrameRun:
+    """Temporal patches ``[f0, f1)`` of media item ``item`` of prompt ``group``."""
+
+    group: int
+    item: int
+    f0: int
+    f1: int
+
+    @property
+    def key(self) -> ItemKey:
+        return self.group, self.item
+
+
+@dataclass(frozen=True)
+class ItemShape:
+    patches_per_frame: int
+    tokens_per_frame: int
+    is_image: bool
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Frames ``[f0, f1)`` of item ``key`` that ``encoder`` sends to the rank needing them."""
+
+    encoder: int
+    key: ItemKey
+    f0: int
+    f1: int
+
+
+@dataclass(frozen=True)
+class WaveVisionPlan:
+    num_devices: int
+    encode: tuple[tuple[FrameRun, ...], ...]  # per rank: the runs it encodes, sorted
+    needs: tuple[tuple[FrameRun, ...], ...]  # per rank: the runs its tokens use, sorted
+    segments: tuple[tuple[Segment, ...], ...]  # per rank: where its needed rows come from, in need order
+    encode_cost: tuple[float, ...]  # per rank, cost-model units
+    need_cost: tuple[float, ...]  # per rank: what it would encode without balancing
+
+    def moves(self) -> bool:
+        """Whether any embedding row crosses ranks."""
+        return any(s.encoder != r for r, segs in enumerate(self.segments) for s in segs)
+
+    def rows_sent(self, shapes: Mapping[ItemKey, ItemShape]) -> int:
+        """Embedding rows that cross ranks."""
+        return sum((s.f1 - s.f0) * shapes[s.key].tokens_per_frame
+                   for r, segs in enumerate(self.segments) for s in segs if s.encoder != r)
+
+
+def runs_of(frames_by_key: Mapping[ItemKey, Sequence[int]]) -> list[FrameRun]:
+    """Maximal runs of each item's frames, sorted by item then frame."""
+    runs = []
+    for key in sorted(frames_by_key):
+        frames = sorted(set(frames_by_key[key]))
+        start = prev = frames[0]
+        for f in frames[1:] + [None]:
+            if f is None or f != prev + 1:
+                runs.append(FrameRun(key[0], key[1], start, prev + 1))
+                start = f
+            prev = f
+    return runs
+
+
+def plan_wave_vision(needs: Sequence[Sequence[FrameRun]], shapes: Mapping[ItemKey, ItemShape], cost_model: CostModel, *,
+                     eligible: Sequence[bool], tol: float = 0.02) -> WaveVisionPlan:
+    """Balance the vision units of one wave (see the module docstring)."""
+    world = len(needs)
+    # units: whole images, single temporal patches of videos; preferred = lowest rank needing it
+    unit_key, unit_frames, preferred, cost = [], [], [], []
+    index: dict[tuple[ItemKey, int], int] = {}
+    for r, runs in enumerate(needs):
+        for run in runs:
+            shape = shapes[run.key]
+            frames = [(run.f0, run.f1)] if shape.is_image else [(f, f + 1) for f in range(run.f0, run.f1)]
+            for f0, f1 in frames:
+                if (run.key, f0) in index:
+                    continue
+                index[(run.key, f0)] = len(unit_key)
+                unit_key.append(run.key)
+                unit_frames.append((f0, f1))
+                preferred.append(r)
+                cost.append(float(cost_model.vision((f1 - f0) * shape.patches_per_frame)))
+    device = assign_units(np.asarray(cost), preferred, world, eligible=eligible, tol=tol)
+    per_rank: list[dict[ItemKey, list[int]]] = [{} for _ in range(world)]
+    encoder_of: dict[tuple[ItemKey, int], int] = {}
+    encode_cost = np.zeros(world)
+    for k, (key, (f0, f1)) in enumerate(zip(unit_key, unit_frames)):
+        e = int(device[k])
+        per_rank[e].setdefault(key, []).extend(range(f0, f1))
+        encode_cost[e] += cost[k]
+        for f in range(f0, f1):
+            encoder_of[(key, f)] = e
+    segments = []
+    for runs in needs:
+        segs: list[Segment] = []
+        for run in runs:
+            f = run.f0
+            while f < run.f1:
+                e, g = encoder_of[(run.key, f)], f + 1
+                while g < run.f1 and encoder_of[(run.key, g)] == e:
+                    g += 1
+                segs.append(Segment(e, run.key, f, g))
+                f = g
+        segments.append(tuple(segs))
+    need_cost = [sum(float(cost_model.vision((run.f1 - run.f0) * shapes[run.key].patches_per_frame)) for run in runs)
+                 for runs in needs]
+    return WaveVisionPlan(
+        num_devices=world,
+        encode=tuple(tuple(runs_of(d)) if d else () for d in per_rank),
+        needs=tuple(tuple(runs) for runs in needs),
+        segments=tuple(segments),
+        encode_cost=tuple(float(x) for x in encode_cost),
+        need_cost=tuple(need_cost),
+    )
+
+
+@dataclass(frozen=True)
+class RouteIndices:
+    """One rank's share of a wave's embedding route (rows of the vision tower's output)."""
+
+    send_index: np.ndarray  # rows of this rank's encoded output, destination by destination
+    send_counts: tuple[int, ...]  # rows to each rank
+    recv_counts: tuple[int, ...]  # rows from each rank
+    recv_order: np.ndarray  # received rows (concatenated by source) -> this rank's need order
+
+    @property
+    def rows_in(self) -> int:
+        return int(self.recv_order.size)
+
+
+def _run_bases(runs: Sequence[FrameRun], shapes: Mapping[ItemKey, ItemShape]) -> dict[ItemKey, list[tuple[int, int, int]]]:
+    """Per item, the (f0, f1, first row) of each of ``runs`` in the concatenated output."""
+    out: dict[ItemKey, list[tuple[int, int, int]]] = {}
+    row = 0
+    for run in runs:
+        out.setdefault(run.key, []).append((run.f0, run.f1, row))
+        row += (run.f1 - run.f0) * shapes[run.key].tokens_per_frame
+    return out
+
+
+def _rows(bases, key: ItemKey, f0: int, f1: int, tpf: int) -> np.ndarray:
+    r0, _, base = next(b for b in bases[key] if b[0] <= f0 < b[1])
+    start = base + (f0 - r0) * tpf
+    return np.arange(start, start + (f1 - f0) * tpf, dtype=np.int64)
+
+
+def route_indices(plan: WaveVisionPlan, rank: int, shapes: Mapping[ItemKey, ItemShape]) -> RouteIndices:
+    world = plan.num_devices
+    enc_bases = _run_bases(plan.encode[rank], shapes)
+    send, send_counts = [], []
+    for dest in range(world):
+        rows = [_rows(enc_bases, s.key, s.f0, s.f1, shapes[s.key].tokens_per_frame)
+                for s in plan.segments[dest] if s.encoder == rank]
+        send += rows
+        send_counts.append(int(sum(r.size for r in rows)))
+    recv_counts = [0] * world
+    for s in plan.segments[rank]:
+        recv_counts[s.encoder] += (s.f1 - s.f0) * shapes[s.key].tokens_per_frame
+    offsets = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(np.int64)
+    cursor = offsets.copy()
+    order = []
+    for s in plan.segments[rank]:
+        n = (s.f1 - s.f0) * shapes[s.key].tokens_per_frame
+        order.append(np.arange(cursor[s.encoder], cursor[s.encoder] + n, dtype=np.int64))
+        cursor[s.encoder] += n
+    empty = np.zeros(0, dtype=np.int64)
+    return RouteIndices(
+        send_index=np.concatenate(send) if send else empty,
+        send_counts=tuple(send_counts),
+        recv_counts=tuple(recv_counts),
+        recv_order=np.concatenate(order) if order else empty,
+    )

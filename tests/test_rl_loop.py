@@ -111,6 +111,24 @@ def test_two_ranks_match_one(tmp_path):
 
 
 @pytest.mark.slow
+def test_old_logprobs_from_the_first_forward_match_the_separate_pass(tmp_path):
+    """rl.old_logprobs = auto takes the first minibatch's old log-probs from its own update forward (the old
+    policy) and runs the old-log-prob pass only over the second minibatch; every statistic equals the run
+    that recomputes all of them in a separate pass."""
+    common = ["--job.steps=2", "--checkpoint.enable=false", "--rl.global_batch_size=4", "--rl.minibatches=2",
+              "--rl.entropy_coef=0.01"]
+    run(train_cmd(tmp_path / "auto", *common, "--rl.old_logprobs=auto"))
+    run(train_cmd(tmp_path / "pass", *common, "--rl.old_logprobs=recompute"))
+    auto, full = metrics(tmp_path / "auto"), metrics(tmp_path / "pass")
+    for step in (1, 2):
+        assert auto[step]["rl/old_logprob_pass_fraction"] == 0.5 and full[step]["rl/old_logprob_pass_fraction"] == 1
+        for key in ("reward/mean", "loss", "kl", "entropy", "grad_norm", "clip_fraction"):
+            a, b = full[step][key], auto[step][key]
+            assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (step, key, a, b)
+    assert full[1]["grad_norm"] > 0
+
+
+@pytest.mark.slow
 def test_reward_rises_from_chance(tmp_path):
     """A shortened learning run of the default tiny config: the policy starts at chance (it almost
     never even answers with a colour) and within 50 steps clearly earns reward."""

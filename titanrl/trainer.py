@@ -226,14 +226,29 @@ class Trainer:
             for t, a in zip(trajs, adv.tolist()):
                 t.advantage = a
 
-    def compute_logprobs(self, model, attr: str) -> None:
-        """``traj.<attr>`` for every trajectory of this rank, computed wherever the stage plan
-        places its tokens (whole, or sharded across a Ulysses group)."""
-        self.stages.logprobs(model, attr, temperature=self.cfg.rollout.temperature)
+    def compute_logprobs(self, model, attr: str, ids: list[int] | None = None) -> None:
+        """``traj.<attr>`` for every trajectory of this rank (or those among the stage ids ``ids``),
+        computed wherever the stage plan places its tokens (whole, or sharded across a Ulysses group)."""
+        self.stages.logprobs(model, attr, temperature=self.cfg.rollout.temperature, ids=ids)
+
+    @property
+    def old_from_first_forward(self) -> bool:
+        """rl.old_logprobs = auto with one PPO epoch: the first minibatch's forward is the old policy."""
+        return self.cfg.rl.old_logprobs == "auto" and self.cfg.rl.ppo_epochs == 1
+
+    def old_logprob_ids(self) -> list[int]:
+        """The stage ids whose old log-probs need their own pass."""
+        ids = self.stages.all_ids()
+        if not self.old_from_first_forward:
+            return ids
+        first = set(self.stages.minibatch_ids(0, self.cfg.rl.minibatches))
+        return [i for i in ids if i not in first]
 
     def _loss(self, out, inputs, global_tokens: float, global_seqs: float):
         ref = inputs.fields.get("ref_logprobs")
-        return self.policy_loss(out.logprobs, inputs.fields["old_logprobs"], inputs.advantages, inputs.seq_index,
+        # no old log-probs moved: this forward is the old policy's (old_from_first_forward), ratio 1
+        old = inputs.fields["old_logprobs"] if "old_logprobs" in inputs.fields else out.logprobs.detach()
+        return self.policy_loss(out.logprobs, old, inputs.advantages, inputs.seq_index,
                                 inputs.seq_lengths, global_tokens=global_tokens, global_seqs=global_seqs,
                                 ref_logp=ref, entropy=out.entropy)
 
@@ -242,10 +257,12 @@ class Trainer:
         fields = ("old_logprobs", "ref_logprobs") if self.ref_model is not None else ("old_logprobs",)
         sums = {"pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "grad_norm": 0.0}
         steps = 0
-        for _ in range(rl.ppo_epochs):
+        for epoch in range(rl.ppo_epochs):
             for m in range(rl.minibatches):
                 ids = self.stages.minibatch_ids(m, rl.minibatches)
-                for res in self.stages.train_minibatch(self.model, ids, fields, self._loss,
+                first = epoch == 0 and m == 0 and self.old_from_first_forward
+                use = tuple(f for f in fields if f != "old_logprobs") if first else fields
+                for res in self.stages.train_minibatch(self.model, ids, use, self._loss,
                                                        temperature=cfg.rollout.temperature):
                     for k in ("pg_loss", "kl", "clip_fraction", "entropy"):
                         sums[k] += getattr(res, k).item()
@@ -311,7 +328,8 @@ class Trainer:
             self.score(trajs)
             self.stages.begin_step(trajs)  # every rank learns every trajectory's metadata
         with timer("old_logprob"):
-            self.compute_logprobs(self.model, "old_logprobs")
+            old_ids = self.old_logprob_ids()
+            self.compute_logprobs(self.model, "old_logprobs", old_ids)
         if self.ref_model is not None:
             with timer("ref_logprob"):
                 self.compute_logprobs(self.ref_model, "ref_logprobs")
@@ -337,6 +355,8 @@ class Trainer:
         n = max(total[2].item(), 1.0)
         step_time = sum(v for k, v in timer.times.items())
         stats.update(self.stages.metrics())
+        # share of trajectories whose old log-probs took a pass of their own (rl.old_logprobs)
+        stats["rl/old_logprob_pass_fraction"] = len(old_ids) / max(len(self.stages.all_ids()), 1)
         return {
             "reward/mean": total[0].item() / n,
             "reward/accuracy": total[1].item() / n,

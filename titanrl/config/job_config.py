@@ -310,6 +310,12 @@ class RLConfig:
     """Passes over each step's rollouts."""
     minibatches: int = 1
     """Optimizer steps per epoch; the step's prompts are split into this many minibatches."""
+    old_logprobs: Literal["auto", "recompute"] = "auto"
+    """Where the PPO ratio's old-policy log-probs come from. auto = with ppo_epochs = 1, the first minibatch's
+    update forward runs the old policy itself, so its old log-probs are that forward's (detached) and the
+    old-log-prob pass covers only the other minibatches (none with minibatches = 1); with ppo_epochs > 1 the pass
+    covers every trajectory. recompute = a separate pass over every trajectory (the usual way; the same numbers up
+    to float rounding)."""
     clip_low: float = 0.2
     """Lower ratio clip: ratios below 1 - clip_low are clipped."""
     clip_high: float = 0.2

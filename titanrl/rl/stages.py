@@ -226,9 +226,12 @@ class StageRunner:
             (out.logprobs.sum() * 0.0).backward()
 
     @torch.no_grad()
-    def logprobs(self, model, attr: str, *, temperature: float) -> None:
-        """``traj.<attr>`` of every home trajectory: the model's log-probs of its response."""
-        ids = self.all_ids()
+    def logprobs(self, model, attr: str, *, temperature: float, ids: Sequence[int] | None = None) -> None:
+        """``traj.<attr>`` of every home trajectory among ``ids`` (default: all; the same on every
+        rank): the model's log-probs of its response."""
+        ids = self.all_ids() if ids is None else list(ids)
+        if not ids:
+            return
         plan = self.plan(ids)
         self._time_vision(model)
         self.exchange.begin_results(attr)

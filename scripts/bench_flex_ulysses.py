@@ -49,6 +49,54 @@ def small_model_dir() -> Path:
     return model_dir
 
 
+def make_trajectories(args, media: list, rng, responses: int, response_range: tuple[int, int]) -> list:
+    """One prompt per (media meta, sample spec) of ``media``: random text around the expanded vision
+    placeholders, random pixels; ``responses`` random responses each, lengths in ``response_range``."""
+    import numpy as np
+
+    from titanrl.data.manifest import SampleRecord
+    from titanrl.data.preprocess import PreparedSample
+    from titanrl.rl.batch import Trajectory
+
+    trajs = []
+    for g, (m, sp) in enumerate(media):
+        token = args.video_token_id if m.grid.is_video else args.image_token_id
+        ids = np.concatenate([rng.integers(0, 1000, 24), [args.vision_start_token_id], np.full(m.tokens, token),
+                              [args.vision_end_token_id], rng.integers(0, 1000, 40)]).astype(np.int64)
+        pixels = rng.standard_normal((m.grid.num_patches, args.vision.patch_dim), dtype=np.float32)
+        record = SampleRecord(id=sp.id, source=sp.source, prompt="", media=[], answer="")
+        prompt = PreparedSample(record, ids, [m.grid], pixels, [])
+        for _ in range(responses):
+            r = int(rng.integers(*response_range))
+            t = Trajectory(prompt=prompt, group=g, response_ids=rng.integers(0, 1000, r).astype(np.int64),
+                           rollout_logprobs=np.zeros(r, np.float32))
+            t.advantage = float(rng.normal())
+            trajs.append(t)
+    return trajs
+
+
+def home_ranks(trajs: list, cost_model, world: int) -> dict[int, int]:
+    """Prompt group -> rank, as the trainer's rollout split does: Karmarkar-Karp on cost."""
+    from titanrl.parallel.balance import karmarkar_karp
+
+    groups_of = sorted({t.group for t in trajs})
+    prompt_cost = [sum(float(cost_model.compute(t.num_tokens)) for t in trajs if t.group == g) for g in groups_of]
+    home = {}
+    for r, part in enumerate(karmarkar_karp(prompt_cost, world, equal_size=False)):
+        for i in part:
+            home[groups_of[i]] = r
+    return home
+
+
+def loss_fn(out, inp, global_tokens, global_seqs):
+    """The PPO-clip loss of the stage benchmarks (old log-probs travel as a field)."""
+    from titanrl.rl.grpo import ppo_clip_loss
+
+    return ppo_clip_loss(out.logprobs, inp.fields["old_logprobs"], inp.advantages, inp.seq_index, inp.seq_lengths,
+                         clip_low=0.2, clip_high=0.2, mode="token-mean", global_tokens=global_tokens,
+                         global_seqs=global_seqs, entropy=out.entropy, entropy_coef=0.001)
+
+
 def build_batch(model_dir: Path, long_videos: int, short_prompts: int, responses: int, seed: int):
     """Global trajectories (identical on every rank): the ``long_videos`` longest prompts of the
     only-video mixture and ``short_prompts`` image prompts of the video-heavy mixture, at paper
@@ -75,20 +123,7 @@ def build_batch(model_dir: Path, long_videos: int, short_prompts: int, responses
                     key=lambda x: -x[0].tokens)[:long_videos]
     images = [(meta(sp), sp) for sp in sample_specs("video-heavy", 64, seed=seed, scale="paper")
               if sp.kind == "image"][:short_prompts]
-    trajs = []
-    for g, (m, sp) in enumerate(videos + images):
-        token = args.video_token_id if m.grid.is_video else args.image_token_id
-        ids = np.concatenate([rng.integers(0, 1000, 24), [args.vision_start_token_id], np.full(m.tokens, token),
-                              [args.vision_end_token_id], rng.integers(0, 1000, 40)]).astype(np.int64)
-        pixels = rng.standard_normal((m.grid.num_patches, args.vision.patch_dim), dtype=np.float32)
-        record = SampleRecord(id=sp.id, source=sp.source, prompt="", media=[], answer="")
-        prompt = PreparedSample(record, ids, [m.grid], pixels, [])
-        for _ in range(responses):
-            r = int(rng.integers(64, 512))
-            t = Trajectory(prompt=prompt, group=g, response_ids=rng.integers(0, 1000, r).astype(np.int64),
-                           rollout_logprobs=np.zeros(r, np.float32))
-            t.advantage = float(rng.normal())
-            trajs.append(t)
+    trajs = make_trajectories(args, videos + images, rng, responses, (64, 512))
     return args, trajs
 
 
@@ -100,9 +135,7 @@ def worker(opts) -> None:
 
     from titanrl.distributed import all_gather_objects, build_ulysses_groups
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLModel
-    from titanrl.parallel.balance import karmarkar_karp
     from titanrl.parallel.parallelize import parallelize_qwen2_5_vl
-    from titanrl.rl.grpo import ppo_clip_loss
     from titanrl.rl.stages import StageRunner, build_cost_model
 
     torch.set_num_threads(1)
@@ -111,13 +144,7 @@ def worker(opts) -> None:
     device = torch.device("cpu")
     args, trajs = build_batch(Path(opts.model_dir), opts.long_videos, opts.short_prompts, opts.responses, opts.seed)
     cost_model = build_cost_model(args, "flops")
-    # prompts split across ranks as the trainer's rollout split does: Karmarkar-Karp on cost
-    groups_of = sorted({t.group for t in trajs})
-    prompt_cost = [sum(float(cost_model.compute(t.num_tokens)) for t in trajs if t.group == g) for g in groups_of]
-    home = {}
-    for r, part in enumerate(karmarkar_karp(prompt_cost, world, equal_size=False)):
-        for i in part:
-            home[groups_of[i]] = r
+    home = home_ranks(trajs, cost_model, world)  # as the trainer's rollout split
     mine = [t for t in trajs if home[t.group] == rank]
 
     torch.manual_seed(0)
@@ -127,12 +154,6 @@ def worker(opts) -> None:
     model = parallelize_qwen2_5_vl(model, dp_mesh=mesh, ulysses=True, activation_checkpoint=opts.ac)
     degrees = [p for p in (2, 4) if p <= world]
     groups = build_ulysses_groups(rank, world, degrees, device)
-
-    def loss_fn(out, inp, global_tokens, global_seqs):
-        return ppo_clip_loss(out.logprobs, inp.fields["old_logprobs"], inp.advantages, inp.seq_index,
-                             inp.seq_lengths, clip_low=0.2, clip_high=0.2, mode="token-mean",
-                             global_tokens=global_tokens, global_seqs=global_seqs, entropy=out.entropy,
-                             entropy_coef=0.001)
 
     methods = [("none", {}), ("bucketing", {}), ("fixed2", dict(degree=2))]
     if world >= 4:

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_flex_ulysses import ratio, small_model_dir  # noqa: E402
+from bench_flex_ulysses import home_ranks, loss_fn, make_trajectories, ratio, small_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 8192
@@ -43,33 +43,20 @@ BATCHES = {"only-video": dict(max_frames=64), "video-heavy": dict(max_frames=256
 def build_batch(model_dir: Path, mixture: str, prompts: int, responses: int, seed: int):
     import numpy as np
 
-    from titanrl.data.manifest import SampleRecord
-    from titanrl.data.preprocess import MediaSettings, PreparedSample
+    from titanrl.data.preprocess import MediaSettings
     from titanrl.data.shadow.metadata import HeaderInfo, media_meta_from_header
     from titanrl.data.synth import sample_specs
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs
-    from titanrl.rl.batch import Trajectory
 
     args = Qwen2_5_VLArgs.from_pretrained(model_dir)
     settings = MediaSettings.from_checkpoint(model_dir, fps=2.0, max_frames=BATCHES[mixture]["max_frames"])
     rng = np.random.default_rng(seed)
-    trajs = []
-    for g, sp in enumerate(sample_specs(mixture, prompts, seed=seed, scale="paper")):
+    media = []
+    for sp in sample_specs(mixture, prompts, seed=seed, scale="paper"):
         header = HeaderInfo(kind=sp.kind, width=sp.width, height=sp.height, num_frames=sp.num_frames, fps=sp.fps,
                             duration=sp.num_frames / sp.fps if sp.fps else 0.0, codec="h264")
-        m = media_meta_from_header(sp.media_path, header, 0, settings)
-        token = args.video_token_id if m.grid.is_video else args.image_token_id
-        ids = np.concatenate([rng.integers(0, 1000, 24), [args.vision_start_token_id], np.full(m.tokens, token),
-                              [args.vision_end_token_id], rng.integers(0, 1000, 40)]).astype(np.int64)
-        pixels = rng.standard_normal((m.grid.num_patches, args.vision.patch_dim), dtype=np.float32)
-        record = SampleRecord(id=sp.id, source=sp.source, prompt="", media=[], answer="")
-        prompt = PreparedSample(record, ids, [m.grid], pixels, [])
-        for _ in range(responses):
-            r = int(rng.integers(64, 256))
-            t = Trajectory(prompt=prompt, group=g, response_ids=rng.integers(0, 1000, r).astype(np.int64),
-                           rollout_logprobs=np.zeros(r, np.float32))
-            t.advantage = float(rng.normal())
-            trajs.append(t)
+        media.append((media_meta_from_header(sp.media_path, header, 0, settings), sp))
+    trajs = make_trajectories(args, media, rng, responses, (64, 256))
     return args, trajs
 
 
@@ -81,10 +68,8 @@ def worker(opts) -> None:
 
     from titanrl.distributed import DistInfo, all_gather_objects, build_ulysses_groups, new_world_group
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLModel
-    from titanrl.parallel.balance import karmarkar_karp
     from titanrl.parallel.parallelize import parallelize_qwen2_5_vl
     from titanrl.rl.exchange import VisionBalancing
-    from titanrl.rl.grpo import ppo_clip_loss
     from titanrl.rl.stages import StageRunner, build_cost_model
 
     torch.set_num_threads(1)
@@ -105,19 +90,8 @@ def worker(opts) -> None:
             model.init_weights()
             mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
             model = parallelize_qwen2_5_vl(model, dp_mesh=mesh, ulysses=True, activation_checkpoint=opts.ac)
-        groups_of = sorted({t.group for t in trajs})
-        prompt_cost = [sum(float(cost_model.compute(t.num_tokens)) for t in trajs if t.group == g) for g in groups_of]
-        home = {}
-        for r, part in enumerate(karmarkar_karp(prompt_cost, world, equal_size=False)):
-            for i in part:
-                home[groups_of[i]] = r
+        home = home_ranks(trajs, cost_model, world)
         mine = [t for t in trajs if home[t.group] == rank]
-
-        def loss_fn(out_, inp, global_tokens, global_seqs):
-            return ppo_clip_loss(out_.logprobs, inp.fields["old_logprobs"], inp.advantages, inp.seq_index,
-                                 inp.seq_lengths, clip_low=0.2, clip_high=0.2, mode="token-mean",
-                                 global_tokens=global_tokens, global_seqs=global_seqs, entropy=out_.entropy,
-                                 entropy_coef=0.001)
 
         configs = [("none", False), ("none", True), ("flex", False), ("flex", True)]
         results = {}

@@ -97,6 +97,11 @@ def runs_of(frames_by_key: Mapping[ItemKey, Sequence[int]]) -> list[FrameRun]:
     return runs
 
 
+def runs_cost(runs: Sequence[FrameRun], shapes: Mapping[ItemKey, ItemShape], cost_model: CostModel) -> float:
+    """Vision cost of encoding ``runs``."""
+    return sum(float(cost_model.vision((r.f1 - r.f0) * shapes[r.key].patches_per_frame)) for r in runs)
+
+
 def plan_wave_vision(needs: Sequence[Sequence[FrameRun]], shapes: Mapping[ItemKey, ItemShape], cost_model: CostModel, *,
                      eligible: Sequence[bool], tol: float = 0.02) -> WaveVisionPlan:
     """Balance the vision units of one wave (see the module docstring)."""
@@ -138,8 +143,7 @@ def plan_wave_vision(needs: Sequence[Sequence[FrameRun]], shapes: Mapping[ItemKe
                 segs.append(Segment(e, run.key, f, g))
                 f = g
         segments.append(tuple(segs))
-    need_cost = [sum(float(cost_model.vision((run.f1 - run.f0) * shapes[run.key].patches_per_frame)) for run in runs)
-                 for runs in needs]
+    need_cost = [runs_cost(runs, shapes, cost_model) for runs in needs]
     return WaveVisionPlan(
         num_devices=world,
         encode=tuple(tuple(runs_of(d)) if d else () for d in per_rank),

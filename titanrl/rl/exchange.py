@@ -37,7 +37,8 @@ from titanrl.models.qwen2_5_vl.positions import mrope_position_ids
 from titanrl.models.vision_grid import VisionGrid
 from titanrl.parallel.cost_model import CostModel
 from titanrl.parallel.stage_plan import Piece, StagePlan
-from titanrl.parallel.vision_plan import FrameRun, ItemShape, WaveVisionPlan, plan_wave_vision, route_indices, runs_of
+from titanrl.parallel.vision_plan import (FrameRun, ItemShape, WaveVisionPlan, plan_wave_vision, route_indices, runs_cost,
+                                         runs_of)
 from titanrl.parallel.vision_route import RouteCounter, VisionRoute
 
 # Per-token inputs a stage can ask for, beside ids / positions / targets.
@@ -262,12 +263,10 @@ class TrajectoryExchange:
         return plan_wave_vision(needs, self.shapes, self.vision.cost_model, eligible=[bool(p) for p in pieces],
                                 tol=self.vision.tol)
 
-    def _count_vision(self, vplans: dict[int, WaveVisionPlan]) -> None:
-        s = self.vision_stats
-        for vp in vplans.values():
-            cost = vp.encode_cost if self.vision.enabled else vp.need_cost
-            s.planned_peak += max(cost)
-            s.planned_mean += float(np.mean(cost))
+    def _count_vision(self, costs: Sequence[float]) -> None:
+        """One wave's planned vision cost per rank (``vision/balance_planned``)."""
+        self.vision_stats.planned_peak += max(costs)
+        self.vision_stats.planned_mean += float(np.mean(costs))
 
     def inputs(self, plan: StagePlan, stage_ids: Sequence[int], waves: Sequence[int], *, fields: Sequence[str] = (),
                temperature: float = 1.0, return_entropy: bool = False, layout_builder=None,
@@ -279,10 +278,15 @@ class TrajectoryExchange:
         balancing the one the wave's vision plan names."""
         metas = [self.metas[i] for i in stage_ids]
         patch_dim = self.args.vision.patch_dim
-        vplans = {w: self.vision_plan(plan, metas, w) for w in waves} if self.vision is not None else {}
-        self._count_vision(vplans)
-        if not (self.vision is not None and self.vision.enabled):
-            vplans = {}
+        vplans: dict[int, WaveVisionPlan] = {}
+        if self.vision is not None and self.vision.enabled:
+            vplans = {w: self.vision_plan(plan, metas, w) for w in waves}
+            for vp in vplans.values():
+                self._count_vision(vp.encode_cost)
+        elif self.vision is not None:  # what each rank's own needs cost (the metric's baseline)
+            for w in waves:
+                self._count_vision([runs_cost(frame_runs(plan.pieces(w, r), metas), self.shapes, self.vision.cost_model)
+                                    for r in range(self.world)])
         home = lambda run: self.by_group[run.group].home  # noqa: E731
         send: list[list[np.ndarray]] = [[] for _ in range(self.world)]
         specs: list[list] = [[] for _ in range(self.world)]

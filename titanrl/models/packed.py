@@ -52,6 +52,10 @@ class PackedBatch:
     # rank's vision tower produced to the rows this stream's placeholders need (encoded on other
     # ranks too); None = the rows produced here are the ones needed.
     vision_route: object | None = None
+    # Shared prefixes: per sequence of ``cu_seqlens``, the lengths of a prompt and of the responses
+    # that follow it and share it (``titanrl.models.attention.make_varlen_meta``); None = every
+    # sequence is plain causal.
+    segments: list[tuple[int, ...]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +82,7 @@ class PackedBatch:
             vision_token_index=None if self.vision_token_index is None else self.vision_token_index.to(device),
             attention_layout=self.attention_layout,
             vision_route=self.vision_route,
+            segments=self.segments,
         )
 
 

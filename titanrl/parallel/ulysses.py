@@ -169,16 +169,21 @@ def build_layout(
     backend: AttnBackend,
     device: torch.device,
     overlap: bool = True,
+    sharded_segments: Sequence[Sequence[Sequence[int]]] | None = None,
+    local_segments: Sequence[Sequence[int]] | None = None,
 ) -> UlyssesLayout:
     """The layout of a stream made of this rank's slices of ``sharded`` groups, in that order, then
     the whole sequences ``local_lengths``.
 
     ``sharded``: per group ``(process group, member ranks, slices)`` with ``slices[s][m]`` the
     ``[start, end)`` range of sequence ``s`` held by member ``m`` (ranges of one sequence are
-    contiguous and cover it in member order)."""
+    contiguous and cover it in member order). ``sharded_segments`` (per group, per sequence) and
+    ``local_segments`` (per local sequence): shared-prefix segments
+    (``titanrl.models.attention.make_varlen_meta``); None = plain sequences. Attention runs on whole
+    sequences after the first all-to-all, so a shared prefix shards like any sequence."""
     groups: list[ShardedGroup] = []
     offset = 0
-    for pg, ranks, slices in sharded:
+    for i, (pg, ranks, slices) in enumerate(sharded):
         position = ranks.index(rank)
         counts = [sum(per_member[m][1] - per_member[m][0] for per_member in slices) for m in range(len(ranks))]
         lengths = [per_member[-1][1] - per_member[0][0] for per_member in slices]
@@ -187,13 +192,14 @@ def build_layout(
         groups.append(ShardedGroup(
             group=pg, degree=len(ranks), position=position, start=offset, end=offset + counts[position],
             counts=counts, to_sequence_order=perm, to_member_order=torch.argsort(perm),
-            meta=make_varlen_meta(cu, causal=True, backend=backend),
+            meta=make_varlen_meta(cu, causal=True, backend=backend,
+                                  segments=None if sharded_segments is None else sharded_segments[i]),
         ))
         offset += counts[position]
     local_meta = None
     if local_lengths:
         cu = torch.tensor([0, *local_lengths], dtype=torch.int64).cumsum(0).to(device)
-        local_meta = make_varlen_meta(cu, causal=True, backend=backend)
+        local_meta = make_varlen_meta(cu, causal=True, backend=backend, segments=local_segments)
     return UlyssesLayout(sharded=groups, local_start=offset, num_tokens=offset + sum(local_lengths),
                          local_meta=local_meta, overlap=overlap)
 
@@ -298,15 +304,20 @@ def apply_ulysses(model: Qwen2_5_VLModel) -> None:
 
 
 def layout_builder(groups: dict, *, rank: int, lengths: Sequence[int], backend: AttnBackend,
-                   device: torch.device, overlap: bool = True):
+                   device: torch.device, overlap: bool = True, segments: Sequence[Sequence[int]] | None = None):
     """A function from this rank's share of a wave (``RankWave``) to its ``UlyssesLayout``, or None
-    when the share holds only whole sequences (plain varlen attention, no collective)."""
+    when the share holds only whole sequences (plain varlen attention, no collective).
+    ``segments[s]``: stage sequence ``s``'s shared-prefix segments (None: plain sequences)."""
 
     def build(rank_wave) -> UlyssesLayout | None:
         if not rank_wave.sharded:
             return None
         sharded = [(groups[step.ranks], step.ranks, step.slices) for step in rank_wave.sharded]
+        seg = None
+        if segments is not None:
+            seg = dict(sharded_segments=[[segments[s] for s in step.seqs] for step in rank_wave.sharded],
+                       local_segments=[segments[s] for s in rank_wave.local])
         return build_layout(sharded, [lengths[s] for s in rank_wave.local], rank=rank, backend=backend,
-                            device=device, overlap=overlap)
+                            device=device, overlap=overlap, **(seg or {}))
 
     return build

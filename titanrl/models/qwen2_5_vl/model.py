@@ -344,7 +344,7 @@ class Qwen2_5_VLModel(nn.Module):
         cos, sin = self.mrope_cos_sin(batch.position_ids, h.dtype)
         meta = batch.attention_layout
         if meta is None:
-            meta = make_varlen_meta(batch.cu_seqlens, causal=True, backend=self.attn_backend)
+            meta = make_varlen_meta(batch.cu_seqlens, causal=True, backend=self.attn_backend, segments=batch.segments)
         for layer in self.layers.values():
             h = layer(h, cos, sin, meta)
         h = self.norm(h)

@@ -180,7 +180,7 @@ def worker(opts) -> None:
         busy = all_gather_objects((logprob_busy, runner.stats.busy_seconds))
         if name == "warmup":
             continue
-        plan = runner.plan(runner.all_ids())
+        _, plan = runner.plan(runner.all_ids())
         row = {
             "old_logprob_s": t1 - t0, "update_s": t2 - t1, "stage_s": t2 - t0,
             "busy_s": [b[1] for b in busy], "busy_logprob_s": [b[0] for b in busy],

@@ -136,7 +136,7 @@ def worker(opts) -> None:
         seconds = time.perf_counter() - t0
         added = memory.stop()
         metrics = runner.metrics()
-    plan = runner.plan(runner.all_ids())
+    _, plan = runner.plan(runner.all_ids())
     every = all_gather_objects((runner.stats.update_busy_seconds, added))
     if rank == 0:
         lengths = sorted((t.num_tokens for t in trajs), reverse=True)

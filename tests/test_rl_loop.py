@@ -129,6 +129,27 @@ def test_old_logprobs_from_the_first_forward_match_the_separate_pass(tmp_path):
 
 
 @pytest.mark.slow
+def test_shared_prefix_packing_matches_unshared_runs(tmp_path):
+    """rl.shared_prefix computes each prompt once with its responses in the log-prob and update stages;
+    3 steps on 1 rank and on 2 ranks give the statistics of the unshared run, while computing fewer
+    tokens than the trajectories represent."""
+    common = ["--job.steps=3", "--checkpoint.enable=false", "--rl.global_batch_size=4", "--rl.minibatches=2",
+              "--rollout.n=4", "--rl.entropy_coef=0.01"]
+    run(train_cmd(tmp_path / "off", *common, "--rl.shared_prefix=false"))
+    run(train_cmd(tmp_path / "on", *common, "--rl.shared_prefix=true"))
+    run(train_cmd(tmp_path / "on2", *common, "--rl.shared_prefix=true", nproc=2))
+    off, on, on2 = metrics(tmp_path / "off"), metrics(tmp_path / "on"), metrics(tmp_path / "on2")
+    for step in (1, 2, 3):
+        for key in ("reward/mean", "loss", "kl", "entropy", "grad_norm", "clip_fraction"):
+            for run_ in (on, on2):
+                a, b = off[step][key], run_[step][key]
+                assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (step, key, a, b)
+        assert off[step]["train/tokens_computed"] == off[step]["train/tokens_represented"]
+        assert on[step]["train/tokens_computed"] < 0.7 * on[step]["train/tokens_represented"]
+    assert off[1]["grad_norm"] > 0
+
+
+@pytest.mark.slow
 def test_reward_rises_from_chance(tmp_path):
     """A shortened learning run of the default tiny config: the policy starts at chance (it almost
     never even answers with a colour) and within 50 steps clearly earns reward."""

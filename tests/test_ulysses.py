@@ -19,7 +19,7 @@ from titanrl.models.qwen2_5_vl.positions import VisionGrid
 from titanrl.parallel.cost_model import CostModel
 from titanrl.parallel.stage_plan import Piece, plan_stage
 from titanrl.parallel.ulysses import admissible_degrees, member_order_permutation, resolve_ulysses
-from titanrl.rl.exchange import MediaItem, TrajectoryMeta, frame_runs
+from titanrl.rl.exchange import MediaItem, TrajectoryMeta, frame_runs, stage_units
 
 SCRIPT = Path(__file__).parent / "dist" / "ulysses_step.py"
 TOL = 1e-5
@@ -90,11 +90,11 @@ def test_frame_runs_cover_only_touched_frames_once():
 
 
 def test_scored_positions_of_a_slice():
-    m = _meta(0, 0, 10, 5)  # tokens 0..14; positions 9..13 predict the response
-    assert m.scored(0, 15) == (9, 14)
-    a, b = m.scored(0, 8)
-    assert a == b  # a prompt-only slice scores nothing
-    assert m.scored(12, 15) == (12, 14)
+    [u] = stage_units([_meta(0, 0, 10, 5)], [0], shared_prefix=False)  # tokens 0..14
+    assert u.scored(0, 15).positions.tolist() == [9, 10, 11, 12, 13]  # predict the response
+    assert u.scored(0, 15).targets.tolist() == [10, 11, 12, 13, 14]
+    assert len(u.scored(0, 8).positions) == 0  # a prompt-only slice scores nothing
+    assert u.scored(12, 15).positions.tolist() == [12, 13]
 
 
 def test_stage_plans_respect_the_budget_and_cover_every_token():
@@ -155,7 +155,8 @@ def assert_equal(res: dict, *, sharded: bool = True) -> None:
 
 # One launch runs every case (start-up, the reference and the FSDP models are shared).
 CASES = ("fixed:2,fixed:4,flex,random:50,ac-random:8,seq-random:8,compile-fixed:4,deadlock:200,"
-         "none,vision-none,vision-lbmicro,vision-fixed:4,vision-flex,vision-random:20")
+         "none,vision-none,vision-lbmicro,vision-fixed:4,vision-flex,vision-random:20,"
+         "prefix-none,prefix-lbmicro,prefix-fixed:4,prefix-flex,prefix-random:10,prefix-vision-flex")
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +229,16 @@ def test_vision_balancing_matches_single_process(four_ranks, case):
 def test_encoding_where_the_tokens_are_matches_too(four_ranks):
     assert_equal(four_ranks["none"], sharded=False)
     assert four_ranks["none"]["route_bytes"] == (0.0, 0.0) and four_ranks["none"]["pixel_bytes"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["prefix-none", "prefix-lbmicro", "prefix-fixed:4", "prefix-flex",
+                                  "prefix-random:10", "prefix-vision-flex"])
+def test_shared_prefix_packing_matches_single_process(four_ranks, case):
+    """Each prompt computed once with its 1-4 responses (the unit every plan places): log-probs, loss
+    and every gradient equal the unshared single-process reference - units kept home, Karmarkar-Karp
+    placed, sharded 4 ways, by the flex planner, under random plans, and with vision balancing."""
+    res = four_ranks[case]
+    assert_equal(res, sharded=case not in ("prefix-none", "prefix-lbmicro"))
+    if case == "prefix-random:10":
+        assert res["max_degree"] == 4

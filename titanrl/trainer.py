@@ -88,7 +88,7 @@ class Trainer:
             method=self.ulysses.method, strategy=cfg.balance.strategy, max_tokens=cfg.balance.max_tokens_per_microbatch,
             reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
             cost_model=cost_model, p_max=self.ulysses.p_max,
-            degree=self.ulysses.degree, attn_backend=cfg.model.attn_backend,
+            degree=self.ulysses.degree, attn_backend=cfg.model.attn_backend, shared_prefix=cfg.rl.shared_prefix,
             groups=build_ulysses_groups(info.rank, info.world_size, self.ulysses.degrees, info.device)
             if info.distributed else {},
             vision=VisionBalancing(

@@ -121,7 +121,7 @@ def main() -> None:
             before = dict(calls)
             res = runner.train_minibatch(model, ids, ("old_logprobs", "ref_logprobs"), loss_fn, temperature=1.0)
             counts.append({k: calls[k] - before[k] for k in calls})
-            micro.append(runner.plan(ids).microbatch_counts())
+            micro.append(runner.plan(ids)[1].microbatch_counts())
             total = torch.tensor([sum(r.loss.item() for r in res)], dtype=torch.float64)
             dist.all_reduce(total)
             losses.append(total.item())

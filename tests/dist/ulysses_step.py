@@ -1,7 +1,7 @@
 """Sharded (Ulysses) forward + backward of the tiny Qwen2.5-VL against the single-process result.
 
 Under torchrun (gloo, FSDP2 over all ranks), every rank builds the same global batch of
-trajectories (text, image, multi-image, short and long video prompts, two responses each, homes
+trajectories (text, image, multi-image, short and long video prompts, 1-4 responses each, homes
 spread unevenly over the ranks) and, beside the FSDP model, an unsharded copy of the same weights:
 the reference, computed whole-sequence by ``pack_trajectories`` (the path proven against
 transformers). For every stage plan it then exchanges the pieces (one all-to-all), runs the
@@ -16,7 +16,8 @@ Cases (``--cases``, all in one launch): ``fixed:<degree>``, ``flex`` (the FlexUl
 ``lbmicro`` (no sequence parallelism: trajectories at home, or Karmarkar-Karp-placed); prefixed
 ``ac-`` (activation checkpointing), ``compile-`` (compiled blocks), ``seq-`` (no overlap) or
 ``vision-`` (vision balancing: images and frames encoded where the wave's vision plan puts them,
-embeddings routed to the ranks holding their tokens).
+embeddings routed to the ranks holding their tokens) or ``prefix-`` (shared-prefix packing: each prompt
+once with its responses, the unit every plan places and shards).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from titanrl.parallel.parallelize import CompileOptions, parallelize_qwen2_5_vl 
 from titanrl.parallel.stage_plan import plan_stage, stage_from_shard_plans  # noqa: E402
 from titanrl.parallel.ulysses import layout_builder  # noqa: E402
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories  # noqa: E402
-from titanrl.rl.exchange import TrajectoryExchange, VisionBalancing, gather_metadata  # noqa: E402
+from titanrl.rl.exchange import TrajectoryExchange, VisionBalancing, gather_metadata, stage_units  # noqa: E402
 from titanrl.rl.grpo import ppo_clip_loss  # noqa: E402
 
 LOSS = dict(clip_low=0.2, clip_high=0.28, mode="seq-mean-token-mean", kl_coef=0.1, kl_estimator="k3",
@@ -63,7 +64,7 @@ def global_trajectories() -> list[Trajectory]:
         record = SampleRecord(id=f"s{g}", source="test", prompt="", media=[], answer="")
         pixels = None if s.pixel_values is None else s.pixel_values.numpy().astype(np.float32)
         prompt = PreparedSample(record, s.token_ids.astype(np.int64), s.grids, pixels, [])
-        for k in range(2):
+        for k in range(RESPONSES[g]):
             r = int(rng.integers(2, 9))
             t = Trajectory(prompt=prompt, group=g, response_ids=rng.integers(0, 280, r).astype(np.int64),
                            rollout_logprobs=np.zeros(r, np.float32))
@@ -72,6 +73,9 @@ def global_trajectories() -> list[Trajectory]:
             t.ref_logprobs = torch.from_numpy(rng.normal(-5.0, 0.3, r).astype(np.float32))
             trajs.append(t)
     return trajs
+
+
+RESPONSES = [2, 3, 1, 4, 2, 1, 3]  # per prompt: GRPO groups of unequal sizes (shared prefixes)
 
 
 def home_of(group: int, world: int) -> int:
@@ -111,13 +115,15 @@ def random_stage(lengths, homes, world, rng):
     return stage_from_shard_plans("random", lengths, homes, [(ids, plan)])
 
 
-def run_case(case: str, model, ref, mine, metas, exchange, build, world, rank, rng, recompute: bool) -> dict:
+def run_case(case: str, model, ref, mine, metas, exchange, make_build, world, rank, rng, recompute: bool,
+             shared_prefix: bool) -> dict:
     """``case`` = mode[:n] (fixed:<degree>, flex, random:<plans>, deadlock:<plans>)."""
     mode, _, arg = case.partition(":")
     plans = int(arg) if mode in ("random", "deadlock") and arg else 1
-    lengths = [m.num_tokens for m in metas]
-    homes = [m.home for m in metas]
-    stage_ids = list(range(len(metas)))
+    units = stage_units(metas, range(len(metas)), shared_prefix=shared_prefix)
+    lengths = [u.num_tokens for u in units]
+    homes = [u.home for u in units]
+    build = make_build(lengths, [u.segments for u in units] if shared_prefix else None)
     global_tokens = float(sum(m.response_len for m in metas))
     global_seqs = float(len(metas))
     check = mode != "deadlock"
@@ -147,13 +153,13 @@ def run_case(case: str, model, ref, mine, metas, exchange, build, world, rank, r
                 heads = text.num_attention_heads // p + (text.num_attention_heads + 2 * max(text.num_key_value_heads, p)) // p
                 expected_bytes += passes * text.num_hidden_layers * (p - 1) * tokens * heads * text.head_dim * 4
         for w in range(len(plan.waves)):
-            [inp] = exchange.inputs(plan, stage_ids, [w], fields=("old_logprobs", "ref_logprobs"),
+            [inp] = exchange.inputs(plan, units, [w], fields=("old_logprobs", "ref_logprobs"),
                                     return_entropy=True, layout_builder=build)
             if inp.batch is None:
                 dummy = dummy_pack(ARGS, torch.device("cpu"), torch.float32)
                 dummy.batch.vision_route = inp.vision_route
                 (model(dummy.batch, dummy.targets).logprobs.sum() * 0.0).backward()
-                exchange.return_logprobs(plan, stage_ids, [(w, inp, torch.zeros(0))], "new_logprobs", waves=[w])
+                exchange.return_logprobs(plan, units, [(w, inp, torch.zeros(0))], "new_logprobs", waves=[w])
                 continue
             out = model(inp.batch, inp.targets)
             layout = inp.batch.attention_layout
@@ -162,7 +168,7 @@ def run_case(case: str, model, ref, mine, metas, exchange, build, world, rank, r
             loss.backward()
             measured_bytes += layout.comm.total if layout is not None else 0
             loss_sum += loss.detach().double()
-            exchange.return_logprobs(plan, stage_ids, [(w, inp, out.logprobs)], "new_logprobs", waves=[w])
+            exchange.return_logprobs(plan, units, [(w, inp, out.logprobs)], "new_logprobs", waves=[w])
         if check:
             dist.all_reduce(loss_sum)
             ref_logps, ref_loss, ref_grads = ref
@@ -199,7 +205,7 @@ def main() -> None:
                    help="comma-separated; each case is [ac-|compile-|seq-|vision-]mode[:n]: fixed:<degree>, "
                         "flex, random:<plans>, deadlock:<plans>, none, lbmicro; ac- = activation checkpointing, "
                         "compile- = compiled blocks (aot_eager), seq- = no all-to-all overlap, vision- = vision "
-                        "balancing")
+                        "balancing, prefix- = shared-prefix packing (prefixes combine)")
     opts = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -216,15 +222,14 @@ def main() -> None:
     ref = reference(plain, trajs_global)
     mine = [t for t in trajs_global if home_of(t.group, world) == rank]
     metas = gather_metadata(mine, rank, ARGS)
-    lengths = [m.num_tokens for m in metas]
     vision_group = dist.new_group(ranks=list(range(world)))
     models: dict[tuple[str, str], Qwen2_5_VLModel] = {}
     results = {}
     rng = np.random.default_rng(1234)
     for case in opts.cases.split(","):
-        variant, _, base = case.rpartition("-") if "-" in case else ("", "", case)
-        ac = "full" if variant == "ac" else "none"
-        backend = "aot_eager" if variant == "compile" else "none"
+        *variants, base = case.split("-")  # prefixes combine: prefix-vision-flex
+        ac = "full" if "ac" in variants else "none"
+        backend = "aot_eager" if "compile" in variants else "none"
         key = (ac, backend)
         if key not in models:
             model = Qwen2_5_VLModel(ARGS)
@@ -235,13 +240,15 @@ def main() -> None:
                                                else "inductor"))
         # a fresh exchange per case: its vision counters are per case
         exchange = TrajectoryExchange(ARGS, rank, world, torch.device("cpu"), torch.float32, mine, metas,
-                                      vision=VisionBalancing(enabled=variant == "vision", cost_model=CostModel(),
+                                      vision=VisionBalancing(enabled="vision" in variants, cost_model=CostModel(),
                                                              group=vision_group))
-        build = layout_builder(groups, rank=rank, lengths=lengths, backend="sdpa", device=torch.device("cpu"),
-                               overlap=variant != "seq")
+        def make_build(lengths, segments, overlap="seq" not in variants):
+            return layout_builder(groups, rank=rank, lengths=lengths, backend="sdpa", device=torch.device("cpu"),
+                                  overlap=overlap, segments=segments)
+
         t0 = time.perf_counter()
-        results[case] = run_case(base, models[key], ref, mine, metas, exchange, build, world, rank, rng,
-                                 recompute=ac == "full")
+        results[case] = run_case(base, models[key], ref, mine, metas, exchange, make_build, world, rank, rng,
+                                 recompute=ac == "full", shared_prefix="prefix" in variants)
         results[case]["seconds"] = time.perf_counter() - t0
     if rank == 0:
         results["grad_norm"] = sum(g.norm() ** 2 for g in ref[2].values()).item()

@@ -316,6 +316,13 @@ class RLConfig:
     old-log-prob pass covers only the other minibatches (none with minibatches = 1); with ppo_epochs > 1 the pass
     covers every trajectory. recompute = a separate pass over every trajectory (the usual way; the same numbers up
     to float rounding)."""
+    shared_prefix: bool = True
+    """Shared-prefix packing in the log-prob and update stages: a prompt (its image and video tokens included) is
+    computed once, followed by the responses that share it; each response attends to the prompt and to itself,
+    never to a sibling, so log-probs, loss and gradients equal the unshared computation. A group larger than a
+    rank's budget (or, without sequence parallelism, than an even share of the stage) is split into sub-groups
+    that each carry the prompt. false = every trajectory packed whole, its prompt repeated per response. The step
+    line reports train/tokens_computed against train/tokens_represented."""
     clip_low: float = 0.2
     """Lower ratio clip: ratios below 1 - clip_low are clipped."""
     clip_high: float = 0.2

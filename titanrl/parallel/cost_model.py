@@ -119,6 +119,16 @@ class CostModel:
         x = np.asarray(h, dtype=np.float64)
         return self.attention_coef * x * x + self.linear_coef * x
 
+    def prefix_compute(self, prompt_len: int, response_lens: Sequence[int]) -> float:
+        """LLM cost of a prompt computed once with responses that share it (shared-prefix packing):
+        every token's linear layers once, the prompt's attention once, and each response's attention
+        over the prompt and itself (``attention(P + r) - attention(P)``), none between siblings. With
+        one response it is ``compute(P + r)``."""
+        p = float(prompt_len)
+        tokens = p + float(sum(response_lens))
+        own = sum(float(self.attention(p + r)) - float(self.attention(p)) for r in response_lens)
+        return float(self.linear(tokens)) + float(self.attention(p)) + own
+
     def vision(self, patches: ArrayLike) -> np.ndarray | float:
         """Vision-tower cost of images / frame slices of ``patches`` patches each."""
         n = np.asarray(patches, dtype=np.float64)

@@ -242,7 +242,7 @@ def _sharded_first(waves: Sequence[Wave], lengths: Sequence[int], costs: Sequenc
     return out + _waves_of_microbatches(per_rank, lengths, costs)
 
 
-def _top_degree(method: StageMethod, num_devices: int, p_max: int, degree: int) -> int:
+def top_degree(method: StageMethod, num_devices: int, p_max: int, degree: int) -> int:
     if method == "flex":
         return max_degree(num_devices, p_max)
     if method == "fixed":
@@ -261,9 +261,14 @@ def plan_stage(
     strategy: BalanceStrategy | None = None,
     p_max: int = 1,
     degree: int = 1,
+    costs: Sequence[float] | None = None,
 ) -> StagePlan:
     """Plan one stage (see the module docstring). ``homes[s]`` is the rank holding sequence ``s``;
-    ``strategy`` None = ``native`` for method ``none``, ``lb_micro`` for the others."""
+    ``strategy`` None = ``native`` for method ``none``, ``lb_micro`` for the others. ``costs``: each
+    sequence's cost when it is not ``cost_model.compute(length)`` (a shared-prefix unit attends less:
+    ``CostModel.prefix_compute``); it drives the wave partition and the microbatching, while the
+    FlexUlysses degree planner prices a unit by its length (overstating the attention a shared
+    prompt saves, never the tokens)."""
     t0 = time.perf_counter()
     if strategy is None:
         strategy = "native" if method == "none" else "lb_micro"
@@ -272,9 +277,13 @@ def plan_stage(
         raise ValueError(f"{len(h)} lengths but {len(homes)} home ranks")
     if strategy == "native" and method != "none":
         raise ValueError(f"balance.strategy='native' keeps sequences where they are; method {method!r} places them")
-    top = _top_degree(method, num_devices, p_max, degree)
+    top = top_degree(method, num_devices, p_max, degree)
     over = tuple(i for i, length in enumerate(h) if math.ceil(length / top) > max_tokens)
-    costs = [float(c) for c in np.asarray(cost_model.compute(np.asarray(h, dtype=float)), dtype=float)]
+    if costs is None:
+        costs = np.asarray(cost_model.compute(np.asarray(h, dtype=float)), dtype=float)
+    elif len(costs) != len(h):
+        raise ValueError(f"{len(h)} lengths but {len(costs)} costs")
+    costs = [float(c) for c in costs]
     sync: Sync = "minibatch" if strategy == "lb_mini" else "wave"
     if method == "none":
         if strategy == "native":

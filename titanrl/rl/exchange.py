@@ -16,15 +16,21 @@ generated it (its *home*) to the rank that computes it, and log-probs come back 
 - :func:`assemble_wave` builds a rank's ``PackedBatch`` (with the Ulysses attention layout when it
   holds slices of sharded groups), log-prob targets and per-token loss inputs.
 
+- The unit a plan places is a :class:`StageUnit`: one trajectory, or with shared-prefix packing a
+  prompt once followed by responses that share it (``titanrl.models.attention`` keeps siblings
+  apart). Its token stream is built at home; a piece is a range of that stream, and a scored
+  position may predict several tokens (the prompt's last token predicts every response's first).
+
 Both sides derive every size from the plan and the metadata, so buffers are exchanged without a
-size handshake. The trajectory is the unit here; a shared-prefix group (one prompt + its
-responses) can become the unit by giving it its own token stream and scored positions.
+size handshake.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -90,11 +96,112 @@ class TrajectoryMeta:
     def num_tokens(self) -> int:
         return self.prompt_len + self.response_len
 
-    def scored(self, start: int, end: int) -> tuple[int, int]:
-        """Positions in ``[start, end)`` that predict a response token: ``[max(start, P-1), min(end, L-1))``."""
-        a = max(start, self.prompt_len - 1)
-        b = min(end, self.num_tokens - 1)
-        return a, max(a, b)
+
+class Scored(NamedTuple):
+    """The log-probs computed from a range of a unit's stream, response by response: the stream
+    position each is computed at, the stream index of the token it scores, and which response
+    (index into ``StageUnit.trajs``) and token of that response it is."""
+
+    positions: np.ndarray
+    targets: np.ndarray
+    response: np.ndarray
+    token: np.ndarray
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _scored(prompt_len: int, response_lens: tuple[int, ...], start: int, end: int) -> Scored:
+    positions, targets, response, token = [], [], [], []
+    offset = prompt_len
+    for k, r in enumerate(response_lens):
+        pos = np.arange(offset - 1, offset + r - 1)
+        if r:
+            pos[0] = prompt_len - 1  # every response's first token is predicted by the prompt's last
+        keep = np.flatnonzero((pos >= start) & (pos < end))
+        positions.append(pos[keep])
+        targets.append(offset + keep)
+        response.append(np.full(keep.size, k))
+        token.append(keep)
+        offset += r
+    out = Scored(*(np.concatenate(x).astype(np.int64) for x in (positions, targets, response, token)))
+    for a in out:
+        a.setflags(write=False)  # shared by every caller through the cache
+    return out
+
+
+@dataclass(frozen=True)
+class StageUnit:
+    """What a stage plan places: a prompt followed by the responses in ``trajs`` (indices into the
+    step's metadata; one trajectory, or with shared-prefix packing a sub-group of a GRPO group,
+    all from one home), computed as one stream of ``prompt_len + sum(response_lens)`` tokens."""
+
+    trajs: tuple[int, ...]
+    home: int
+    group: int
+    prompt_len: int
+    response_lens: tuple[int, ...]
+    media: tuple[MediaItem, ...]
+    name: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + sum(self.response_lens)
+
+    @property
+    def segments(self) -> tuple[int, ...]:
+        """Shared-prefix segments of the stream (``PackedBatch.segments``)."""
+        return (self.prompt_len, *self.response_lens)
+
+    def response_start(self, k: int) -> int:
+        return self.prompt_len + sum(self.response_lens[:k])
+
+    def scored(self, start: int, end: int) -> Scored:
+        """The log-probs computed from stream positions ``[start, end)``."""
+        return _scored(self.prompt_len, self.response_lens, start, end)
+
+
+def split_responses(prompt_len: int, response_lens: Sequence[int], max_tokens: int | None) -> list[list[int]]:
+    """Responses of one prompt in consecutive sub-groups, each with the prompt within ``max_tokens``
+    (a response that cannot fit even alone is a sub-group of its own): as few as possible, and of
+    near-equal size so no sub-group is a straggler. Each extra sub-group recomputes the prompt."""
+    n, total = len(response_lens), sum(response_lens)
+    if max_tokens is None or prompt_len + total <= max_tokens or n <= 1:
+        return [list(range(n))]
+    cum = np.cumsum(response_lens)
+    count = min(n, math.ceil(total / max(max_tokens - prompt_len, 1)))
+    while True:
+        cuts, prev = [], 0
+        for k in range(1, count):  # cut nearest to k/count of the tokens, leaving room for the rest
+            lo, hi = prev + 1, n - (count - k)
+            cut = lo + int(np.argmin(np.abs(cum[lo - 1:hi] - k * total / count)))
+            cuts.append(cut)
+            prev = cut
+        chunks = [list(range(a, b)) for a, b in zip([0, *cuts], [*cuts, n])]
+        if count >= n or all(prompt_len + sum(response_lens[i] for i in c) <= max_tokens for c in chunks):
+            return chunks
+        count += 1
+
+
+def stage_units(metas: Sequence[TrajectoryMeta], ids: Sequence[int], *, shared_prefix: bool,
+                max_tokens: int | None = None) -> list[StageUnit]:
+    """The units of a stage over the trajectories ``ids`` (indices into ``metas``), in order: each
+    trajectory alone, or (``shared_prefix``) each prompt once per home with its responses, split
+    by :func:`split_responses` at ``max_tokens``."""
+    def unit(members: Sequence[int]) -> StageUnit:
+        m = metas[members[0]]
+        return StageUnit(tuple(members), m.home, m.group, m.prompt_len,
+                         tuple(metas[i].response_len for i in members), m.media, m.name)
+
+    if not shared_prefix:
+        return [unit([i]) for i in ids]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in ids:
+        groups.setdefault((metas[i].group, metas[i].home), []).append(i)
+    out = []
+    for members in groups.values():
+        lens = [metas[i].response_len for i in members]
+        out += [unit([members[k] for k in chunk])
+                for chunk in split_responses(metas[members[0]].prompt_len, lens, max_tokens)]
+    return out
 
 
 def media_items(grids: Sequence[VisionGrid], prompt_ids: np.ndarray, args: Qwen2_5_VLArgs) -> tuple[MediaItem, ...]:
@@ -124,9 +231,10 @@ def gather_metadata(trajs: Sequence, rank: int, args: Qwen2_5_VLArgs) -> list[Tr
     return sorted(every, key=lambda m: (m.group, m.home, m.index))
 
 
-def frame_runs(pieces: Sequence[Piece], metas: Sequence[TrajectoryMeta]) -> list[FrameRun]:
-    """The vision inputs a rank needs for ``pieces`` (stage ids index ``metas``): per prompt and
-    media item, the union of the temporal patches its pieces touch, as maximal runs, sorted."""
+def frame_runs(pieces: Sequence[Piece], metas: Sequence[TrajectoryMeta | StageUnit]) -> list[FrameRun]:
+    """The vision inputs a rank needs for ``pieces`` (stage ids index ``metas``, trajectories or
+    units: media tokens sit at the same places in both, the prompt first): per prompt and media
+    item, the union of the temporal patches its pieces touch, as maximal runs, sorted."""
     needed: dict[tuple[int, int], set[int]] = {}
     for p in pieces:
         m = metas[p.seq]
@@ -156,11 +264,11 @@ class TrajectoryTokens:
         return self._cache[key]
 
 
-def _piece_specs(p: Piece, m: TrajectoryMeta, fields: Sequence[str]) -> list[tuple[tuple[int, ...], np.dtype]]:
+def _piece_specs(p: Piece, u: StageUnit, fields: Sequence[str]) -> list[tuple[tuple[int, ...], np.dtype]]:
     n = p.num_tokens
-    a, b = m.scored(p.start, p.end)
-    specs = [((n,), np.dtype(np.int64)), ((3, n), np.dtype(np.int64)), ((b - a,), np.dtype(np.int64))]
-    return specs + [((b - a,), np.dtype(np.float32)) for _ in fields]
+    k = len(u.scored(p.start, p.end).positions)
+    specs = [((n,), np.dtype(np.int64)), ((3, n), np.dtype(np.int64)), ((k,), np.dtype(np.int64))]
+    return specs + [((k,), np.dtype(np.float32)) for _ in fields]
 
 
 def _run_spec(run: FrameRun, metas_by_group: dict[int, TrajectoryMeta], patch_dim: int):
@@ -175,9 +283,9 @@ class WaveInputs:
     pieces: list[Piece]
     batch: PackedBatch | None  # None: this rank has nothing in the wave (it runs a dummy)
     targets: LogprobTargets | None
-    scored_counts: list[int]  # scored positions per piece, in order
-    seq_index: torch.Tensor | None  # [K] piece of each scored position
-    seq_lengths: torch.Tensor | None  # [pieces] full response length of each piece's trajectory
+    scored_counts: list[int]  # scored log-probs per piece, in order
+    seq_index: torch.Tensor | None  # [K] local response (a piece's response) of each scored log-prob
+    seq_lengths: torch.Tensor | None  # [local responses] full length of each
     advantages: torch.Tensor | None  # [K]
     fields: dict[str, torch.Tensor]  # [K] per requested field
     bytes_sent: int = 0
@@ -215,8 +323,8 @@ class VisionStats:
 
 class TrajectoryExchange:
     """Moves a stage's pieces between ranks (see the module docstring). ``trajs`` are this rank's
-    trajectories (``metas[i].index`` indexes them on their home), ``stage`` maps stage sequence ids
-    to indices into ``metas``."""
+    trajectories (``metas[i].index`` indexes them on their home); a stage is a list of
+    :class:`StageUnit` (plan sequence ``s`` is ``units[s]``)."""
 
     def __init__(self, args: Qwen2_5_VLArgs, rank: int, world: int, device: torch.device, dtype: torch.dtype,
                  trajs: Sequence, metas: Sequence[TrajectoryMeta], vision: VisionBalancing | None = None) -> None:
@@ -228,6 +336,7 @@ class TrajectoryExchange:
         self.trajs = trajs
         self.metas = metas
         self.tokens = TrajectoryTokens(args)
+        self._streams: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self.by_group = {m.group: m for m in metas}
         self.vision = vision
         self.vision_stats = VisionStats()
@@ -236,15 +345,32 @@ class TrajectoryExchange:
 
     # ------------------------------------------------------------------ home side
 
-    def _piece_arrays(self, p: Piece, m: TrajectoryMeta, fields: Sequence[str]) -> list[np.ndarray]:
-        traj = self.trajs[m.index]
-        ids, pos = self.tokens.get(traj)
-        a, b = m.scored(p.start, p.end)
-        out = [ids[p.start:p.end], pos[:, p.start:p.end], ids[a + 1:b + 1]]
-        first = m.prompt_len - 1
+    def _traj(self, u: StageUnit, k: int):
+        return self.trajs[self.metas[u.trajs[k]].index]
+
+    def _stream(self, u: StageUnit) -> tuple[np.ndarray, np.ndarray]:
+        """A unit's token ids and mrope positions: the prompt, then each response with the positions
+        it has in its own trajectory (each continues from the prompt)."""
+        if len(u.trajs) == 1:
+            return self.tokens.get(self._traj(u, 0))
+        key = ("unit", u.trajs)
+        if key not in self._streams:
+            parts = [self.tokens.get(self._traj(u, k)) for k in range(len(u.trajs))]
+            p = u.prompt_len
+            self._streams[key] = (np.concatenate([parts[0][0][:p]] + [ids[p:] for ids, _ in parts]),
+                                  np.concatenate([parts[0][1][:, :p]] + [pos[:, p:] for _, pos in parts], axis=1))
+        return self._streams[key]
+
+    def _piece_arrays(self, p: Piece, u: StageUnit, fields: Sequence[str]) -> list[np.ndarray]:
+        ids, pos = self._stream(u)
+        sc = u.scored(p.start, p.end)
+        out = [ids[p.start:p.end], pos[:, p.start:p.end], ids[sc.targets]]
         for f in fields:
-            values = getattr(traj, f)
-            out.append(np.asarray(values[a - first:b - first], dtype=np.float32))
+            values = np.empty(len(sc.positions), dtype=np.float32)
+            for k in np.unique(sc.response):
+                sel = sc.response == k
+                values[sel] = np.asarray(getattr(self._traj(u, int(k)), f), dtype=np.float32)[sc.token[sel]]
+            out.append(values)
         return out
 
     def _run_pixels(self, run: FrameRun) -> np.ndarray:
@@ -256,7 +382,7 @@ class TrajectoryExchange:
 
     # ------------------------------------------------------------------ one wave
 
-    def vision_plan(self, plan: StagePlan, metas: Sequence[TrajectoryMeta], wave: int) -> WaveVisionPlan:
+    def vision_plan(self, plan: StagePlan, metas: Sequence[StageUnit], wave: int) -> WaveVisionPlan:
         """Who encodes what in ``wave`` (the same on every rank)."""
         pieces = [plan.pieces(wave, r) for r in range(self.world)]
         needs = [frame_runs(p, metas) for p in pieces]
@@ -268,7 +394,7 @@ class TrajectoryExchange:
         self.vision_stats.planned_peak += max(costs)
         self.vision_stats.planned_mean += float(np.mean(costs))
 
-    def inputs(self, plan: StagePlan, stage_ids: Sequence[int], waves: Sequence[int], *, fields: Sequence[str] = (),
+    def inputs(self, plan: StagePlan, units: Sequence[StageUnit], waves: Sequence[int], *, fields: Sequence[str] = (),
                temperature: float = 1.0, return_entropy: bool = False, layout_builder=None,
                collective: bool = True) -> list[WaveInputs]:
         """This rank's inputs of each of ``waves``, moved with one all-to-all (skipped when
@@ -276,7 +402,7 @@ class TrajectoryExchange:
 
         Pixels go to the rank that encodes them: the one whose tokens use them, or with vision
         balancing the one the wave's vision plan names."""
-        metas = [self.metas[i] for i in stage_ids]
+        metas = units
         patch_dim = self.args.vision.patch_dim
         vplans: dict[int, WaveVisionPlan] = {}
         if self.vision is not None and self.vision.enabled:
@@ -356,21 +482,24 @@ class TrajectoryExchange:
             run_rows.setdefault((run.group, run.item), []).append((run.f0, run.f1, rows))
             rows += (run.f1 - run.f0) * item.tokens_per_frame
         token_rows = []
-        ids, pos, tgt_pos, tgt_ids, seq_index, adv = [], [], [], [], [], []
+        ids, pos, tgt_pos, tgt_ids, seq_index, adv, seq_lengths = [], [], [], [], [], [], []
         extra: dict[str, list[np.ndarray]] = {f: [] for f in fields}
         scored_counts, offset = [], 0
-        for k, (p, arrays) in enumerate(zip(mine, per_piece)):
+        for p, arrays in zip(mine, per_piece):
             m = metas[p.seq]
             ids.append(arrays[0])
             pos.append(arrays[1])
-            a, b = m.scored(p.start, p.end)
-            tgt_pos.append(np.arange(a, b) - p.start + offset)
+            sc = m.scored(p.start, p.end)
+            tgt_pos.append(sc.positions - p.start + offset)
             tgt_ids.append(arrays[2])
-            seq_index.append(np.full(b - a, k))
-            adv.append(np.full(b - a, m.advantage, dtype=np.float32))
+            # every response of the piece's unit is a local sequence of the loss (those without a
+            # scored token here contribute nothing)
+            seq_index.append(sc.response + len(seq_lengths))
+            seq_lengths += list(m.response_lens)
+            adv.append(np.asarray([self.metas[t].advantage for t in m.trajs], dtype=np.float32)[sc.response])
             for f, values in zip(fields, arrays[3:]):
                 extra[f].append(values)
-            scored_counts.append(b - a)
+            scored_counts.append(len(sc.positions))
             for j, item in enumerate(m.media):
                 frames = item.frames(p.start, p.end)
                 if frames is None:
@@ -394,6 +523,9 @@ class TrajectoryExchange:
             vision_token_index=torch.from_numpy(np.concatenate(token_rows)).to(dev) if token_rows else None,
             attention_layout=layout,
             vision_route=route,
+            # whole units only here: sharded ones get their segments from the layout
+            segments=[metas[p.seq].segments for p in mine] if any(len(metas[p.seq].trajs) > 1 for p in mine)
+            else None,
         )
         targets = LogprobTargets(
             positions=torch.from_numpy(np.concatenate(tgt_pos).astype(np.int64)).to(dev),
@@ -403,19 +535,19 @@ class TrajectoryExchange:
         return WaveInputs(
             pieces=mine, batch=batch, targets=targets, scored_counts=scored_counts,
             seq_index=torch.from_numpy(np.concatenate(seq_index).astype(np.int64)).to(dev),
-            seq_lengths=torch.tensor([metas[p.seq].response_len for p in mine], device=dev),
+            seq_lengths=torch.tensor(seq_lengths, device=dev),
             advantages=torch.from_numpy(np.concatenate(adv)).to(dev),
             fields={f: torch.from_numpy(np.concatenate(v)).to(dev) for f, v in extra.items()},
         )
 
     # ------------------------------------------------------------------ results home
 
-    def return_logprobs(self, plan: StagePlan, stage_ids: Sequence[int], results, attr: str, *,
+    def return_logprobs(self, plan: StagePlan, units: Sequence[StageUnit], results, attr: str, *,
                         waves: Sequence[int], collective: bool = True) -> int:
         """Send each piece's log-probs to its home, which writes them into ``traj.<attr>`` (set up by
         :meth:`begin_results`). ``results``: (wave, inputs, log-probs) of the waves this rank ran among
         ``waves`` (every rank passes the same ``waves``); one all-to-all. Returns the bytes sent."""
-        metas = [self.metas[i] for i in stage_ids]
+        metas = units
         send: list[list[np.ndarray]] = [[] for _ in range(self.world)]
         by_wave = {w: (inputs, logprobs) for w, inputs, logprobs in results}
         for w in waves:
@@ -433,15 +565,17 @@ class TrajectoryExchange:
                     if metas[p.seq].home == self.rank:
                         placed[src].append(p)
                         if src != self.rank:
-                            a, b = metas[p.seq].scored(p.start, p.end)
-                            specs[src].append(((b - a,), np.dtype(np.float32)))
+                            k = len(metas[p.seq].scored(p.start, p.end).positions)
+                            specs[src].append(((k,), np.dtype(np.float32)))
         received, sent = all_to_all_arrays(send, specs, rank=self.rank, device=self.device, collective=collective)
         for src in range(self.world):
             for p, chunk in zip(placed[src], received[src]):
-                m = metas[p.seq]
-                a, b = m.scored(p.start, p.end)
-                getattr(self.trajs[m.index], attr)[a - m.prompt_len + 1:b - m.prompt_len + 1] = torch.from_numpy(
-                    np.array(chunk))
+                u = metas[p.seq]
+                sc = u.scored(p.start, p.end)
+                values = torch.from_numpy(np.array(chunk))
+                for k in np.unique(sc.response):
+                    sel = sc.response == k
+                    getattr(self._traj(u, int(k)), attr)[torch.from_numpy(sc.token[sel])] = values[torch.from_numpy(sel)]
         return sent
 
     def begin_results(self, attr: str) -> None:

@@ -18,6 +18,7 @@ Synchronisation (``StagePlan.sync``):
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -31,10 +32,11 @@ from titanrl.distributed import all_gather_objects
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.parallel.cost_model import CostModel
 from titanrl.parallel.odc import minibatch_sync
-from titanrl.parallel.stage_plan import BalanceStrategy, StageMethod, StagePlan, plan_stage
+from titanrl.parallel.stage_plan import BalanceStrategy, StageMethod, StagePlan, plan_stage, top_degree
 from titanrl.parallel.ulysses import UlyssesLayout, layout_builder
 from titanrl.rl.batch import Trajectory, dummy_pack
-from titanrl.rl.exchange import TrajectoryExchange, TrajectoryMeta, VisionBalancing, WaveInputs, gather_metadata
+from titanrl.rl.exchange import (StageUnit, TrajectoryExchange, TrajectoryMeta, VisionBalancing, WaveInputs,
+                                 gather_metadata, stage_units)
 
 
 def build_cost_model(args: Qwen2_5_VLArgs, kind: str) -> CostModel:
@@ -95,6 +97,10 @@ class StepStats:
     minibatches: int = 0
     layouts: list[UlyssesLayout] = field(default_factory=list)
     vision_seconds: float = 0.0  # vision-tower forward time (busy clock), every stage
+    # language-model tokens of the update forwards: computed (a shared prompt once per unit) and
+    # represented (every trajectory whole); the same on every rank
+    tokens_computed: int = 0
+    tokens_represented: int = 0
 
 
 class StageRunner:
@@ -102,7 +108,7 @@ class StageRunner:
                  method: StageMethod, max_tokens: int, cost_model: CostModel, strategy: BalanceStrategy | None = None,
                  p_max: int = 1, degree: int = 1, groups: dict | None = None, attn_backend: str = "sdpa",
                  overlap: bool = True, reshard_after_forward: bool = True,
-                 vision: VisionBalancing | None = None) -> None:
+                 vision: VisionBalancing | None = None, shared_prefix: bool = False) -> None:
         self.args = args
         self.rank = rank
         self.world = world
@@ -119,11 +125,12 @@ class StageRunner:
         self.overlap = overlap
         self.reshard_after_forward = reshard_after_forward
         self.vision = vision or VisionBalancing(enabled=False, cost_model=cost_model)
+        self.shared_prefix = shared_prefix
         self.clock = _busy_clock(device)
         self._timed_vision: set[int] = set()
         self.metas: list[TrajectoryMeta] = []
         self.exchange: TrajectoryExchange | None = None
-        self._plans: dict[tuple[int, ...], StagePlan] = {}
+        self._plans: dict[tuple[int, ...], tuple[list[StageUnit], StagePlan]] = {}
         self._warned: set[str] = set()
         self.stats = StepStats()
 
@@ -145,24 +152,41 @@ class StageRunner:
         responses, the same composition on any number of ranks."""
         return [i for i, meta in enumerate(self.metas) if meta.group % minibatches == m]
 
-    def plan(self, ids: Sequence[int]) -> StagePlan:
+    def units(self, ids: Sequence[int]) -> list[StageUnit]:
+        """The units a stage over trajectories ``ids`` places: with shared-prefix packing a prompt
+        once per home with its responses, in sub-groups no larger than a rank can take (``max_tokens``
+        times the highest Ulysses degree) and, without sequence parallelism, than an even share of the
+        stage per rank (a larger unit would leave the others idle; its sub-groups each recompute the
+        prompt, counted in ``train/tokens_computed``)."""
+        top = top_degree(self.method, self.world, self.p_max, self.degree)
+        cap = top * self.max_tokens
+        if top == 1 and self.strategy != "native":
+            groups: dict[tuple[int, int], int] = {}
+            for i in ids:
+                m = self.metas[i]
+                groups[(m.group, m.home)] = groups.get((m.group, m.home), m.prompt_len) + m.response_len
+            cap = min(cap, max(math.ceil(sum(groups.values()) / self.world), 1))
+        return stage_units(self.metas, ids, shared_prefix=self.shared_prefix, max_tokens=cap)
+
+    def plan(self, ids: Sequence[int]) -> tuple[list[StageUnit], StagePlan]:
         key = tuple(ids)
         if key not in self._plans:
-            metas = [self.metas[i] for i in ids]
-            plan = plan_stage([m.num_tokens for m in metas], [m.home for m in metas], self.world,
+            units = self.units(ids)
+            costs = [float(self.cost_model.prefix_compute(u.prompt_len, u.response_lens)) for u in units]
+            plan = plan_stage([u.num_tokens for u in units], [u.home for u in units], self.world,
                               method=self.method, strategy=self.strategy, max_tokens=self.max_tokens,
-                              cost_model=self.cost_model, p_max=self.p_max, degree=self.degree)
-            self._plans[key] = plan
+                              cost_model=self.cost_model, p_max=self.p_max, degree=self.degree, costs=costs)
+            self._plans[key] = (units, plan)
             s = self.stats
             s.plan_seconds += plan.plan_seconds
             for i in plan.over_budget:
-                m = metas[i]
-                if m.name not in self._warned and self.rank == 0:
-                    say(f"[titanrl] sample {m.name!r}: a trajectory of {m.num_tokens} tokens is over "
-                          f"balance.max_tokens_per_microbatch={self.max_tokens} on one rank even split as far as "
-                          f"parallelism.ulysses={self.method!r} allows; it runs alone, over the budget "
-                          "(counted in parallel/over_budget)")
-                self._warned.add(m.name)
+                u = units[i]
+                if u.name not in self._warned and self.rank == 0:
+                    say(f"[titanrl] sample {u.name!r}: a stage unit of {u.num_tokens} tokens (prompt and "
+                        f"{len(u.trajs)} response(s)) is over balance.max_tokens_per_microbatch={self.max_tokens} "
+                        f"on one rank even split as far as parallelism.ulysses={self.method!r} allows; it runs "
+                        "alone, over the budget (counted in parallel/over_budget)")
+                self._warned.add(u.name)
             s.degree_max = max(s.degree_max, plan.degree_max)
             if len(ids) == len(self.metas):  # the whole step's plan (the log-prob stages)
                 s.over_budget = len(plan.over_budget)
@@ -171,15 +195,15 @@ class StageRunner:
 
     # ------------------------------------------------------------------ waves
 
-    def _inputs(self, plan: StagePlan, ids: Sequence[int], fields: Sequence[str], *, temperature: float,
+    def _inputs(self, plan: StagePlan, units: Sequence[StageUnit], fields: Sequence[str], *, temperature: float,
                 return_entropy: bool):
         """(wave, inputs) of every wave this rank runs: one exchange per wave under wave sync, one
         for the whole stage under minibatch sync."""
         s = self.stats
         moves = plan.moves_data()
-        lengths = [self.metas[i].num_tokens for i in ids]
-        build = layout_builder(self.groups, rank=self.rank, lengths=lengths, backend=self.attn_backend,
-                               device=self.device, overlap=self.overlap)
+        build = layout_builder(self.groups, rank=self.rank, lengths=[u.num_tokens for u in units],
+                               backend=self.attn_backend, device=self.device, overlap=self.overlap,
+                               segments=[u.segments for u in units] if self.shared_prefix else None)
         peak, mean = plan.planned_times
         s.planned_peak += peak
         s.planned_mean += mean
@@ -189,7 +213,7 @@ class StageRunner:
         batches = [[w] for w in range(len(plan.waves))] if plan.sync == "wave" else [list(range(len(plan.waves)))]
         mine = set(plan.rank_waves(self.rank))
         for waves in batches:
-            for w, inputs in zip(waves, self.exchange.inputs(plan, ids, waves, **kw)):
+            for w, inputs in zip(waves, self.exchange.inputs(plan, units, waves, **kw)):
                 s.exchange_bytes += inputs.bytes_sent
                 if w not in mine:
                     continue
@@ -232,12 +256,12 @@ class StageRunner:
         ids = self.all_ids() if ids is None else list(ids)
         if not ids:
             return
-        plan = self.plan(ids)
+        units, plan = self.plan(ids)
         self._time_vision(model)
         self.exchange.begin_results(attr)
         done: list[tuple[int, WaveInputs, torch.Tensor]] = []
         with self._sync(model, plan, train=False):
-            for w, inputs in self._inputs(plan, ids, (), temperature=temperature, return_entropy=False):
+            for w, inputs in self._inputs(plan, units, (), temperature=temperature, return_entropy=False):
                 t0 = self.clock()
                 if inputs.batch is None:
                     self._dummy(model, backward=False, inputs=inputs)
@@ -248,11 +272,11 @@ class StageRunner:
                 done.append((w, inputs, logp))
                 if plan.sync == "wave":  # results home per wave; under minibatch sync once, below
                     self.stats.exchange_bytes += self.exchange.return_logprobs(
-                        plan, ids, done, attr, waves=[w], collective=plan.moves_data())
+                        plan, units, done, attr, waves=[w], collective=plan.moves_data())
                     done = []
         if plan.sync == "minibatch":
             self.stats.exchange_bytes += self.exchange.return_logprobs(
-                plan, ids, done, attr, waves=range(len(plan.waves)), collective=plan.moves_data())
+                plan, units, done, attr, waves=range(len(plan.waves)), collective=plan.moves_data())
 
     def train_minibatch(self, model, ids: Sequence[int], fields: Sequence[str], loss_fn, *, temperature: float):
         """Forward + backward of every wave of one minibatch; ``loss_fn(out, inputs, global_tokens,
@@ -261,21 +285,23 @@ class StageRunner:
         metas = [self.metas[i] for i in ids]
         global_tokens = float(max(sum(m.response_len for m in metas), 1))
         global_seqs = float(max(len(metas), 1))
-        plan = self.plan(ids)
+        units, plan = self.plan(ids)
         self._time_vision(model)
         s = self.stats
         s.minibatches += 1
+        s.tokens_computed += sum(u.num_tokens for u in units)
+        s.tokens_represented += sum(m.num_tokens for m in metas)
         peak, mean = plan.planned_times
         s.update_planned_peak += peak
         s.update_planned_mean += mean
         results = []
         t0 = self.clock()
-        units: list[float] = []
+        unit_seconds: list[float] = []
         with self._sync(model, plan, train=True) as last:
             mine = plan.rank_waves(self.rank)
             # under minibatch sync the rank's final microbatch reduces; it must hold no sharded group
             trailing_dummy = plan.sync == "minibatch" and (not mine or bool(plan.waves[mine[-1]].ranks[self.rank].sharded))
-            for w, inputs in self._inputs(plan, ids, fields, temperature=temperature, return_entropy=True):
+            for w, inputs in self._inputs(plan, units, fields, temperature=temperature, return_entropy=True):
                 if plan.sync == "minibatch" and w == mine[-1] and not trailing_dummy:
                     last()
                 s.microbatches += 1
@@ -287,7 +313,7 @@ class StageRunner:
                     res = loss_fn(out, inputs, global_tokens, global_seqs)
                     res.loss.backward()
                     results.append(res)
-                units.append(self.clock() - t_wave)
+                unit_seconds.append(self.clock() - t_wave)
             if trailing_dummy:
                 last()
                 s.microbatches += 1
@@ -297,7 +323,7 @@ class StageRunner:
         s.busy_seconds += busy
         s.update_busy_seconds += busy
         # ranks wait for each other at every wave under wave sync, only at the minibatch's end otherwise
-        s.update_units += units if plan.sync == "wave" else [busy]
+        s.update_units += unit_seconds if plan.sync == "wave" else [busy]
         return results
 
     # ------------------------------------------------------------------ metrics
@@ -339,4 +365,6 @@ class StageRunner:
             "vision/balance_measured": (float(vision_busy.max() / vision_busy.mean()) if vision_busy.mean() > 0
                                         else 1.0),
             "vision/bytes_moved": float(sum(e[6] for e in every)),
+            "train/tokens_computed": float(s.tokens_computed),
+            "train/tokens_represented": float(s.tokens_represented),
         }

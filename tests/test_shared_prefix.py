@@ -118,34 +118,11 @@ def test_prefix_cost_is_the_unshared_cost_of_one_response_and_less_for_more():
 
 
 def _trajectories():
-    import sys
-    from pathlib import Path
+    from ulysses_step import make_trajectories
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from hf_reference import make_sample
-
-    from titanrl.data.manifest import SampleRecord
-    from titanrl.data.preprocess import PreparedSample
-    from titanrl.rl.batch import Trajectory
-
-    rng = np.random.default_rng(0)
-    kinds = [([], 16), ([("image", (1, 8, 8))], 5), ([("video", (4, 4, 6))], 1),
-             ([("image", (1, 4, 4)), ("image", (1, 6, 4))], 3), ([("video", (6, 8, 8))], 8), ([], 2)]
-    trajs = []
-    for g, (items, n) in enumerate(kinds):
-        s = make_sample(rng, items, second_per_grid=0.5, text_len=3 + 2 * g)
-        record = SampleRecord(id=f"s{g}", source="test", prompt="", media=[], answer="")
-        pixels = None if s.pixel_values is None else s.pixel_values.numpy().astype(np.float32)
-        prompt = PreparedSample(record, s.token_ids.astype(np.int64), s.grids, pixels, [])
-        for _ in range(n):
-            r = int(rng.integers(1, 12))
-            t = Trajectory(prompt=prompt, group=g, response_ids=rng.integers(0, 280, r).astype(np.int64),
-                           rollout_logprobs=np.zeros(r, np.float32))
-            t.advantage = float(rng.normal())
-            t.old_logprobs = torch.from_numpy(rng.normal(-5.0, 0.3, r).astype(np.float32))
-            t.ref_logprobs = torch.from_numpy(rng.normal(-5.0, 0.3, r).astype(np.float32))
-            trajs.append(t)
-    return trajs
+    kinds = [[], [("image", (1, 8, 8))], [("video", (4, 4, 6))], [("image", (1, 4, 4)), ("image", (1, 6, 4))],
+             [("video", (6, 8, 8))], []]
+    return make_trajectories(kinds, [16, 5, 1, 3, 8, 2], min_response=1, max_response=12)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])

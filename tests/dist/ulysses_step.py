@@ -54,18 +54,18 @@ LOSS = dict(clip_low=0.2, clip_high=0.28, mode="seq-mean-token-mean", kl_coef=0.
             entropy_coef=0.01)
 
 
-def global_trajectories() -> list[Trajectory]:
+def make_trajectories(kinds, responses, *, min_response: int = 2, max_response: int = 9) -> list[Trajectory]:
+    """Prompts with the media ``kinds[g]`` (hf_reference.make_sample items), ``responses[g]`` random
+    responses each, with advantages and old / reference log-probs (every per-token input of the loss)."""
     rng = np.random.default_rng(0)
-    kinds = [[], [("image", (1, 8, 8))], [("video", (4, 4, 6))], [("image", (1, 4, 4)), ("image", (1, 6, 4))],
-             [("video", (8, 8, 8))], [], [("image", (1, 4, 8)), ("video", (2, 4, 4))]]
     trajs = []
     for g, items in enumerate(kinds):
         s = make_sample(rng, items, second_per_grid=0.5, text_len=3 + 2 * g)
         record = SampleRecord(id=f"s{g}", source="test", prompt="", media=[], answer="")
         pixels = None if s.pixel_values is None else s.pixel_values.numpy().astype(np.float32)
         prompt = PreparedSample(record, s.token_ids.astype(np.int64), s.grids, pixels, [])
-        for k in range(RESPONSES[g]):
-            r = int(rng.integers(2, 9))
+        for k in range(responses[g]):
+            r = int(rng.integers(min_response, max_response))
             t = Trajectory(prompt=prompt, group=g, response_ids=rng.integers(0, 280, r).astype(np.int64),
                            rollout_logprobs=np.zeros(r, np.float32))
             t.advantage = float(rng.normal())
@@ -73,6 +73,12 @@ def global_trajectories() -> list[Trajectory]:
             t.ref_logprobs = torch.from_numpy(rng.normal(-5.0, 0.3, r).astype(np.float32))
             trajs.append(t)
     return trajs
+
+
+def global_trajectories() -> list[Trajectory]:
+    kinds = [[], [("image", (1, 8, 8))], [("video", (4, 4, 6))], [("image", (1, 4, 4)), ("image", (1, 6, 4))],
+             [("video", (8, 8, 8))], [], [("image", (1, 4, 8)), ("video", (2, 4, 4))]]
+    return make_trajectories(kinds, RESPONSES)
 
 
 RESPONSES = [2, 3, 1, 4, 2, 1, 3]  # per prompt: GRPO groups of unequal sizes (shared prefixes)

@@ -40,7 +40,11 @@ MAX_TOKENS = 8192
 BATCHES = {"only-video": dict(max_frames=64), "video-heavy": dict(max_frames=256)}
 
 
-def build_batch(model_dir: Path, mixture: str, prompts: int, responses: int, seed: int):
+def build_batch(model_dir: Path, mixture: str, prompts: int, responses: int, seed: int, *,
+                max_frames: int | None = None, response_range: tuple[int, int] = (64, 256), longest: bool = False):
+    """``prompts`` prompts of the mixture at paper scale (2 fps, videos capped at ``max_frames``: by default
+    this benchmark's cap for the mixture), the first ones or (``longest``) the longest of 4x as many,
+    with ``responses`` responses each, lengths in ``response_range``."""
     import numpy as np
 
     from titanrl.data.preprocess import MediaSettings
@@ -49,14 +53,17 @@ def build_batch(model_dir: Path, mixture: str, prompts: int, responses: int, see
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs
 
     args = Qwen2_5_VLArgs.from_pretrained(model_dir)
-    settings = MediaSettings.from_checkpoint(model_dir, fps=2.0, max_frames=BATCHES[mixture]["max_frames"])
+    cap = max_frames if max_frames is not None else BATCHES[mixture]["max_frames"]
+    settings = MediaSettings.from_checkpoint(model_dir, fps=2.0, max_frames=cap)
     rng = np.random.default_rng(seed)
     media = []
-    for sp in sample_specs(mixture, prompts, seed=seed, scale="paper"):
+    for sp in sample_specs(mixture, prompts * (4 if longest else 1), seed=seed, scale="paper"):
         header = HeaderInfo(kind=sp.kind, width=sp.width, height=sp.height, num_frames=sp.num_frames, fps=sp.fps,
                             duration=sp.num_frames / sp.fps if sp.fps else 0.0, codec="h264")
         media.append((media_meta_from_header(sp.media_path, header, 0, settings), sp))
-    trajs = make_trajectories(args, media, rng, responses, (64, 256))
+    if longest:
+        media = sorted(media, key=lambda x: -x[0].tokens)[:prompts]
+    trajs = make_trajectories(args, media, rng, responses, response_range)
     return args, trajs
 
 

@@ -165,18 +165,20 @@ def test_reward_rises_from_chance(tmp_path):
 @pytest.mark.slow
 def test_placement_modes_on_four_ranks_match_one(tmp_path):
     """FlexUlysses with ODC's lb_mini (sharded groups first, one gradient reduction per minibatch),
-    fixed-degree Ulysses with lb_micro and vision balancing (images and frames encoded where the vision
-    plan puts them, embeddings routed), and lb_mini alone move and shard trajectories across 4 ranks (a
-    small token budget forces several waves, sharded sequences and unequal microbatch counts); every step
-    statistic of 3 steps equals the 1-rank run: log-probs, loss and gradient do not depend on where the
-    tokens ran."""
+    fixed-degree Ulysses with lb_micro, vision balancing (images and frames encoded where the vision
+    plan puts them, embeddings routed) and shared-prefix packing off (each trajectory its own unit, so
+    lb_micro really syncs per microbatch), and lb_mini alone move and shard trajectories across 4 ranks
+    (a small token budget forces several waves, sharded sequences and unequal microbatch counts); every
+    step statistic of 3 steps equals the 1-rank run (packing on): log-probs, loss and gradient do not
+    depend on where the tokens ran, nor on whether a prompt was computed once per group."""
     common = ["--job.steps=3", "--checkpoint.enable=false", "--rl.global_batch_size=4", "--rollout.n=4",
               "--rl.minibatches=2", "--rl.entropy_coef=0.01", "--balance.max_tokens_per_microbatch=160"]
     run(train_cmd(tmp_path / "one", *common))
     run(train_cmd(tmp_path / "flex", *common, "--parallelism.ulysses=flex", "--parallelism.p_max=4",
                   "--balance.strategy=lb_mini", nproc=4))
     run(train_cmd(tmp_path / "fixed", *common, "--parallelism.ulysses=fixed", "--parallelism.ulysses_degree=2",
-                  "--balance.strategy=lb_micro", "--parallelism.vision_balance=true", nproc=4))
+                  "--balance.strategy=lb_micro", "--parallelism.vision_balance=true", "--rl.shared_prefix=false",
+                  nproc=4))
     run(train_cmd(tmp_path / "mini", *common, "--balance.strategy=lb_mini", nproc=4))
     one, flex, fixed, mini = (metrics(tmp_path / d) for d in ("one", "flex", "fixed", "mini"))
     for other in (flex, fixed, mini):
@@ -187,6 +189,7 @@ def test_placement_modes_on_four_ranks_match_one(tmp_path):
                 assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (step, key, a, b)
     assert all(mini[s]["balance/syncs_per_minibatch"] == 1 for s in (1, 2, 3))
     assert fixed[1]["balance/syncs_per_minibatch"] > 1
+    assert one[1]["train/tokens_computed"] < fixed[1]["train/tokens_computed"] == fixed[1]["train/tokens_represented"]
     assert one[1]["grad_norm"] > 0
     assert max(flex[s]["parallel/sharded_sequences"] for s in (1, 2, 3)) > 0  # the plan really sharded
     assert fixed[1]["parallel/degree_max"] == 2 and fixed[1]["parallel/a2a_bytes"] > 0

@@ -207,6 +207,33 @@ def test_hf_baseline_engine(tiny_ckpt, requests_, tmp_path):
     engine.close()
 
 
+def test_hf_baseline_batches_prompts_like_one_at_a_time(tiny_ckpt, requests_):
+    """batch_prompts > 1 (the fair baseline: prompts of different lengths left-padded into one
+    generate call, media concatenated): greedy responses and their log-probs equal prompt-by-prompt
+    generation, and the log-probs equal titanrl's for text and images."""
+    from titanrl.rollout.hf_engine import HFGenerateEngine
+
+    reqs = [requests_["image"], requests_["text"], requests_["video"], requests_["image"]]
+    assert len({len(r.prompt_ids) for r in reqs}) == 3  # real padding
+    greedy = dict(n=1, temperature=0.0, top_p=1.0, max_new_tokens=6, seed=0)  # greedy: one sample each
+    one = HFGenerateEngine(tiny_ckpt, fps=FPS, max_frames=MAX_FRAMES).generate(reqs, **greedy)
+    batched = HFGenerateEngine(tiny_ckpt, fps=FPS, max_frames=MAX_FRAMES, batch_prompts=3).generate(reqs, **greedy)
+    assert [len(g) for g in batched] == [1, 1, 1, 1]
+    for g1, gb in zip(one, batched):
+        for a, b in zip(g1, gb):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            assert np.allclose(a.logprobs, b.logprobs, atol=TOL)
+    # sampled, n per prompt: every sample's log-probs are those of its own prompt (rows map back right)
+    engine = HFGenerateEngine(tiny_ckpt, fps=FPS, max_frames=MAX_FRAMES, batch_prompts=4)
+    sampled = engine.generate(reqs, seed=1, **SAMPLING)
+    assert [len(g) for g in sampled] == [3, 3, 3, 3]
+    model = titanrl_model(tiny_ckpt)
+    pairs = [(reqs[i], s.token_ids) for i in (0, 1, 3) for s in sampled[i]] + [(reqs[0], batched[0][0].token_ids)]
+    theirs = [s.logprobs for i in (0, 1, 3) for s in sampled[i]] + [batched[0][0].logprobs]
+    for ours, lp in zip(titanrl_logprobs(model, pairs), theirs):
+        assert (ours - torch.tensor(lp)).abs().max() < TOL
+
+
 # ----------------------------------------------------------------------------------------------
 # vLLM: one engine for the module
 # ----------------------------------------------------------------------------------------------

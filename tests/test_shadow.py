@@ -366,6 +366,38 @@ def test_centralized_equals_prepare_sample_and_skips_bad(dataset, table, setting
     loader.close()
 
 
+def test_centralized_prefetch_decodes_ahead_same_batches_and_resumes(table, settings):
+    """data.prefetch_batches for the centralized baseline: rank 0 decodes the next steps while the
+    current one computes (their decode has finished before they are materialized), the batches are
+    those of the loader without prefetch, and a state saved mid-run resumes at the same step."""
+    def ids(results):
+        return [(r.sample_id, r.position) if isinstance(r, BadSample) else (r.meta.sample_id, r.position)
+                for r in results]
+
+    plain = _centralized(table, settings, num_decode_workers=1)
+    ahead = _centralized(table, settings, num_decode_workers=1, prefetch_batches=2)
+    state = None
+    for i in range(5):
+        a, b = plain.next_step(), ahead.next_step()
+        planned = list(ahead._planned.values())
+        assert [p.step for p in planned] == [b.step + 1, b.step + 2]
+        for p in planned:
+            p.decoded.result(timeout=60)  # decoded in the background, before anyone asks for it
+        assert ids(a.materialize()) == ids(b.materialize()) and a.step == b.step
+        if i == 1:
+            state = ahead.state_dict()  # resumes at step 2: the first step not handed out
+    resumed = _centralized(table, settings, num_decode_workers=1, prefetch_batches=2)
+    resumed.load_state_dict(state)
+    again = _centralized(table, settings, num_decode_workers=1)
+    for _ in range(2):
+        again.next_step()
+    for step in (2, 3):
+        x, y = again.next_step(), resumed.next_step()
+        assert x.step == y.step == step and ids(x.materialize()) == ids(y.materialize())
+    for loader in (plain, ahead, resumed, again):
+        loader.close()
+
+
 def test_bad_sample_error_mode_names_the_sample(table, settings):
     loader = _centralized(table, settings, on_bad_sample="error")
     with pytest.raises(BadSampleError, match=r"sample '(geo3k|nextqa)-[a-z]+' .*: (missing|corrupt|unsupported)"):

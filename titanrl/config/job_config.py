@@ -124,7 +124,9 @@ class DataConfig:
     """Decode threads per node preprocessor (shadow) or on rank 0 (centralized); shadow with 0 decodes
     only when a rank fetches (no decode ahead)."""
     prefetch_batches: int = 2
-    """Steps planned and decoded ahead of the one the trainer is computing (shadow)."""
+    """Steps planned and decoded ahead of the one the trainer is computing: shadow on the Ray
+    preprocessors; centralized on rank 0, which holds their pixels until it scatters them (0 = none:
+    verl's behaviour, decoding on the critical path)."""
     metadata_cache: bool = True
     """Cache header probes in <manifest>.meta.jsonl next to the manifest (keyed by file size and mtime)."""
     fetch_timeout_s: float = 300.0

@@ -1,8 +1,11 @@
 """Baseline rollout engine: transformers' ``Qwen2_5_VLForConditionalGeneration.generate``.
 
-A plain HF generate loop with its KV cache, one request at a time with its ``n`` samples as one
-batch (``num_return_sequences``; no padding needed). It is what the benchmark compares vLLM
-against, and a fallback that needs no vLLM.
+A plain HF generate loop with its KV cache: ``batch_prompts`` requests per ``generate`` call (left
+padded, their media concatenated in order) with their ``n`` samples each (``num_return_sequences``),
+the way a transformers user batches. It is what the benchmarks compare vLLM against, and a fallback
+that needs no vLLM. With ``batch_prompts = 1`` (the trainer's choice) each request is sampled with
+its own seed, so any world size samples the same responses; a batch shares one seed (its first
+request's), so responses then depend on how requests are grouped.
 
 Not for training on video: transformers 5 places text after a video at the video's start +
 max(h, w) instead of after its last temporal position (vLLM's and the trainer's rule), so its
@@ -50,11 +53,15 @@ class HFGenerateEngine:
         max_pixels: int | None = None,
         num_threads: int = 0,
         banned_token_ids: Sequence[int] | None = None,
+        batch_prompts: int = 1,
     ) -> None:
         from transformers import AutoTokenizer, GenerationConfig, Qwen2_5_VLForConditionalGeneration
 
+        if batch_prompts < 1:
+            raise ValueError(f"batch_prompts must be >= 1, got {batch_prompts}")
         self.model_dir = Path(model_dir)
         self.num_threads = num_threads
+        self.batch_prompts = batch_prompts
         t0 = time.perf_counter()
         self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             str(self.model_dir), dtype=_DTYPES[dtype]
@@ -79,18 +86,25 @@ class HFGenerateEngine:
         return torch_threads(self.num_threads)
 
     def _vision_kwargs(self, request: RolloutRequest, ids: np.ndarray) -> dict[str, Any]:
-        grids, pixels = request.grids, request.pixel_values
-        if request.media and (pixels is None or len(grids) != len(request.media)):
-            patches = [media_to_patches(m, self.settings) for m in request.media]
-            grids = [g for _, g in patches]
-            pixels = np.concatenate([p for p, _ in patches]).astype(np.float32)
-        if not grids:
-            return {}
+        return self._batch_vision_kwargs([request], ids[None])
+
+    def _batch_vision_kwargs(self, requests: Sequence[RolloutRequest], ids: np.ndarray) -> dict[str, Any]:
+        """Vision inputs of ``requests`` (rows of ``ids``, padded), their media concatenated in order."""
+        images, videos = [], []
         dtype = self.model.dtype
-        chunks = torch.split(torch.from_numpy(np.asarray(pixels, dtype=np.float32)), [g.num_patches for g in grids])
+        for request in requests:
+            grids, pixels = request.grids, request.pixel_values
+            if request.media and (pixels is None or len(grids) != len(request.media)):
+                patches = [media_to_patches(m, self.settings) for m in request.media]
+                grids = [g for _, g in patches]
+                pixels = np.concatenate([p for p, _ in patches]).astype(np.float32)
+            if not grids:
+                continue
+            chunks = torch.split(torch.from_numpy(np.asarray(pixels, dtype=np.float32)),
+                                 [g.num_patches for g in grids])
+            for c, g in zip(chunks, grids):
+                (videos if g.is_video else images).append((c, g))
         kwargs: dict[str, Any] = {}
-        images = [(c, g) for c, g in zip(chunks, grids) if not g.is_video]
-        videos = [(c, g) for c, g in zip(chunks, grids) if g.is_video]
         if images:
             kwargs["pixel_values"] = torch.cat([c for c, _ in images]).to(dtype)
             kwargs["image_grid_thw"] = torch.tensor([[g.t, g.h, g.w] for _, g in images])
@@ -98,10 +112,11 @@ class HFGenerateEngine:
             kwargs["pixel_values_videos"] = torch.cat([c for c, _ in videos]).to(dtype)
             kwargs["video_grid_thw"] = torch.tensor([[g.t, g.h, g.w] for _, g in videos])
             kwargs["second_per_grid_ts"] = torch.tensor([g.second_per_grid for _, g in videos])
-        mm = np.zeros_like(ids)
-        mm[ids == self.image_token_id] = 1
-        mm[ids == self.video_token_id] = 2
-        kwargs["mm_token_type_ids"] = torch.from_numpy(mm)[None]
+        if kwargs:
+            mm = np.zeros_like(ids)
+            mm[ids == self.image_token_id] = 1
+            mm[ids == self.video_token_id] = 2
+            kwargs["mm_token_type_ids"] = torch.from_numpy(mm)
         return kwargs
 
     def generate(
@@ -116,40 +131,55 @@ class HFGenerateEngine:
     ) -> list[list[RolloutSample]]:
         out = []
         with self._threads(), torch.no_grad():
-            for request in requests:
-                ids = np.asarray(request.prompt_ids, dtype=np.int64)
-                kwargs = self._vision_kwargs(request, ids)
-                sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 \
-                    else dict(do_sample=False)
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(request_seed(seed, request) % (2**63))
-                    res = self.model.generate(
-                        input_ids=torch.from_numpy(ids)[None],
-                        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                        max_new_tokens=max_new_tokens,
-                        num_return_sequences=n,
-                        top_k=0,
-                        suppress_tokens=self.suppress,
-                        pad_token_id=self.pad_id,
-                        eos_token_id=sorted(self.eos_ids),
-                        return_dict_in_generate=True,
-                        output_logits=True,  # raw logits: log-probs before temperature, like vLLM
-                        use_cache=True,
-                        **sampling,
-                        **kwargs,
-                    )
-                new = res.sequences[:, len(ids):]
-                logits = torch.stack(res.logits, dim=1).float()  # [n, steps, V]
-                lps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None])[..., 0]
-                samples = []
-                for j in range(n):
-                    toks = new[j].tolist()
-                    end = next((k + 1 for k, t in enumerate(toks) if t in self.eos_ids), None)
-                    reason = "stop" if end is not None else "length"
-                    end = end if end is not None else len(toks)
-                    text = self.tokenizer.decode(toks[:end], skip_special_tokens=True)
-                    samples.append(RolloutSample(toks[:end], lps[j, :end].tolist(), reason, text))
-                out.append(samples)
+            for start in range(0, len(requests), self.batch_prompts):
+                batch = requests[start:start + self.batch_prompts]
+                out += self._generate_batch(batch, n=n, temperature=temperature, top_p=top_p,
+                                            max_new_tokens=max_new_tokens, seed=seed)
+        return out
+
+    def _generate_batch(self, requests: Sequence[RolloutRequest], *, n: int, temperature: float, top_p: float,
+                        max_new_tokens: int, seed: int) -> list[list[RolloutSample]]:
+        prompts = [np.asarray(r.prompt_ids, dtype=np.int64) for r in requests]
+        width = max(len(p) for p in prompts)
+        ids = np.full((len(prompts), width), self.pad_id, dtype=np.int64)  # left padding
+        mask = np.zeros((len(prompts), width), dtype=np.int64)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = p
+            mask[i, width - len(p):] = 1
+        kwargs = self._batch_vision_kwargs(requests, ids)
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 \
+            else dict(do_sample=False)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(request_seed(seed, requests[0]) % (2**63))
+            res = self.model.generate(
+                input_ids=torch.from_numpy(ids),
+                attention_mask=torch.from_numpy(mask),
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=n,
+                top_k=0,
+                suppress_tokens=self.suppress,
+                pad_token_id=self.pad_id,
+                eos_token_id=sorted(self.eos_ids),
+                return_dict_in_generate=True,
+                output_logits=True,  # raw logits: log-probs before temperature, like vLLM
+                use_cache=True,
+                **sampling,
+                **kwargs,
+            )
+        new = res.sequences[:, width:]  # row i * n + j: request i's sample j
+        logits = torch.stack(res.logits, dim=1).float()  # [len(requests) * n, steps, V]
+        lps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None])[..., 0]
+        out = []
+        for i in range(len(requests)):
+            samples = []
+            for row in range(i * n, (i + 1) * n):
+                toks = new[row].tolist()
+                end = next((k + 1 for k, t in enumerate(toks) if t in self.eos_ids), None)
+                reason = "stop" if end is not None else "length"
+                end = end if end is not None else len(toks)
+                text = self.tokenizer.decode(toks[:end], skip_special_tokens=True)
+                samples.append(RolloutSample(toks[:end], lps[row, :end].tolist(), reason, text))
+            out.append(samples)
         return out
 
     def score(self, request: RolloutRequest, completion_ids: Sequence[int]) -> list[float]:

@@ -69,7 +69,8 @@ def build_loader(
     common = dict(global_batch_size=cfg.rl.global_batch_size, seed=cfg.job.seed, assign=assign,
                   on_bad_sample=cfg.data.on_bad_sample)
     if cfg.data.loader == "centralized":
-        return CentralizedLoader(table, settings, comm, num_decode_workers=cfg.data.num_decode_workers, **common)
+        return CentralizedLoader(table, settings, comm, num_decode_workers=cfg.data.num_decode_workers,
+                                 prefetch_batches=cfg.data.prefetch_batches, **common)
     return build_shadow_loader(cfg, table, settings, comm, **common)
 
 

@@ -11,7 +11,11 @@ multi-image and video sequences. One summary line per check:
    stream is this rank's ``p = 1`` region): log-probs identical to the unwrapped model, bit for
    bit; gradients within the unwrapped model's own run-to-run spread (FlashAttention's backward
    accumulates with atomics, so two identical runs differ in the last bits);
-3. speed: forward + backward of long packed streams, ``flash`` vs ``sdpa``, bf16.
+3. speed: forward + backward of long packed streams, ``flash`` vs ``sdpa``, bf16;
+4. shared prefixes (``rl.shared_prefix``: a prompt once, then responses that each see the prompt and
+   themselves): ``flash`` in bf16 against ``sdpa`` in fp32 on the same segments, output and q/k/v
+   gradients within the error of the unshared ``flash`` computation (every response packed after its
+   own copy of the prompt), and the speed of the two.
 
 Exit status 1 if a check fails.
 """
@@ -26,6 +30,7 @@ import time
 import numpy as np
 import torch
 
+from titanrl.models.attention import flash_varlen, make_varlen_meta, sdpa_varlen
 from titanrl.models.packed import pack_sequences
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, TextArgs, VisionArgs, VisionGrid
 from titanrl.models.qwen2_5_vl.inputs import make_sequence_input
@@ -91,6 +96,75 @@ def timed(model, batch, targets, repeats=5):
     return (time.perf_counter() - t0) / repeats
 
 
+def unshared_index(groups):
+    """Rows of the unshared packing (each response after its own prompt copy) in the shared stream,
+    its boundaries, and where each shared row's output is read from (first copy of each prompt)."""
+    rows, cu, take, offset = [], [0], [], 0
+    for segs in groups:
+        prompt = list(range(offset, offset + segs[0]))
+        r_off = offset + segs[0]
+        for j, r in enumerate(segs[1:]):
+            start = len(rows)
+            if j == 0:
+                take += list(range(start, start + segs[0]))
+            rows += prompt + list(range(r_off, r_off + r))
+            take += list(range(start + segs[0], start + segs[0] + r))
+            cu.append(len(rows))
+            r_off += r
+        offset += sum(segs)
+    return torch.tensor(rows), torch.tensor(cu), torch.tensor(take)
+
+
+def check_shared_prefix(device) -> tuple[bool, dict]:
+    heads, kv_heads, dim, scale = 8, 2, 64, 0.125
+    out = {}
+    ok = True
+    for name, groups in (("mixed", [(300, 40, 25, 60), (1024, *[64] * 8), (77, 5)]),
+                         ("video 8K x 8", [(8192, *[512] * 8)])):
+        n = sum(sum(g) for g in groups)
+        cu = torch.tensor([0, *np.cumsum([sum(g) for g in groups])])
+        torch.manual_seed(0)
+        leaves = [torch.randn(n, h, dim, device=device) for h in (heads, kv_heads, kv_heads)]
+        w = torch.randn(n, heads, dim, device=device)
+        rows, cu_u, take = (t.to(device) for t in unshared_index(groups))
+
+        def run(dtype, backend, shared):
+            xs = [x.detach().to(dtype).requires_grad_() for x in leaves]
+            if shared:
+                meta = make_varlen_meta(cu, causal=True, backend=backend, segments=groups)
+                o = (flash_varlen if backend == "flash" else sdpa_varlen)(*xs, meta, scale=scale)
+            else:
+                meta = make_varlen_meta(cu_u, causal=True, backend=backend)
+                o = (flash_varlen if backend == "flash" else sdpa_varlen)(*(x.index_select(0, rows) for x in xs),
+                                                                         meta, scale=scale).index_select(0, take)
+            (o.float() * w).sum().backward()
+            return o.detach().float(), [x.grad.float() for x in xs]
+
+        ref_o, ref_g = run(torch.float32, "sdpa", True)
+        sh_o, sh_g = run(torch.bfloat16, "flash", True)
+        un_o, un_g = run(torch.bfloat16, "flash", False)
+        rel = lambda a, b: max(((x - y).norm() / y.norm()).item() for x, y in zip(a, b))  # noqa: E731
+        r = {"out_max_abs": (sh_o - ref_o).abs().max().item(), "unshared_out_max_abs": (un_o - ref_o).abs().max().item(),
+             "grad_rel": rel(sh_g, ref_g), "unshared_grad_rel": rel(un_g, ref_g)}
+        passed = r["out_max_abs"] <= 2 * r["unshared_out_max_abs"] + 1e-3 and r["grad_rel"] <= 2 * r["unshared_grad_rel"] + 1e-3
+        for shared in (True, False):  # speed: forward + backward of the attention alone
+            for _ in range(2):
+                run(torch.bfloat16, "flash", shared)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                run(torch.bfloat16, "flash", shared)
+            torch.cuda.synchronize()
+            r["shared_s" if shared else "unshared_s"] = (time.perf_counter() - t0) / 5
+        ok &= passed
+        out[name] = r
+        print(f"[{'ok' if passed else 'FAIL'}] shared prefixes ({name}), flash bf16 vs sdpa fp32: max |dout| "
+              f"{r['out_max_abs']:.4f} (unshared flash: {r['unshared_out_max_abs']:.4f}), grad rel. err "
+              f"{r['grad_rel']:.4f} (unshared: {r['unshared_grad_rel']:.4f}); fwd+bwd {1000 * r['shared_s']:.2f} ms vs "
+              f"unshared {1000 * r['unshared_s']:.2f} ms ({r['unshared_s'] / r['shared_s']:.2f}x)", flush=True)
+    return ok, out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="")
@@ -150,6 +224,8 @@ def main() -> int:
         print(f"[ok] fwd+bwd bf16, {seqs} x {total // seqs} tokens packed: flash {1000 * times['flash']:.1f} ms, "
               f"sdpa {1000 * times['sdpa']:.1f} ms ({times['sdpa'] / times['flash']:.2f}x)", flush=True)
     results["speed_seconds"] = speed
+    passed, results["shared_prefix"] = check_shared_prefix(device)
+    ok &= passed
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -124,7 +124,11 @@ def trl_worker(opts) -> None:
     def accuracy(prompts, completions, answer, answer_choices, **_):  # logged only (weight 0)
         return [exact_match(text(c), r) for c, r in zip(completions, as_records(answer, answer_choices))]
 
-    o, rl = cfg.optimizer, cfg.rl
+    o, rl, sched = cfg.optimizer, cfg.rl, cfg.lr_scheduler
+    if sched.decay_steps is not None or (sched.decay_type == "linear" and sched.min_lr_factor > 0):
+        raise SystemExit("bench_peer: titanrl's lr_scheduler has no TRL equivalent here; extend trl_schedule")
+    trl_schedule = {"constant": ("constant_with_warmup", {}), "linear": ("linear", {}),
+                    "cosine": ("cosine_with_min_lr", {"min_lr_rate": sched.min_lr_factor})}[sched.decay_type]
     args = GRPOConfig(
         output_dir=str(Path(opts.out).parent / "trl_out"), use_cpu=True, bf16=False, fp16=False,
         model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
@@ -133,7 +137,8 @@ def trl_worker(opts) -> None:
         num_generations=RESPONSES, max_completion_length=MAX_NEW_TOKENS, temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p, top_k=0, use_vllm=False, shuffle_dataset=False,
         learning_rate=o.lr, adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_epsilon=o.eps,
-        weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm, lr_scheduler_type=trl_schedule[0],
+        lr_scheduler_kwargs=trl_schedule[1], warmup_steps=sched.warmup_steps,
         beta=rl.kl_coef, epsilon=rl.clip_low, epsilon_high=rl.clip_high, num_iterations=rl.ppo_epochs,
         loss_type="dapo", scale_rewards="group" if rl.std_normalize else "none", entropy_coef=rl.entropy_coef,
         reward_weights=[1.0, 0.0], logging_steps=1, save_strategy="no", report_to="none", seed=cfg.job.seed,

@@ -33,6 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_flex_ulysses import ratio  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/tiny_cpu.toml"
 PROMPTS_PER_STEP = 16
@@ -239,10 +242,6 @@ def first_reaching(run: dict, threshold: float) -> tuple[int, float, bool] | Non
 
 
 # ---------------------------------------------------------------- report
-
-
-def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b > 0 else "-"
 
 
 def report(res: dict) -> str:

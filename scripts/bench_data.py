@@ -84,7 +84,8 @@ def overrides(args: argparse.Namespace, loader: str) -> list[str]:
     kind, prefetch = LOADERS[loader]
     prefetch = args.prefetch if prefetch is None else prefetch
     return [
-        f"--data.loader={kind}", f"--rl.global_batch_size={args.global_batch_size}",
+        f"--data.loader={kind}", f"--data.slice_loading={kind == 'shadow'}".lower(),
+        f"--rl.global_batch_size={args.global_batch_size}",
         f"--data.max_frames={args.max_frames}", f"--data.fps={args.fps}",
         f"--data.num_decode_workers={args.decode_workers}", f"--data.prefetch_batches={prefetch}",
         f"--data.max_prompt_tokens={10**6}", f"--model.max_seq_len={2 * 10**6}",

@@ -237,12 +237,20 @@ def test_preprocessor_core_decodes_serves_and_evicts(dataset, table, settings):
     assert stats["decoded"] == 4 and stats["entries"] == 4  # one consumer of two has fetched
     core.release([tasks[m.sample_id].key for m in good])
     assert core.get_stats()["entries"] == 0 and core.get_stats()["cached_bytes"] == 0
-    # a frame range comes back alone; an unknown (evicted / restarted) key is decoded on demand
+    # an unknown (evicted / restarted) key is decoded on demand: a frame range alone (nothing cached,
+    # only frames up to the range's end decoded), a whole fetch whole (and cached); a range of a cached
+    # sample is served without decoding
     video = next(m for m in good if m.media[0].kind == "video")
     part = core.fetch(tasks[video.sample_id], {0: (2, 4)}, consume=False)
+    assert core.get_stats()["entries"] == 0 and core.get_stats()["range_decodes"] == 1
     whole = core.fetch(tasks[video.sample_id], consume=False)
     assert part.media[0].frame_start == 2 and np.array_equal(part.media[0].data, whole.media[0].data[2:4])
-    assert core.get_stats()["on_demand"] == 1
+    head = core.fetch(DecodeTask("head", 0, video.record, 1), {0: (0, 2)}, consume=False)  # an unknown key
+    assert 0 < head.decoded_frames < whole.decoded_frames  # decoding stops after the range
+    assert 0 < part.decoded_frames <= whole.decoded_frames
+    assert core.get_stats()["on_demand"] == 3
+    cached = core.fetch(tasks[video.sample_id], {0: (2, 4)}, consume=False)
+    assert cached.decoded_frames == 0 and np.array_equal(cached.media[0].data, part.media[0].data)
     # a file that fails to decode is an error reply naming it, not an exception
     truncated = core.fetch(tasks["nextqa-truncated"])
     assert not truncated.ok and truncated.error_kind == "corrupt" and "truncated.mp4" in truncated.error_detail
@@ -407,7 +415,7 @@ def test_bad_sample_error_mode_names_the_sample(table, settings):
 
 def test_config_defaults_select_shadow_and_keep_the_baseline():
     assert job_config().data.loader == "shadow"
-    assert job_config("--data.loader=centralized").data.loader == "centralized"
+    assert job_config("--data.loader=centralized", "--data.slice_loading=false").data.loader == "centralized"
     from titanrl.config import load_config
 
     tiny = load_config(Path(__file__).parents[1] / "configs" / "tiny_cpu.toml", [])

@@ -47,7 +47,7 @@ def dataset(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(tiny_ckpt, dataset) -> list[list]:
     """What the centralized baseline gives for steps 0..STEPS-1 (world of one)."""
-    loader = build_loader(job_config("--data.loader=centralized"), INFO, tiny_ckpt, dataset)
+    loader = build_loader(job_config("--data.loader=centralized", "--data.slice_loading=false"), INFO, tiny_ckpt, dataset)
     assert isinstance(loader, CentralizedLoader)
     out = [loader.next_step().materialize() for _ in range(STEPS)]
     loader.close()
@@ -164,3 +164,62 @@ def test_cluster_address_places_a_preprocessor_on_every_node(ray_session, tiny_c
     finally:
         loader.close()
     assert ray.is_initialized()  # a cluster it joined is left running
+
+
+def test_slice_loading_each_encoder_loads_exactly_its_frames(ray_session, tiny_ckpt, dataset):
+    """Slice-aware loading with a real vision plan: 4 ranks (their StepSlices, sharing this node's
+    preprocessor as ranks of one node do) each need a random part of every video's frames; the plan
+    names who encodes what, and each rank loads exactly its runs' frames - the union over ranks is
+    every needed frame exactly once - with rows bit-equal to the whole sample's, and nothing decoded
+    while the step's samples are cached. Once the step is released a slice is decoded alone: fewer
+    frames than the whole clip when the range is early."""
+    from titanrl.parallel.cost_model import CostModel
+    from titanrl.parallel.vision_plan import FrameRun, ItemShape, plan_wave_vision, runs_of
+    from titanrl.rl.slice_loading import StepSlices
+
+    world = 4
+    loader = shadow(tiny_ckpt, dataset, "--rl.global_batch_size=6")
+    try:
+        step = loader.next_step()
+        whole = {r.position: r for r in step.materialize() if isinstance(r, Materialized)}
+        shapes, needs = {}, [dict() for _ in range(world)]
+        rng = np.random.default_rng(0)
+        for pos, res in whole.items():
+            for item, grid in enumerate(res.grids):
+                shapes[(pos, item)] = ItemShape(grid.h * grid.w, grid.h * grid.w // 4, not grid.is_video)
+                for r in rng.choice(world, size=int(rng.integers(1, world + 1)), replace=False):
+                    f0 = int(rng.integers(0, grid.t))
+                    needs[r].setdefault((pos, item), set()).update(range(f0, int(rng.integers(f0 + 1, grid.t + 1))))
+        needs = [runs_of(n) if n else [] for n in needs]
+        assert any(s.is_image is False for s in shapes.values())
+        plan = plan_wave_vision(needs, shapes, CostModel(), eligible=[True] * world)
+        loaded = []
+        for r in range(world):
+            slices = StepSlices(step)
+            rows = slices.rows(plan.encode[r], lambda run: None)  # as if no prompt were this rank's
+            expected_frames = 0
+            for run, got in zip(plan.encode[r], rows):
+                res, meta = whole[run.group], step.metas[run.group].media[run.item]
+                ph = res.meta.placeholders[run.item].temporal(run.f0, run.f1)
+                offset = sum(g.num_patches for g in res.grids[:run.item])
+                want = res.pixel_values[offset + ph.row_start: offset + ph.row_stop]
+                assert got.tobytes() == want.tobytes(), run
+                expected_frames += (min(run.f1 * 2, meta.sampled_frames) - run.f0 * 2) if meta.kind == "video" else 1
+                loaded += [(run.group, run.item, f) for f in range(run.f0, run.f1)]
+            assert slices.stats.frames_fetched == expected_frames  # its runs, nothing more
+            assert slices.stats.frames_decoded == 0  # served from the cache of the homes' fetch
+            assert slices.stats.frames_local == 0
+        needed = {(run.group, run.item, f) for runs in needs for run in runs for f in range(run.f0, run.f1)}
+        assert len(loaded) == len(set(loaded)) and set(loaded) == needed
+
+        # released (the next step began): an early slice of a video is decoded alone, by seeking
+        loader.next_step()
+        pos, item = next(k for k, s in shapes.items() if not s.is_image and whole[k[0]].grids[k[1]].t >= 2)
+        late = StepSlices(step)
+        got = late.rows([FrameRun(pos, item, 0, 1)], lambda run: None)[0]
+        offset = sum(g.num_patches for g in whole[pos].grids[:item])
+        assert got.tobytes() == whole[pos].pixel_values[offset:offset + got.shape[0]].tobytes()
+        clip = step.metas[pos].media[item]
+        assert 0 < late.stats.frames_decoded < clip.last_frame_index + 1  # what the whole clip decodes
+    finally:
+        loader.close()

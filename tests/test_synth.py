@@ -260,6 +260,30 @@ def test_probe_counts_packets_when_the_container_reports_no_frames(tmp_path: Pat
     assert decoded.shape == (6, 48, 64, 3) and loaded.sampled_indices == (0, 1, 2, 4, 5, 6)
 
 
+def test_frame_range_decodes_by_seeking_and_equals_the_whole_clip(tmp_path: Path) -> None:
+    """A range of sampled frames is bit-equal to the same frames of the whole clip, and the codec
+    decodes only from the keyframe before the range (keyframes every 10 frames here), not the clip
+    before it; without a keyframe to skip to it decodes from the start, as a whole decode does."""
+    from titanrl.data.synth import write_mp4
+
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 255, (48, 64, 3), dtype=np.uint8) for _ in range(120)]
+    # sampled frame k is source frame 2k + 1
+    for keyint, expected in ((10, {(0, 4): 8, (24, 30): 20, (50, 60): 20, (58, 60): 10}),
+                             (None, {(0, 4): 8, (24, 30): 60, (50, 60): 120, (58, 60): 120})):
+        path = tmp_path / f"keyint{keyint}.mp4"
+        write_mp4(path, iter(frames), 64, 48, 30.0, keyint=keyint)
+        whole, info = load_video(path, max_frames=60)  # every second source frame
+        assert info.decoded_frames == 120
+        for (start, stop), decoded in expected.items():
+            part, part_info = load_video(path, max_frames=60, frame_range=(start, stop))
+            assert np.array_equal(part, whole[start:stop]), (keyint, start, stop)
+            assert part_info.sampled_indices == info.sampled_indices
+            assert part_info.decoded_frames == decoded, (keyint, start, stop, part_info.decoded_frames)
+    with pytest.raises(ValueError, match="outside the 60 sampled frames"):
+        load_video(path, max_frames=60, frame_range=(58, 62))
+
+
 def test_decord_backend_agrees_with_pyav(datasets: dict[str, Path]) -> None:
     pytest.importorskip("decord")
     manifest = datasets["video-heavy"]

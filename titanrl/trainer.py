@@ -36,6 +36,7 @@ from titanrl.parallel.ulysses import resolve_ulysses
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
 from titanrl.rl.grpo import build_policy_loss, group_advantages
 from titanrl.rl.exchange import VisionBalancing
+from titanrl.rl.slice_loading import StepSlices
 from titanrl.rl.stages import StageRunner, build_cost_model
 from titanrl.rl.timing import StageTimer
 from titanrl.rl.rewards import exact_match, load_reward
@@ -188,6 +189,7 @@ class Trainer:
                 say(f"[titanrl] rank {self.info.rank}: skipping sample {item.sample_id!r}: {item.reason}: "
                 f"{item.detail}")
         self.data_wait_s = step.wait_s
+        self.data_step = step
         return prompts
 
     # ------------------------------------------------------------------ stages
@@ -326,7 +328,9 @@ class Trainer:
             trajs = self.rollout(prompts)
         with timer("reward"):
             self.score(trajs)
-            self.stages.begin_step(trajs)  # every rank learns every trajectory's metadata
+            # every rank learns every trajectory's metadata; with slice loading the frames a rank
+            # encodes come from the step's preprocessors, not from the prompt's home
+            self.stages.begin_step(trajs, StepSlices(self.data_step) if self.cfg.data.slice_loading else None)
         with timer("old_logprob"):
             old_ids = self.old_logprob_ids()
             self.compute_logprobs(self.model, "old_logprobs", old_ids)

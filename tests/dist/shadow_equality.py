@@ -82,7 +82,7 @@ def main() -> None:
 
     # 2. both loaders, same plan, same tensors
     cfg = job_config("--rl.global_batch_size=6")
-    central = build_loader(job_config("--data.loader=centralized", "--rl.global_batch_size=6"), info,
+    central = build_loader(job_config("--data.loader=centralized", "--data.slice_loading=false", "--rl.global_batch_size=6"), info,
                            args.ckpt, args.manifest)
     shadow = build_loader(cfg, info, args.ckpt, args.manifest)
     out["address"] = shadow.session.address

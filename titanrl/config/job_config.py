@@ -105,6 +105,12 @@ class DataConfig:
     """shadow = plan from header metadata on every rank, decode ahead on per-node Ray preprocessors,
     fetch asynchronously (docs/shadowloader.md); centralized = rank 0 decodes each batch, then scatters
     (the verl-like baseline)."""
+    slice_loading: bool = True
+    """FlexUlysses-aware loading: in the log-prob and update stages a rank fetches from the
+    preprocessors exactly the frames / images it encodes (uint8, decoded by seeking when no longer
+    cached) and patchifies them itself; false = the prompt's home sends float32 patch rows to the
+    encoding rank over the trajectory all-to-all (the whole-sample baseline). Needs loader = "shadow"
+    (the centralized loader cannot fetch slices)."""
     on_bad_sample: Literal["skip", "error"] = "skip"
     """What to do with an undecodable or over-long sample: skip it (and count it) or stop."""
     max_prompt_tokens: int = 256
@@ -578,6 +584,11 @@ class JobConfig:
                 "parallelism.vision_balance=true routes vision embeddings between ranks in every wave, but "
                 "balance.strategy='lb_mini' lets ranks run different waves at different times (one synchronisation "
                 "per minibatch): use balance.strategy='lb_micro' or 'native', or parallelism.vision_balance=false"
+            )
+        if self.data.slice_loading and self.data.loader != "shadow":
+            found.append(
+                f"data.slice_loading=true fetches slices through ShadowLoader's preprocessors, but "
+                f"data.loader={self.data.loader!r} ships whole samples from rank 0: set data.slice_loading=false"
             )
         prompt_and_response = self.data.max_prompt_tokens + self.rollout.max_new_tokens
         if prompt_and_response > self.model.max_seq_len:

@@ -56,6 +56,7 @@ class VideoInfo:
     height: int
     codec: str
     sampled_indices: tuple[int, ...] = ()
+    decoded_frames: int = 0  # frames the codec decoded for load_video (a range may need a lead-in)
 
     def sampled_fps(self) -> float:
         """Frames per second of the sampled clip (frames returned / source duration)."""
@@ -210,36 +211,71 @@ def probe_video(path: str | Path) -> VideoInfo:
         container.close()
 
 
-def _decode_pyav(path: Path, indices: np.ndarray) -> np.ndarray:
+def _presentation_pts(container, stream) -> tuple[list[int], list[int]] | None:
+    """Every frame's presentation timestamp in display order and the keyframes' ones, from packets
+    alone (no decoding); None when the container does not give them all."""
+    packets = [(packet.pts, packet.is_keyframe) for packet in container.demux(stream) if packet.size > 0]
+    if not packets or any(p is None for p, _ in packets):
+        return None
+    return sorted(p for p, _ in packets), sorted(p for p, key in packets if key)
+
+
+def _decode_pyav(path: Path, indices: np.ndarray, seek: bool = False) -> tuple[np.ndarray, int]:
+    """Frames at source ``indices`` (increasing) and how many frames the codec decoded for them.
+
+    With ``seek``, when a keyframe after the stream's first lies at or before the first wanted frame,
+    the demuxer seeks to the last such keyframe (frames are then mapped to indices by presentation
+    timestamp), so a range late in a long clip costs its own frames plus the lead-in from the
+    previous keyframe, not the whole clip before it. Without, decoding starts at the first frame
+    (what a whole clip needs anyway; finding keyframes costs a pass over the packets)."""
     import av
 
     wanted = {int(i): slot for slot, i in enumerate(indices)}
-    last_wanted = int(indices[-1])
+    first_wanted, last_wanted = int(indices[0]), int(indices[-1])
     frames: list[np.ndarray | None] = [None] * len(indices)
-    decoded = 0
+    decoded = 0  # frames the codec produced
+    index_of: dict[int, int] | None = None  # pts -> source index, after a seek
+    reached = -1  # highest source index seen
     container = _open_container(path)
     try:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"  # frame/slice threads; PyAV releases the GIL while decoding
+        if seek and first_wanted > 0:
+            found = _presentation_pts(container, stream)
+            if found is not None and first_wanted < len(found[0]):
+                pts, keys = found
+                if any(pts[0] < k <= pts[first_wanted] for k in keys):
+                    index_of = {p: i for i, p in enumerate(pts)}
+                    container.seek(pts[first_wanted], stream=stream, backward=True, any_frame=False)
+                else:  # no keyframe to skip to: decode from the start, without a seek
+                    container.seek(pts[0], stream=stream, backward=True, any_frame=False)
         for frame in container.decode(stream):
-            slot = wanted.get(decoded)
+            if index_of is None:
+                index = decoded
+            else:
+                index = index_of.get(frame.pts, -1) if frame.pts is not None else -1
+                if index < 0:
+                    raise MediaError(path, f"decoded a frame with unknown timestamp {frame.pts} after seeking")
+            decoded += 1
+            slot = wanted.get(index)
             if slot is not None:
                 frames[slot] = frame.to_ndarray(format="rgb24")
-            decoded += 1
-            if decoded > last_wanted:
+            reached = max(reached, index)
+            if reached >= last_wanted:
                 break  # later frames are not needed: stop decoding early
     except av.error.FFmpegError as error:
         raise MediaError(path, f"cannot decode video ({error.strerror or error})") from None
     finally:
         container.close()
-    if decoded <= last_wanted:
+    missing = [int(i) for i, f in zip(indices, frames) if f is None]
+    if missing:
         raise MediaError(
-            path, f"decoded only {decoded} frames but needed frame {last_wanted} (truncated or corrupt stream?)"
+            path, f"decoded {decoded} frames but not frame {missing[0]} (truncated or corrupt stream?)"
         )
-    return np.stack(frames)  # type: ignore[arg-type]
+    return np.stack(frames), decoded  # type: ignore[arg-type]
 
 
-def _decode_decord(path: Path, indices: np.ndarray) -> np.ndarray:
+def _decode_decord(path: Path, indices: np.ndarray) -> tuple[np.ndarray, int]:
     try:
         import decord
     except ImportError:
@@ -250,7 +286,7 @@ def _decode_decord(path: Path, indices: np.ndarray) -> np.ndarray:
         reader = decord.VideoReader(str(path), ctx=decord.cpu(0), num_threads=1)
         if len(reader) <= int(indices[-1]):
             raise MediaError(path, f"decord sees {len(reader)} frames but frame {int(indices[-1])} is needed")
-        return reader.get_batch([int(i) for i in indices]).asnumpy()
+        return reader.get_batch([int(i) for i in indices]).asnumpy(), len(indices)  # decord seeks by itself
     except MediaError:
         raise
     except Exception as error:  # decord raises its own DECORDError / RuntimeError types
@@ -263,20 +299,30 @@ def load_video(
     fps: float | None = None,
     max_frames: int | None = None,
     backend: VideoBackend = "pyav",
+    frame_range: tuple[int, int] | None = None,
 ) -> tuple[np.ndarray, VideoInfo]:
     """Decode uniformly sampled frames: a (T, H, W, 3) uint8 RGB array and the video's header info.
 
     T is chosen by :func:`num_frames_to_sample` (target `fps`, capped by `max_frames`, even) and the
-    frames by :func:`sample_frame_indices`; the returned info's ``sampled_indices`` lists them.
+    frames by :func:`sample_frame_indices`; the returned info's ``sampled_indices`` lists them (all of
+    them, also for a range) and ``decoded_frames`` counts what the codec decoded. ``frame_range``
+    ``(start, stop)`` returns only sampled frames ``[start, stop)``, decoded by seeking to the keyframe
+    before the first (PyAV) instead of decoding the clip and slicing it.
     """
     path = Path(path)
     info = probe_video(path)
     count = num_frames_to_sample(info.num_frames, info.fps, fps=fps, max_frames=max_frames)
     indices = sample_frame_indices(info.num_frames, count)
+    wanted = indices
+    if frame_range is not None:
+        start, stop = frame_range
+        if not 0 <= start < stop <= count:
+            raise ValueError(f"{path}: frame range [{start}, {stop}) outside the {count} sampled frames")
+        wanted = indices[start:stop]
     if backend == "pyav":
-        frames = _decode_pyav(path, indices)
+        frames, decoded = _decode_pyav(path, wanted, seek=frame_range is not None)
     elif backend == "decord":
-        frames = _decode_decord(path, indices)
+        frames, decoded = _decode_decord(path, wanted)
     else:
         raise ValueError(f"unknown video backend {backend!r}; expected 'pyav' or 'decord'")
-    return frames, dataclasses.replace(info, sampled_indices=tuple(int(i) for i in indices))
+    return frames, dataclasses.replace(info, sampled_indices=tuple(int(i) for i in indices), decoded_frames=decoded)

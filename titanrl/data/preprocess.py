@@ -78,6 +78,7 @@ class DecodedMedia:
     kind: Literal["image", "video"]
     frames: np.ndarray
     sampled_fps: float = 0.0
+    decoded_frames: int = 0  # frames the codec decoded to produce these (an image counts 1)
 
 
 @dataclass
@@ -91,17 +92,23 @@ class PreparedSample:
     media: list[DecodedMedia]
 
 
-def decode_media(record: SampleRecord, manifest_dir: str | Path, settings: MediaSettings) -> list[DecodedMedia]:
+def decode_media(record: SampleRecord, manifest_dir: str | Path, settings: MediaSettings,
+                 frame_ranges: dict[int, tuple[int, int]] | None = None) -> list[DecodedMedia]:
+    """Every media item of ``record``, or with ``frame_ranges`` only the items it names, each only the
+    sampled frames ``[start, stop)`` (a video is decoded by seeking, not decoded whole and sliced)."""
     out = []
-    for entry in record.media:
+    for i, entry in enumerate(record.media):
+        if frame_ranges is not None and i not in frame_ranges:
+            continue
         path = Path(manifest_dir) / entry.path
         if entry.kind == "image":
-            out.append(DecodedMedia("image", load_image(path)[None]))
+            out.append(DecodedMedia("image", load_image(path)[None], decoded_frames=1))
         else:
             frames, info = load_video(
-                path, fps=settings.fps, max_frames=settings.max_frames, backend=settings.video_backend
+                path, fps=settings.fps, max_frames=settings.max_frames, backend=settings.video_backend,
+                frame_range=None if frame_ranges is None else frame_ranges[i],
             )
-            out.append(DecodedMedia("video", frames, info.sampled_fps()))
+            out.append(DecodedMedia("video", frames, info.sampled_fps(), info.decoded_frames))
     return out
 
 

@@ -385,8 +385,10 @@ def write_image(path: Path, pixels: np.ndarray) -> None:
         image.save(path, format="PNG")
 
 
-def write_mp4(path: Path, frames: Iterator[np.ndarray], width: int, height: int, fps: float) -> None:
-    """h264 (libx264, yuv420p) in mp4 with the index up front (faststart), written deterministically."""
+def write_mp4(path: Path, frames: Iterator[np.ndarray], width: int, height: int, fps: float,
+              keyint: int | None = None) -> None:
+    """h264 (libx264, yuv420p) in mp4 with the index up front (faststart), written deterministically.
+    ``keyint``: at most this many frames between keyframes (x264's default, 250, when None)."""
     import av
 
     with av.open(
@@ -397,7 +399,7 @@ def write_mp4(path: Path, frames: Iterator[np.ndarray], width: int, height: int,
         # One thread: x264's output does not depend on threading, but keep encoding cheap and predictable
         # on a 2-core machine where data-loader workers run alongside.
         stream.codec_context.thread_count = 1
-        stream.options = {"preset": "ultrafast", "crf": "23"}
+        stream.options = {"preset": "ultrafast", "crf": "23", **({"g": str(keyint)} if keyint else {})}
         for pts, pixels in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
             frame.pts = pts

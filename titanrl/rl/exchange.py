@@ -12,7 +12,9 @@ generated it (its *home*) to the rank that computes it, and log-probs come back 
 - Vision inputs travel as *frame runs*: of each image or video a rank receives only the temporal
   patches whose placeholder tokens fall in its ranges (Qwen2.5-VL's vision attention never crosses
   a temporal patch, so encoding a run alone is exact), each once per rank however many of its
-  ranges need it (the ``n`` responses of a prompt share one encoding).
+  ranges need it (the ``n`` responses of a prompt share one encoding). With slice-aware loading
+  (``slices``, :mod:`titanrl.rl.slice_loading`) they do not travel at all: the encoding rank
+  fetches the frames of its runs from the media preprocessors and patchifies them itself.
 - :func:`assemble_wave` builds a rank's ``PackedBatch`` (with the Ulysses attention layout when it
   holds slices of sharded groups), log-prob targets and per-token loss inputs.
 
@@ -46,6 +48,7 @@ from titanrl.parallel.stage_plan import Piece, StagePlan
 from titanrl.parallel.vision_plan import (FrameRun, ItemShape, WaveVisionPlan, plan_wave_vision, route_indices, runs_cost,
                                          runs_of)
 from titanrl.parallel.vision_route import RouteCounter, VisionRoute
+from titanrl.rl.slice_loading import StepSlices
 
 # Per-token inputs a stage can ask for, beside ids / positions / targets.
 FIELDS = ("old_logprobs", "ref_logprobs")
@@ -327,7 +330,8 @@ class TrajectoryExchange:
     :class:`StageUnit` (plan sequence ``s`` is ``units[s]``)."""
 
     def __init__(self, args: Qwen2_5_VLArgs, rank: int, world: int, device: torch.device, dtype: torch.dtype,
-                 trajs: Sequence, metas: Sequence[TrajectoryMeta], vision: VisionBalancing | None = None) -> None:
+                 trajs: Sequence, metas: Sequence[TrajectoryMeta], vision: VisionBalancing | None = None,
+                 slices: StepSlices | None = None) -> None:
         self.args = args
         self.rank = rank
         self.world = world
@@ -339,6 +343,7 @@ class TrajectoryExchange:
         self._streams: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self.by_group = {m.group: m for m in metas}
         self.vision = vision
+        self.slices = slices
         self.vision_stats = VisionStats()
         self.shapes = {(m.group, k): ItemShape(it.patches_per_frame, it.tokens_per_frame, not it.grid.is_video)
                        for m in metas for k, it in enumerate(m.media)}
@@ -400,8 +405,9 @@ class TrajectoryExchange:
         """This rank's inputs of each of ``waves``, moved with one all-to-all (skipped when
         ``collective`` is False and vision balancing moves no pixels, which every rank agrees on).
 
-        Pixels go to the rank that encodes them: the one whose tokens use them, or with vision
-        balancing the one the wave's vision plan names."""
+        Pixels reach the rank that encodes them (the one whose tokens use them, or with vision
+        balancing the one the wave's vision plan names) in that all-to-all from their home, or with
+        slice-aware loading from the preprocessors, fetched by the encoder itself."""
         metas = units
         patch_dim = self.args.vision.patch_dim
         vplans: dict[int, WaveVisionPlan] = {}
@@ -424,6 +430,8 @@ class TrajectoryExchange:
                     if metas[p.seq].home == self.rank:
                         send[dest] += self._piece_arrays(p, metas[p.seq], fields)
                 runs = vplans[w].encode[dest] if vplans else frame_runs(theirs, metas)
+                if self.slices is not None:
+                    runs = []  # the encoder fetches them itself
                 for run in runs:
                     if home(run) == self.rank:
                         send[dest].append(self._run_pixels(run))
@@ -435,20 +443,27 @@ class TrajectoryExchange:
                     continue
                 specs[src] += [spec for p in mine if metas[p.seq].home == src
                                for spec in _piece_specs(p, metas[p.seq], fields)]
-                specs[src] += [_run_spec(run, self.by_group, patch_dim) for run in runs if home(run) == src]
-        if vplans:  # pixels move to encoders even where every piece stays home
+                if self.slices is None:
+                    specs[src] += [_run_spec(run, self.by_group, patch_dim) for run in runs if home(run) == src]
+        if vplans and self.slices is None:  # pixels move to encoders even where every piece stays home
             collective = collective or any(home(run) != r for vp in vplans.values()
                                            for r, runs in enumerate(vp.encode) for run in runs)
         received, sent = all_to_all_arrays(send, specs, rank=self.rank, device=self.device, collective=collective)
+        fetched: dict[FrameRun, np.ndarray] = {}
+        if self.slices is not None:  # every run this rank encodes in these waves, in one round of fetches
+            enc = [run for w in waves for run in (vplans[w].encode[self.rank] if vplans
+                                                  else frame_runs(plan.pieces(w, self.rank), metas))]
+            local = lambda run: self._run_pixels(run) if home(run) == self.rank else None  # noqa: E731
+            fetched = dict(zip(enc, self.slices.rows(enc, local)))
         cursor = [0] * self.world  # next array of each source, consumed wave by wave in send order
         out = [self._assemble(plan, w, plan.pieces(w, self.rank), metas, received, cursor, fields, temperature,
-                              return_entropy, layout_builder, vplans.get(w)) for w in waves]
+                              return_entropy, layout_builder, vplans.get(w), fetched) for w in waves]
         if out:
             out[0].bytes_sent = sent
         return out
 
     def _assemble(self, plan, wave, mine, metas, received, cursor, fields, temperature, return_entropy,
-                  layout_builder, vplan: WaveVisionPlan | None) -> WaveInputs:
+                  layout_builder, vplan: WaveVisionPlan | None, fetched: dict[FrameRun, np.ndarray]) -> WaveInputs:
         route = None
         if vplan is not None and (vplan.moves() or mine):
             route = VisionRoute(route_indices(vplan, self.rank, self.shapes), self.rank, self.vision.group,
@@ -465,6 +480,9 @@ class TrajectoryExchange:
         enc_runs = list(vplan.encode[self.rank]) if vplan is not None else need_runs
         pixels = []
         for run in enc_runs:
+            if self.slices is not None:
+                pixels.append(fetched[run])
+                continue
             src = self.by_group[run.group].home
             pixels.append(received[src][cursor[src]])
             cursor[src] += 1

@@ -35,6 +35,7 @@ from titanrl.parallel.odc import minibatch_sync
 from titanrl.parallel.stage_plan import BalanceStrategy, StageMethod, StagePlan, plan_stage, top_degree
 from titanrl.parallel.ulysses import UlyssesLayout, layout_builder
 from titanrl.rl.batch import Trajectory, dummy_pack
+from titanrl.rl.slice_loading import StepSlices
 from titanrl.rl.exchange import (StageUnit, TrajectoryExchange, TrajectoryMeta, VisionBalancing, WaveInputs,
                                  gather_metadata, stage_units)
 
@@ -136,11 +137,12 @@ class StageRunner:
 
     # ------------------------------------------------------------------ step set-up
 
-    def begin_step(self, trajs: Sequence[Trajectory]) -> None:
-        """After rewards: every rank learns every trajectory's metadata (one all-gather)."""
+    def begin_step(self, trajs: Sequence[Trajectory], slices: StepSlices | None = None) -> None:
+        """After rewards: every rank learns every trajectory's metadata (one all-gather). With
+        ``slices`` every rank fetches the frames it encodes itself (slice-aware loading)."""
         self.metas = gather_metadata(trajs, self.rank, self.args)
         self.exchange = TrajectoryExchange(self.args, self.rank, self.world, self.device, self.dtype, trajs,
-                                           self.metas, vision=self.vision)
+                                           self.metas, vision=self.vision, slices=slices)
         self._plans = {}
         self.stats = StepStats()
 
@@ -334,8 +336,12 @@ class StageRunner:
         a2a = sum(layout.comm.total for layout in s.layouts)
         v = self.exchange.vision_stats if self.exchange is not None else None
         vision_bytes = 0 if v is None else v.pixel_bytes + v.route.forward_bytes + v.route.backward_bytes
+        sl = self.exchange.slices.stats if self.exchange is not None and self.exchange.slices is not None else None
+        loaded = (0, 0, 0, 0) if sl is None else (sl.frames_fetched, sl.bytes_fetched, sl.frames_decoded,
+                                                  sl.frames_local)
         every = all_gather_objects((s.busy_seconds, a2a, s.exchange_bytes, s.update_units, s.microbatches,
-                                    s.vision_seconds, vision_bytes))
+                                    s.vision_seconds, vision_bytes, loaded))
+        loaded_sum = np.asarray([e[7] for e in every], dtype=np.float64).sum(axis=0)
         vision_busy = np.asarray([e[5] for e in every], dtype=np.float64)
         busy = np.asarray([e[0] for e in every], dtype=np.float64)
         units = np.asarray([e[3] for e in every], dtype=np.float64)  # [rank, synchronisation unit]
@@ -365,6 +371,13 @@ class StageRunner:
             "vision/balance_measured": (float(vision_busy.max() / vision_busy.mean()) if vision_busy.mean() > 0
                                         else 1.0),
             "vision/bytes_moved": float(sum(e[6] for e in every)),
+            # slice-aware loading: what encoders fetched from the preprocessors (uint8 frames), what
+            # the preprocessors decoded for it (0 while the samples are cached from the homes' fetch),
+            # and the frames of runs encoded where their prompt was generated
+            "vision/frames_fetched": float(loaded_sum[0]),
+            "vision/bytes_fetched": float(loaded_sum[1]),
+            "vision/frames_decoded": float(loaded_sum[2]),
+            "vision/frames_local": float(loaded_sum[3]),
             "train/tokens_computed": float(s.tokens_computed),
             "train/tokens_represented": float(s.tokens_represented),
         }

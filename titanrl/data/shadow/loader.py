@@ -148,7 +148,7 @@ class ShadowLoader:
         self.stats["steps"] += 1
         return StepData(plan.step, plan.metas, plan.assignment, self.rank,
                         _materialize=lambda: self._materialize(plan),
-                        _fetch_slices=lambda phs: self._fetch_slices(plan, phs))
+                        _fetch_slices=lambda phs, stats=None: self._fetch_slices(plan, phs, stats))
 
     def _materialize(self, plan: StepPlan) -> list[Materialized | BadSample]:
         t0 = time.perf_counter()
@@ -163,8 +163,8 @@ class ShadowLoader:
         raise_or_keep(results, self.on_bad_sample, str(self.table.manifest_path))
         return results
 
-    def _fetch_slices(self, plan: StepPlan, placeholders: Sequence[PixelPlaceholder]):
-        return self.materializer.fetch_slices(plan, placeholders)
+    def _fetch_slices(self, plan: StepPlan, placeholders: Sequence[PixelPlaceholder], stats=None):
+        return self.materializer.fetch_slices(plan, placeholders, stats)
 
     def state_dict(self) -> dict[str, Any]:
         first = next(iter(self._plans.values()), None)

@@ -111,19 +111,20 @@ class Materializer:
 
     def _fetch_replies(
         self, plan: StepPlan, requests: list[tuple[int, dict[int, tuple[int, int]] | None]]
-    ) -> dict[int, tuple[FetchReply, list[np.ndarray]]]:
-        """Fetch (position, frame_ranges) requests, retrying those hit by a preprocessor failure.
-        Returns position -> (reply, frames per returned media)."""
+    ) -> list[tuple[FetchReply, list[np.ndarray]]]:
+        """Fetch (position, frame_ranges) requests, all in flight at once, retrying those hit by a
+        preprocessor failure. Returns (reply, frames per returned media) per request, in order."""
         import ray
 
         retryable = _retryable_errors()
         deadline = time.monotonic() + self.fetch_timeout_s
-        pending = list(requests)
+        pending = list(enumerate(requests))
         out: dict[int, tuple[FetchReply, list[np.ndarray]]] = {}
         for _ in range(self.max_attempts):
-            refs = [self._handle(plan, pos).fetch.remote(plan.tasks[pos], ranges, False) for pos, ranges in pending]
+            refs = [self._handle(plan, pos).fetch.remote(plan.tasks[pos], ranges, False)
+                    for _, (pos, ranges) in pending]
             failed = []
-            for (pos, ranges), ref in zip(pending, refs):
+            for (req, (pos, ranges)), ref in zip(pending, refs):
                 remaining = deadline - time.monotonic()
                 try:
                     if remaining <= 0:
@@ -133,21 +134,21 @@ class Materializer:
                         m.data if isinstance(m.data, np.ndarray) else ray.get(m.data, timeout=max(remaining, 1.0))
                         for m in reply.media
                     ] if reply.ok else []
-                    out[pos] = (reply, frames)
+                    out[req] = (reply, frames)
                 except ray.exceptions.GetTimeoutError:
-                    ids = [plan.metas[p].sample_id for p, _ in pending if p not in out]
+                    ids = [plan.metas[p].sample_id for r, (p, _) in pending if r not in out]
                     raise DataUnavailableError(
                         f"step {plan.step}: no data for samples {ids} after data.fetch_timeout_s="
                         f"{self.fetch_timeout_s:.0f} s"
                     ) from None
                 except retryable as error:
-                    failed.append(((pos, ranges), error))
+                    failed.append(((req, (pos, ranges)), error))
             if not failed:
-                return out
+                return [out[r] for r in range(len(requests))]
             self.stats["retries"] += len(failed)
             pending = [req for req, _ in failed]
-            self._wait_for_restart({self._route(plan, pos) for pos, _ in pending}, deadline)
-        ids = [plan.metas[p].sample_id for p, _ in pending]
+            self._wait_for_restart({self._route(plan, pos) for _, (pos, _) in pending}, deadline)
+        ids = [plan.metas[p].sample_id for _, (p, _) in pending]
         raise DataUnavailableError(
             f"step {plan.step}: preprocessor failed {self.max_attempts} times for samples {ids}: {failed[-1][1]}"
         )
@@ -180,7 +181,7 @@ class Materializer:
         """Whole samples at `positions` of the step, in that order."""
         t0 = time.perf_counter()
         wanted = [p for p in positions if p in plan.tasks]  # routed: good samples with media
-        replies = self._fetch_replies(plan, [(p, None) for p in wanted]) if wanted else {}
+        replies = dict(zip(wanted, self._fetch_replies(plan, [(p, None) for p in wanted]))) if wanted else {}
         t1 = time.perf_counter()
         out: list[Materialized | BadSample] = []
         for pos in positions:
@@ -205,10 +206,14 @@ class Materializer:
 
     # ------------------------------------------------------------------------------- slices
 
-    def fetch_slices(self, plan: StepPlan, placeholders: Sequence[PixelPlaceholder]) -> list[np.ndarray]:
-        """The pixel rows of each cut placeholder, fetching only the frames each one needs."""
+    def fetch_slices(self, plan: StepPlan, placeholders: Sequence[PixelPlaceholder],
+                     stats: dict[str, float] | None = None) -> list[np.ndarray]:
+        """The pixel rows of each cut placeholder, fetching only the frames each one needs (all
+        fetches in flight at once). ``stats`` (optional) gains ``frames`` (sampled frames received),
+        ``bytes`` (their uint8 bytes) and ``decoded_frames`` (what the preprocessors decoded for
+        these fetches: 0 for frames still cached from the sample's whole fetch)."""
         requests: list[tuple[int, dict[int, tuple[int, int]] | None]] = []
-        spans = []
+        starts = []
         for ph in placeholders:
             pos = plan.position_of(ph)
             meta = plan.metas[pos]
@@ -217,11 +222,13 @@ class Materializer:
             mm = meta.media[ph.media_index]
             f0, f1 = ph.frame_span()
             f1 = min(f1, mm.sampled_frames)
-            spans.append((pos, f0))
+            starts.append(f0)
             requests.append((pos, {ph.media_index: (f0, f1)}))
+        t0 = time.perf_counter()
+        replies = self._fetch_replies(plan, requests) if requests else []
+        t1 = time.perf_counter()
         out = []
-        for (pos, f0), ph, req in zip(spans, placeholders, requests):
-            reply, frames = self._fetch_replies(plan, [req])[pos]
+        for f0, ph, (pos, _), (reply, frames) in zip(starts, placeholders, requests, replies):
             if not reply.ok:
                 raise ValueError(f"{ph.describe()}: {reply.error_kind}: {reply.error_detail}")
             mm = plan.metas[pos].media[ph.media_index]
@@ -232,6 +239,12 @@ class Materializer:
             first_row = (f0 // (ph.temporal_patch_size if mm.kind == "video" else 1)) * ph.rows_per_group
             out.append(pixels[ph.row_start - first_row: ph.row_stop - first_row])
             self.stats["fetched_bytes"] += frames[0].nbytes
+            if stats is not None:
+                stats["frames"] = stats.get("frames", 0.0) + frames[0].shape[0]
+                stats["bytes"] = stats.get("bytes", 0.0) + frames[0].nbytes
+                stats["decoded_frames"] = stats.get("decoded_frames", 0.0) + reply.decoded_frames
+        self.stats["fetch_s"] += t1 - t0
+        self.stats["patchify_s"] += time.perf_counter() - t1
         return out
 
     def _settings_for_clip(self, clip_frames: int) -> MediaSettings:

@@ -7,7 +7,9 @@ so it can be tested without Ray (``put`` / ``get`` default to keeping arrays in 
   them in order (PyAV releases the GIL, so threads overlap). With 0 threads nothing is decoded ahead.
 - ``fetch(task, ...)`` returns a sample's decoded media, waiting for a queued or running decode, or
   decoding it right there when the task is unknown: a restarted actor (empty cache) or an evicted
-  entry therefore re-decodes on demand, and the caller's fetch still returns the right data.
+  entry therefore re-decodes on demand, and the caller's fetch still returns the right data. A
+  frame-range fetch of an unknown task decodes only that range (seeking to the keyframe before it)
+  and caches nothing: FlexUlysses-aware loading never pays for a whole clip it does not hold.
 - Decoded frames go to the Ray object store (``put``); a full fetch returns references, so consumers on
   the same node map them without a copy, and a frame-range fetch returns just those frames by value.
 - An entry is evicted when its last consumer has fetched it (``consume=True``) or released it; a
@@ -66,6 +68,7 @@ class FetchReply:
     media: list[MediaPayload] = field(default_factory=list)
     error_kind: str = ""  # "" when ok
     error_detail: str = ""
+    decoded_frames: int = 0  # frames the codec decoded to serve this fetch (0: served from the cache)
 
     @property
     def ok(self) -> bool:
@@ -79,9 +82,10 @@ STAT_KEYS = (
     "decoded",  # samples decoded (successfully or not)
     "failed",  # samples whose decode failed (bad files)
     "on_demand",  # decoded because a fetch asked for an unknown key (first sight, evicted, restarted)
+    "range_decodes",  # of those, frame-range fetches: only the range was decoded, nothing cached
     "stolen",  # queued decodes a waiting fetch ran itself
     "fetched",  # fetch calls served
-    "frames",  # frames decoded
+    "frames",  # frames the codec decoded (a sampled clip decodes up to its last sampled frame)
     "decode_s",  # seconds spent decoding (summed over threads)
     "decoded_bytes",  # uint8 bytes produced
     "evicted_consumed", "evicted_released", "evicted_budget",
@@ -166,7 +170,11 @@ class PreprocessorCore:
         with self._cond:
             entry = self._entries.get(task.key)
             decode_here = False
-            if entry is None:  # unknown: first sight, evicted, or this actor was restarted
+            if entry is None and frame_ranges is not None:  # a slice of a sample nobody holds
+                self.stats["on_demand"] += 1
+                self.stats["range_decodes"] += 1
+                self.stats["fetched"] += 1
+            elif entry is None:  # unknown: first sight, evicted, or this actor was restarted
                 entry = _Entry(task, DECODING, self._next_seq(), task.consumers)
                 self._entries[task.key] = entry
                 decode_here = True
@@ -175,12 +183,14 @@ class PreprocessorCore:
                 entry.state = DECODING
                 decode_here = True
                 self.stats["stolen"] += 1
-        if decode_here:
-            self._decode(entry)
+        if entry is None:
+            return self._decode_ranges(task, frame_ranges)  # type: ignore[arg-type]
+        decoded = self._decode(entry) if decode_here else 0
         with self._cond:
             while entry.state == DECODING:
                 self._cond.wait(timeout=1.0)
             reply = self._reply(entry, frame_ranges)
+            reply.decoded_frames = decoded
             if consume:
                 entry.consumers_left -= 1
                 if entry.consumers_left <= 0:
@@ -245,40 +255,67 @@ class PreprocessorCore:
                 media.append(MediaPayload(ref, fps, kind, 0))
         return FetchReply(entry.task.key, media)
 
-    def _decode(self, entry: _Entry) -> None:
-        t0 = time.perf_counter()
-        refs, fps, kinds, nbytes = [], [], [], 0
+    def _decode_record(
+        self, record: SampleRecord, frame_ranges: dict[int, tuple[int, int]] | None
+    ) -> tuple[list, str, str, int]:
+        """Decode ``record`` (or its frame ranges) under the crash journal: (media, error kind, error
+        detail, frames the codec decoded)."""
+        media: list = []
+        decoded = 0
         error_kind = error_detail = ""
-        record = entry.task.record
+        exclusive = False
         with self._cond:
             verdict = self._journal.verdict(record.id)
             if verdict == "condemned":
-                error_kind, error_detail = "decoder_crash", self._journal.crash_detail(record.id)
-            else:
-                exclusive = verdict == "suspect"
-                while self._exclusive or (exclusive and self._active_decodes):
-                    self._cond.wait(timeout=0.2)
-                self._exclusive = exclusive
-                self._active_decodes += 1
-                self._journal.start(record.id, [str(self.manifest_dir / m.path) for m in record.media])
-        if not error_kind:
-            try:
-                if any(Path(m.path).name in self._crash_on for m in record.media):
-                    ctypes.string_at(0)  # a NULL read: a real SIGSEGV in this decoding thread, as FFmpeg's would be
-                for media in decode_media(record, self.manifest_dir, self.settings):
-                    refs.append(self._put(media.frames))
-                    fps.append(media.sampled_fps)
-                    kinds.append(media.kind)
-                    nbytes += media.frames.nbytes
-                    self.stats["frames"] += media.frames.shape[0]
-            except MediaError as error:
-                error_kind, error_detail = classify_media_error(error), str(error)
-            except Exception as error:  # a Python-level decoder failure fails this sample, not the actor
-                error_kind, error_detail = "corrupt", f"{type(error).__name__}: {error}"
-            with self._cond:
-                self._journal.finish(record.id)
-                self._active_decodes -= 1
-                self._exclusive = False if exclusive else self._exclusive
+                return [], "decoder_crash", self._journal.crash_detail(record.id), 0
+            exclusive = verdict == "suspect"
+            while self._exclusive or (exclusive and self._active_decodes):
+                self._cond.wait(timeout=0.2)
+            self._exclusive = exclusive
+            self._active_decodes += 1
+            self._journal.start(record.id, [str(self.manifest_dir / m.path) for m in record.media])
+        try:
+            if any(Path(m.path).name in self._crash_on for m in record.media):
+                ctypes.string_at(0)  # a NULL read: a real SIGSEGV in this decoding thread, as FFmpeg's would be
+            media = decode_media(record, self.manifest_dir, self.settings, frame_ranges)
+            decoded = sum(m.decoded_frames for m in media)
+        except MediaError as error:
+            error_kind, error_detail = classify_media_error(error), str(error)
+        except Exception as error:  # a Python-level decoder failure fails this sample, not the actor
+            error_kind, error_detail = "corrupt", f"{type(error).__name__}: {error}"
+        with self._cond:
+            self._journal.finish(record.id)
+            self._active_decodes -= 1
+            self._exclusive = False if exclusive else self._exclusive
+            self.stats["frames"] += decoded
+        return media, error_kind, error_detail, decoded
+
+    def _decode_ranges(self, task: DecodeTask, frame_ranges: dict[int, tuple[int, int]]) -> FetchReply:
+        """Only the asked frames of a sample nobody cached, by value (not cached: the whole clip's
+        consumers, if any, fetch it whole)."""
+        t0 = time.perf_counter()
+        media, error_kind, error_detail, decoded = self._decode_record(task.record, frame_ranges)
+        with self._cond:
+            self.stats["decoded"] += 1
+            self.stats["failed"] += bool(error_kind)
+            self.stats["decode_s"] += time.perf_counter() - t0
+            self.stats["decoded_bytes"] += sum(m.frames.nbytes for m in media)
+        if error_kind:
+            return FetchReply(task.key, error_kind=error_kind, error_detail=error_detail, decoded_frames=decoded)
+        payloads = [MediaPayload(m.frames, m.sampled_fps, m.kind, frame_ranges[i][0])
+                    for i, m in zip(sorted(frame_ranges), media)]
+        return FetchReply(task.key, payloads, decoded_frames=decoded)
+
+    def _decode(self, entry: _Entry) -> int:
+        """Decode a whole sample into the cache; returns the frames the codec decoded."""
+        t0 = time.perf_counter()
+        refs, fps, kinds, nbytes = [], [], [], 0
+        media, error_kind, error_detail, decoded = self._decode_record(entry.task.record, None)
+        for m in media:
+            refs.append(self._put(m.frames))
+            fps.append(m.sampled_fps)
+            kinds.append(m.kind)
+            nbytes += m.frames.nbytes
         with self._cond:
             if error_kind:
                 entry.state, entry.error_kind, entry.error_detail = FAILED, error_kind, error_detail
@@ -295,6 +332,7 @@ class PreprocessorCore:
             self.stats["decode_s"] += time.perf_counter() - t0
             self.stats["decoded_bytes"] += nbytes
             self._cond.notify_all()
+        return decoded
 
     def _worker(self) -> None:
         while True:

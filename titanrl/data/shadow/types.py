@@ -70,8 +70,8 @@ class StepData:
     ``materialize()`` returns this rank's samples in ``mine`` order and blocks only if they are not
     fetched yet; with ``data.on_bad_sample = "error"`` it raises BadSampleError naming the first bad
     sample. For the centralized loader it is a collective: every rank must call it.
-    ``fetch_slices(placeholders)`` returns exactly the pixel rows of cut placeholders (any sample of the
-    step), fetching only the frames they need.
+    ``fetch_slices(placeholders, stats=None)`` returns exactly the pixel rows of cut placeholders (any
+    sample of the step), fetching only the frames they need (``Materializer.fetch_slices``).
     """
 
     step: int
@@ -79,7 +79,7 @@ class StepData:
     assignment: list[list[int]]
     rank: int
     _materialize: Callable[[], list[Materialized | BadSample]] = field(repr=False)
-    _fetch_slices: Callable[[Sequence[PixelPlaceholder]], list[np.ndarray]] | None = field(default=None, repr=False)
+    _fetch_slices: Callable[..., list[np.ndarray]] | None = field(default=None, repr=False)
     _result: list[Materialized | BadSample] | None = field(default=None, repr=False)
     wait_s: float = 0.0  # time materialize() blocked
 
@@ -96,10 +96,15 @@ class StepData:
             self.wait_s += time.perf_counter() - t0
         return self._result
 
-    def fetch_slices(self, placeholders: Sequence[PixelPlaceholder]) -> list[np.ndarray]:
+    @property
+    def can_fetch_slices(self) -> bool:
+        return self._fetch_slices is not None
+
+    def fetch_slices(self, placeholders: Sequence[PixelPlaceholder],
+                     stats: dict[str, float] | None = None) -> list[np.ndarray]:
         if self._fetch_slices is None:
             raise NotImplementedError("this loader cannot fetch slices")
-        return self._fetch_slices(placeholders)
+        return self._fetch_slices(placeholders, stats)
 
 
 def bad_from_meta(position: int, meta: SampleMeta) -> BadSample:

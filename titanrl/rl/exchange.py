@@ -429,9 +429,9 @@ class TrajectoryExchange:
                 for p in theirs:
                     if metas[p.seq].home == self.rank:
                         send[dest] += self._piece_arrays(p, metas[p.seq], fields)
-                runs = vplans[w].encode[dest] if vplans else frame_runs(theirs, metas)
-                if self.slices is not None:
-                    runs = []  # the encoder fetches them itself
+                # with slice loading the encoder fetches its pixels itself: none are sent
+                runs = [] if self.slices is not None else vplans[w].encode[dest] if vplans else frame_runs(theirs,
+                                                                                                         metas)
                 for run in runs:
                     if home(run) == self.rank:
                         send[dest].append(self._run_pixels(run))

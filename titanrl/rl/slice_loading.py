@@ -33,7 +33,6 @@ class SliceStats:
     bytes_fetched: int = 0  # their uint8 bytes
     frames_decoded: int = 0  # frames the preprocessors decoded for those fetches (0: still cached)
     frames_local: int = 0  # frames of runs whose prompt this rank generated (rows it already had)
-    seconds: float = 0.0  # fetch + patchify
 
 
 class StepSlices:
@@ -59,8 +58,6 @@ class StepSlices:
     def rows(self, runs: Sequence[FrameRun], local: Callable[[FrameRun], np.ndarray | None]) -> list[np.ndarray]:
         """Rows of each run, in order: ``local(run)`` where this rank has them (its own prompts),
         otherwise fetched - all missing runs in one round of fetches."""
-        import time
-
         out: dict[FrameRun, np.ndarray] = {}
         for r in runs:
             rows = local(r)
@@ -71,7 +68,6 @@ class StepSlices:
                     self.stats.frames_local += self._frames(r)
         missing = list(dict.fromkeys(r for r in runs if r not in out and r not in self._rows))
         if missing:
-            t0 = time.perf_counter()
             cuts = [self.step.metas[r.group].placeholders[r.item].temporal(r.f0, r.f1) for r in missing]
             counts: dict[str, float] = {}
             for run, rows in zip(missing, self.step.fetch_slices(cuts, counts)):
@@ -79,5 +75,4 @@ class StepSlices:
             self.stats.frames_fetched += int(counts.get("frames", 0))
             self.stats.bytes_fetched += int(counts.get("bytes", 0))
             self.stats.frames_decoded += int(counts.get("decoded_frames", 0))
-            self.stats.seconds += time.perf_counter() - t0
         return [out[r] if r in out else self._rows[r] for r in runs]

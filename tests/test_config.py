@@ -365,6 +365,7 @@ def test_entry_point_prints_the_error_without_traceback_and_exits_2():
         (["--parallelism.data_parallel_shard_degree=0"], "must be -1 (all ranks) or >= 1"),
         (["--rollout.temperature=0"], "rollout.temperature must be > 0 for rl.algorithm='grpo'"),
         (["--job.name=a/b"], "job.name must be a plain folder name"),
+        (["--checkpoint.keep_latest_k=1"], "checkpoint.keep_latest_k must be 0 (keep all) or >= 2, got 1"),
     ],
 )
 def test_validation_messages(tokens, expected):

@@ -447,7 +447,7 @@ class CheckpointConfig:
     resume: bool = True
     """Resume from the latest checkpoint in folder if there is one."""
     keep_latest_k: int = 2
-    """Checkpoints kept on disk (0 = keep all)."""
+    """Checkpoints kept on disk (0 = keep all; otherwise >= 2: the newest may still be being written)."""
     export_hf: bool = False
     """Also write the final policy as a Hugging Face checkpoint."""
     async_mode: Literal["disabled", "async"] = "disabled"
@@ -459,9 +459,11 @@ class CheckpointConfig:
             found.append("checkpoint.folder must not be empty")
         if self.interval < 1:
             found.append(f"checkpoint.interval must be > 0, got {self.interval}")
-        if self.keep_latest_k < 0:
+        if self.keep_latest_k < 0 or self.keep_latest_k == 1:
+            # torchtitan's CheckpointManager refuses 1 (it would delete the only complete checkpoint
+            # while the newest is being written); say so before start-up, not after it
             found.append(
-                f"checkpoint.keep_latest_k must be >= 0 (0 = all), got {self.keep_latest_k}"
+                f"checkpoint.keep_latest_k must be 0 (keep all) or >= 2, got {self.keep_latest_k}"
             )
         return found
 

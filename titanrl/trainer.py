@@ -12,6 +12,7 @@ does not depend on how prompts were split across ranks.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,8 +26,8 @@ from titanrl.data.manifest import SampleRecord, read_manifest
 from titanrl.data.preprocess import PreparedSample
 from titanrl.data.prompt import PromptEncoder
 from titanrl.data.shadow import BadSample, Materialized, SampleMeta, build_loader
-from titanrl.distributed import (DistInfo, all_reduce_max, all_reduce_sum, build_dp_mesh, build_ulysses_groups,
-                                 new_world_group)
+from titanrl.distributed import (DistInfo, all_gather_objects, all_reduce_max, all_reduce_sum, build_dp_mesh,
+                                 build_ulysses_groups, new_world_group)
 from titanrl.metrics import MetricsLogger, format_summary
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights
 from titanrl.optim import build_lr_scheduler, build_optimizer
@@ -38,7 +39,7 @@ from titanrl.rl.grpo import build_policy_loss, group_advantages
 from titanrl.rl.exchange import VisionBalancing
 from titanrl.rl.slice_loading import StepSlices
 from titanrl.rl.stages import StageRunner, build_cost_model
-from titanrl.rl.timing import StageTimer
+from titanrl.rl.timing import StageTimer, busy_clock, busy_metrics
 from titanrl.rl.rewards import exact_match, load_reward
 from titanrl.rl.weight_sync import WeightPusher
 from titanrl.rollout import RolloutRequest, build_rollout_engine, mm_limits_for, probe_logprobs
@@ -320,7 +321,8 @@ class Trainer:
     # ------------------------------------------------------------------ step
 
     def rl_step(self) -> dict[str, float]:
-        timer = StageTimer(self.info.rank, self.cfg.job.collective_timeout_s)
+        t_step = time.perf_counter()
+        timer = StageTimer(self.info.rank, self.cfg.job.collective_timeout_s, clock=busy_clock(self.info.device))
         with timer("data"):
             prompts = self.next_prompts()
         self.model.eval()
@@ -361,6 +363,9 @@ class Trainer:
         stats.update(self.stages.metrics())
         # share of trajectories whose old log-probs took a pass of their own (rl.old_logprobs)
         stats["rl/old_logprob_pass_fraction"] = len(old_ids) / max(len(self.stages.all_ids()), 1)
+        # every rank's busy seconds per stage: the step time a perfect schedule would reach
+        stats.update(busy_metrics(all_gather_objects(timer.busy)))
+        stats["step/wall_s"] = all_reduce_max(time.perf_counter() - t_step)
         return {
             "reward/mean": total[0].item() / n,
             "reward/accuracy": total[1].item() / n,

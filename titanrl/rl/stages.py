@@ -19,10 +19,9 @@ Synchronisation (``StagePlan.sync``):
 from __future__ import annotations
 
 import math
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -36,6 +35,7 @@ from titanrl.parallel.stage_plan import BalanceStrategy, StageMethod, StagePlan,
 from titanrl.parallel.ulysses import UlyssesLayout, layout_builder
 from titanrl.rl.batch import Trajectory, dummy_pack
 from titanrl.rl.slice_loading import StepSlices
+from titanrl.rl.timing import busy_clock
 from titanrl.rl.exchange import (StageUnit, TrajectoryExchange, TrajectoryMeta, VisionBalancing, WaveInputs,
                                  gather_metadata, stage_units)
 
@@ -62,18 +62,6 @@ def build_cost_model(args: Qwen2_5_VLArgs, kind: str) -> CostModel:
         vision_attention_coef=train * 4 * v.hidden_size * len(v.fullatt_block_indexes),
         flops_per_second=CostModel().flops_per_second,
     )
-
-
-def _busy_clock(device: torch.device) -> Callable[[], float]:
-    """Per-rank busy time: process CPU time on CPU (ranks sharing cores do not count each
-    other's work, and a rank blocked in a collective burns none); on CUDA, wall time after a
-    synchronise."""
-    if device.type == "cuda":
-        def clock() -> float:
-            torch.cuda.synchronize(device)
-            return time.perf_counter()
-        return clock
-    return time.process_time
 
 
 @dataclass
@@ -127,7 +115,7 @@ class StageRunner:
         self.reshard_after_forward = reshard_after_forward
         self.vision = vision or VisionBalancing(enabled=False, cost_model=cost_model)
         self.shared_prefix = shared_prefix
-        self.clock = _busy_clock(device)
+        self.clock = busy_clock(device)
         self._timed_vision: set[int] = set()
         self.metas: list[TrajectoryMeta] = []
         self.exchange: TrajectoryExchange | None = None

@@ -1,4 +1,11 @@
-"""Per-stage wall-clock of one RL step, and a named error when a stage's collective times out.
+"""Per-stage wall-clock and busy time of one RL step, and a named error when a stage's collective
+times out.
+
+Busy time is what the rank itself computed: the process's CPU time on CPU (a rank blocked in a
+collective, or waiting for the media preprocessors, burns none; its own background threads count),
+wall time after a device synchronise on CUDA. Summed over ranks and divided by their number it is
+the step time of a perfect schedule (no exposed data wait, no idle at synchronisation points):
+``step/limit_s`` in the trainer's metrics.
 
 A rank that dies or hangs leaves the others blocked in a collective. With gloo the waiting ranks'
 collective raises after the process group's timeout (``job.collective_timeout_s``) - or at once with
@@ -12,7 +19,9 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
+
+import torch
 
 _TIMED_OUT = ("timed out", "timeout")
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe")
@@ -31,17 +40,32 @@ def _classify(err: BaseException) -> str | None:
     return None
 
 
-class StageTimer:
-    """``with timer("update"): ...`` adds the block's seconds to ``times["time/update"]``."""
+def busy_clock(device: torch.device) -> Callable[[], float]:
+    """Per-rank busy time: process CPU time on CPU; on CUDA, wall time after a synchronise."""
+    if device.type == "cuda":
+        def clock() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return clock
+    return time.process_time
 
-    def __init__(self, rank: int = 0, collective_timeout_s: float | None = None) -> None:
+
+class StageTimer:
+    """``with timer("update"): ...`` adds the block's seconds to ``times["time/update"]`` and, with a
+    ``clock``, its busy seconds to ``busy["update"]``."""
+
+    def __init__(self, rank: int = 0, collective_timeout_s: float | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.rank = rank
         self.collective_timeout_s = collective_timeout_s
+        self.clock = clock
         self.times: dict[str, float] = {}
+        self.busy: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
+        b0 = self.clock() if self.clock is not None else 0.0
         try:
             yield
         except RuntimeError as err:
@@ -56,3 +80,20 @@ class StageTimer:
                 f"hangs - its log says which and why ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
             ) from err
         self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.perf_counter() - t0
+        if self.clock is not None:
+            self.busy[name] = self.busy.get(name, 0.0) + self.clock() - b0
+
+
+def busy_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """``busy/<stage>`` (mean over ranks), ``busy/<stage>_max``, and the step's two busy-time bounds:
+    ``step/limit_s`` = the sum over stages of the mean (every rank equally busy, nothing exposed) and
+    ``step/busy_critical_s`` = the sum over stages of the busiest rank (each stage waits for it)."""
+    stages = list(dict.fromkeys(k for busy in per_rank for k in busy))
+    out: dict[str, float] = {}
+    for name in stages:
+        values = [busy.get(name, 0.0) for busy in per_rank]
+        out[f"busy/{name}"] = sum(values) / len(values)
+        out[f"busy/{name}_max"] = max(values)
+    out["step/limit_s"] = sum(out[f"busy/{n}"] for n in stages)
+    out["step/busy_critical_s"] = sum(out[f"busy/{n}_max"] for n in stages)
+    return out

@@ -1,0 +1,55 @@
+"""The end-to-end harness (scripts/bench_e2e.py) and the busy-time accounting its limit rests on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titanrl.rl.timing import StageTimer, busy_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_busy_metrics_limit_is_the_mean_and_critical_the_busiest_rank_per_stage():
+    per_rank = [{"rollout": 2.0, "update": 1.0}, {"rollout": 4.0, "update": 3.0, "data": 1.0}]
+    m = busy_metrics(per_rank)
+    assert m["busy/rollout"] == 3.0 and m["busy/rollout_max"] == 4.0
+    assert m["busy/data"] == 0.5 and m["busy/data_max"] == 1.0  # a stage a rank never entered counts 0 there
+    assert m["step/limit_s"] == pytest.approx(3.0 + 2.0 + 0.5)
+    assert m["step/busy_critical_s"] == pytest.approx(4.0 + 3.0 + 1.0)
+
+
+def test_stage_timer_adds_busy_seconds_per_stage_from_its_clock():
+    ticks = iter([0.0, 1.5, 10.0, 10.25, 20.0, 21.0])
+    timer = StageTimer(clock=lambda: next(ticks))
+    with timer("update"):
+        pass
+    with timer("rollout"):
+        pass
+    with timer("update"):
+        pass
+    assert timer.busy == {"update": 2.5, "rollout": 0.25}
+    assert set(timer.times) == {"time/update", "time/rollout"}
+
+
+@pytest.mark.slow
+def test_e2e_harness_runs_one_step_and_reports_it(tmp_path):
+    out = tmp_path / "e2e"
+    proc = subprocess.run([sys.executable, "scripts/bench_e2e.py", "--quick", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    m = data["results"]["2"]["video-heavy"]["all"]["median"]
+    # a real step: every stage ran, the ranks computed something, the limit is below the wall time
+    for stage in ("data", "rollout", "reward", "ref_logprob", "update", "weight_sync"):
+        assert f"time/{stage}" in m and f"busy/{stage}" in m, stage
+    assert m["busy/rollout"] > 0 and m["busy/update"] > 0
+    assert 0 < m["step/limit_s"] <= m["step/busy_critical_s"]
+    assert m["step/limit_s"] < m["step/wall_s"] and m["tokens"] > 0
+    report = out.with_suffix(".md").read_text()
+    assert "| video-heavy | all |" in report and "torchrun --standalone --nproc-per-node 2" in report
+    assert out.with_suffix(".png").stat().st_size > 10_000

@@ -40,7 +40,7 @@ class JobRunConfig:
     """Root folder for all run outputs."""
     seed: int = 0
     """Global random seed (data order, sampling, init of the tiny model)."""
-    steps: int = 120
+    steps: int = 300
     """Number of RL steps (one step = rollout + policy update on rl.global_batch_size prompts)."""
     description: str = "Tiny Qwen2.5-VL-shaped model, GRPO on synthetic data, CPU only."
     """Free-text description, copied into the saved config and logs."""
@@ -414,11 +414,11 @@ class LRSchedulerConfig:
 
     warmup_steps: int = 0
     """Linear warmup length, in RL steps."""
-    decay_type: Literal["linear", "cosine", "constant"] = "constant"
+    decay_type: Literal["linear", "cosine", "constant"] = "cosine"
     """Shape of the schedule after warmup."""
     decay_steps: int | None = None
     """Length of the decay, in RL steps; none = until job.steps."""
-    min_lr_factor: float = 0.0
+    min_lr_factor: float = 0.1
     """Final learning rate as a fraction of optimizer.lr."""
 
     def problems(self) -> list[str]:

@@ -212,7 +212,12 @@ def test_slice_loading_each_encoder_loads_exactly_its_frames(ray_session, tiny_c
         needed = {(run.group, run.item, f) for runs in needs for run in runs for f in range(run.f0, run.f1)}
         assert len(loaded) == len(set(loaded)) and set(loaded) == needed
 
-        # released (the next step began): an early slice of a video is decoded alone, by seeking
+        # released (the next step began): an early slice of a video is decoded alone, by seeking. The
+        # release is fire-and-forget to a threaded actor, so a fetch may overtake it (and still be served,
+        # from the cache); wait for it here to test the decode path.
+        import ray
+
+        ray.get(loader._release(loader._current))
         loader.next_step()
         pos, item = next(k for k, s in shapes.items() if not s.is_image and whole[k[0]].grids[k[1]].t >= 2)
         late = StepSlices(step)

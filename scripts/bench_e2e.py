@@ -50,6 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import bench_dataset  # noqa: E402
+from bench_flex_ulysses import ratio  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("data", "rollout", "reward", "old_logprob", "ref_logprob", "update", "weight_sync")
@@ -125,14 +126,6 @@ def run_one(ranks: int, mixture: str, config: str, common: list[str], data: list
 
 
 # ------------------------------------------------------------------ report
-
-
-def _stage_sum(m: dict) -> float:
-    return sum(m.get(f"time/{s}", 0.0) for s in STAGES)
-
-
-def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b > 0 else "-"
 
 
 def _loss_gap(runs: dict, step: int) -> float:

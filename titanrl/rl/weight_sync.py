@@ -66,8 +66,18 @@ def write_hf(model: torch.nn.Module, args: Qwen2_5_VLArgs, outdir: Path, *,
 
 
 def shm_root(job_name: str) -> Path:
+    """The node-local folder the ranks of one job push weights through: unique per job on the node.
+
+    Under torchrun the local ranks share their elastic agent (the parent process), whose pid no other
+    live job on the node has; ``TORCHELASTIC_RUN_ID`` alone is not enough (it is "none" without
+    ``--rdzv-id``). A plain ``python -m titanrl.train`` is one process: its own pid (its parent may be
+    a shell or init, shared with other jobs)."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-    return base / f"titanrl-{job_name}-{os.environ.get('TORCHELASTIC_RUN_ID', os.getppid())}"
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        job = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-{os.getppid()}"
+    else:
+        job = str(os.getpid())
+    return base / f"titanrl-{job_name}-{job}"
 
 
 class WeightPusher:

@@ -33,8 +33,12 @@ import torch.nn.functional as F
 
 AttnBackend = Literal["sdpa", "flash"]
 
-# Above this many (tokens x tokens) mask entries the sdpa backend loops per sequence instead.
-_MASKED_CALL_MAX_ELEMENTS = 4096 * 4096
+# Up to this many (tokens x tokens) mask entries the sdpa backend runs a packed stream as one masked
+# call; above it, one batched call per run of equal-length segments. A masked call pays the whole
+# N x N product on the math kernel, so it only wins where per-call overhead dominates: on CPU
+# (benchmarks/varlen_attention.md) it is faster below ~100 packed tokens, ~2x slower at 200-300 and
+# 6-13x slower at 1-4k tokens.
+_MASKED_CALL_MAX_ELEMENTS = 128 * 128
 
 
 @dataclass

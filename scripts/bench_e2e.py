@@ -299,6 +299,8 @@ def main() -> None:
     parser.add_argument("--busy-mixtures", nargs="*", default=["video-heavy"], help="mixtures of the 4-rank launch")
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 step of `all` on video-heavy (smoke)")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--merge", action="store_true", help="keep the rows of the existing .json that this run "
+                        "does not re-measure (the workload must be the same)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "e2e"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -315,6 +317,12 @@ def main() -> None:
                                                        "max_new_tokens", "max_frames", "max_pixels",
                                                        "max_prompt_tokens", "max_tokens")},
             "results": results}
+    if args.merge:
+        previous = json.loads(out.with_suffix(".json").read_text())
+        if previous["workload"] != data["workload"]:
+            raise SystemExit(f"--merge: {out.with_suffix('.json')} measured another workload "
+                             f"({previous['workload']}); run without --merge")
+        results.update(previous["results"])
     for ranks in args.ranks:
         mixtures = args.mixtures if ranks == 2 else [m for m in args.mixtures if m in args.busy_mixtures]
         steps = args.steps if ranks == 2 else args.busy_steps

@@ -53,3 +53,25 @@ def test_e2e_harness_runs_one_step_and_reports_it(tmp_path):
     report = out.with_suffix(".md").read_text()
     assert "| video-heavy | all |" in report and "torchrun --standalone --nproc-per-node 2" in report
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_scale_projection_reports_every_configuration_and_regenerates_from_its_json(tmp_path):
+    out = tmp_path / "projection"
+    subprocess.run([sys.executable, "scripts/project_scale.py", "--out", str(out)], cwd=ROOT, check=True,
+                   capture_output=True, text=True)
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert set(data["projection"]) == {f"{g}|{m}" for g in (32, 128)
+                                       for m in ("image-heavy", "video-heavy", "only-video")}
+    for key, res in data["projection"].items():
+        rows = res["rows"]
+        assert list(rows) == ["verl-like", "verl-like+prefetch", "+ShadowLoader", "+FlexUlysses", "+ODC", "all"]
+        for r in rows.values():
+            assert r["total"] == pytest.approx(r["data"] + r["old_logprob"] + r["ref_logprob"] + r["update"])
+        # prefetch only hides decode; ShadowLoader hides it behind compute; FlexUlysses balances the update
+        assert rows["verl-like+prefetch"]["data"] <= rows["verl-like"]["data"], key
+        assert rows["+ShadowLoader"]["data"] < rows["verl-like+prefetch"]["data"], key
+        assert rows["+FlexUlysses"]["balance"] <= rows["+ShadowLoader"]["balance"] + 1e-9, key
+    first = out.with_suffix(".md").read_text()
+    subprocess.run([sys.executable, "scripts/project_scale.py", "--out", str(out), "--report-only"], cwd=ROOT,
+                   check=True)
+    assert out.with_suffix(".md").read_text() == first

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from titanrl.data.manifest import SampleRecord
-from titanrl.rl.grpo import aggregate, group_advantages, kl_penalty, ppo_clip_loss
+from titanrl.rl.grpo import aggregate, count_uniform_groups, group_advantages, kl_penalty, ppo_clip_loss
 from titanrl.rl.rewards import exact_match, exact_match_with_format, load_reward, math_answer
 
 
@@ -141,3 +141,12 @@ def test_compiled_policy_loss_equals_eager():
         out = compiled(logp, *args, **kw).loss
         (g_comp,) = torch.autograd.grad(out, logp)
         assert torch.allclose(out, eager, atol=1e-6) and torch.allclose(g_comp, g_eager, atol=1e-6)
+
+
+def test_uniform_groups_are_the_ones_with_no_gradient():
+    rewards = [1.0, 1.0, 0.0, 0.5, 0.0, 0.0, 0.0, 2.0]
+    groups = [3, 3, 7, 7, 9, 9, 9, 11]  # group 3 all 1.0, group 9 all 0.0, group 11 a single response
+    assert count_uniform_groups(rewards, groups) == (3, 4)
+    adv = group_advantages(torch.tensor(rewards), torch.tensor([0, 0, 1, 1, 2, 2, 2, 3]))
+    assert adv[[0, 1, 4, 5, 6, 7]].abs().max() == 0 and adv[[2, 3]].abs().min() > 0
+    assert count_uniform_groups([], []) == (0, 0)

@@ -35,7 +35,7 @@ from titanrl.parallel.balance import karmarkar_karp
 from titanrl.parallel.parallelize import CompileOptions, parallelize_qwen2_5_vl
 from titanrl.parallel.ulysses import resolve_ulysses
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
-from titanrl.rl.grpo import build_policy_loss, group_advantages
+from titanrl.rl.grpo import build_policy_loss, count_uniform_groups, group_advantages
 from titanrl.rl.exchange import VisionBalancing
 from titanrl.rl.slice_loading import StepSlices
 from titanrl.rl.stages import StageRunner, build_cost_model
@@ -352,10 +352,12 @@ class Trainer:
             stats["probe/logprob_max_diff"] = diff
             self.check_probe(diff)
 
+        # a prompt's group is generated and scored on one rank, so groups can be counted locally
+        uniform, groups = count_uniform_groups([t.reward for t in trajs], [t.group for t in trajs])
         local = torch.tensor([
             sum(t.reward for t in trajs), sum(t.extras["correct"] for t in trajs), float(len(trajs)),
             float(sum(t.num_response_tokens for t in trajs)), float(sum(t.num_tokens for t in trajs)),
-            float(self.skips.total()),
+            float(self.skips.total()), float(uniform), float(groups),
         ], dtype=torch.float64)
         total = all_reduce_sum(local)
         n = max(total[2].item(), 1.0)
@@ -369,6 +371,8 @@ class Trainer:
         return {
             "reward/mean": total[0].item() / n,
             "reward/accuracy": total[1].item() / n,
+            # groups whose responses all scored the same: no gradient from them this step
+            "reward/uniform_group_fraction": total[6].item() / max(total[7].item(), 1.0),
             "response/length_mean": total[3].item() / n,
             **stats,
             "throughput/tokens_per_s": total[4].item() / max(step_time, 1e-9),

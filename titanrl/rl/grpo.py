@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 import torch
 
@@ -38,6 +38,16 @@ def group_advantages(
     std = std[group_ids]
     safe = torch.where(std > 0, std + eps, torch.ones_like(std))
     return torch.where(std > 0, centred / safe, torch.zeros_like(centred)).float()
+
+
+def count_uniform_groups(rewards: Sequence[float], group_ids: Sequence[int]) -> tuple[int, int]:
+    """(groups whose rewards are all equal, groups): the first carry no GRPO gradient at all (their
+    advantages are 0), so their share is how much of a step's batch teaches nothing - the signature
+    of a policy collapsed onto one answer, or of a task already solved."""
+    values: dict[int, set[float]] = {}
+    for r, g in zip(rewards, group_ids):
+        values.setdefault(int(g), set()).add(float(r))
+    return sum(len(v) == 1 for v in values.values()), len(values)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:

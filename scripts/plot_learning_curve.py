@@ -30,7 +30,9 @@ def summarize(records: dict[int, dict[str, float]]) -> dict[str, float | int | N
     reached = next((steps[i + 9] for i, v in enumerate(mean10) if v >= TARGET), None)
     band = [a for s, a in zip(steps, acc) if BAND[0] <= s <= BAND[1]]
     _, kl = _series(records, "kl")
-    return {"steps": steps[-1], "reached_0.8_at": reached, "band_min": min(band) if band else None,
+    _, uniform = _series(records, "reward/uniform_group_fraction")  # absent in runs older than the metric
+    return {"uniform_last50": float(np.mean(uniform[-50:])) if uniform else None,
+            "steps": steps[-1], "reached_0.8_at": reached, "band_min": min(band) if band else None,
             "band_mean": float(np.mean(band)) if band else None, "final_accuracy": acc[-1],
             "kl_max": max(kl) if kl else None, "kl_final": kl[-1] if kl else None}
 
@@ -74,12 +76,15 @@ def main() -> None:
              f"(plot: `{out.name}.png`, first run's metrics: `{out.name}.jsonl`).", "",
              *([args.settings, ""] if args.settings else []),
              "| run | steps | 10-step mean accuracy >= 0.8 from step | accuracy min / mean, steps 150-300 "
-             "| final accuracy | KL max / final |", "|---|---|---|---|---|---|"]
+             "| final accuracy | KL max / final | groups with one reward, last 50 steps |",
+             "|---|---|---|---|---|---|---|"]
     for label, records in zip(labels, runs):
         s = summarize(records)
         band = "-" if s["band_min"] is None else f"{s['band_min']:.3f} / {s['band_mean']:.3f}"
+        uniform = "-" if s["uniform_last50"] is None else f"{100 * s['uniform_last50']:.0f}%"
         lines.append(f"| {label} | {s['steps']} | {s['reached_0.8_at'] or 'not reached'} | {band} | "
-                     f"{s['final_accuracy']:.3f} | {s['kl_max']:.1f} / {s['kl_final']:.1f} |")
+                     f"{s['final_accuracy']:.3f} | {s['kl_max']:.1f} / {s['kl_final']:.1f} | "
+                     f"{uniform} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     shutil.copyfile(args.metrics[0], out.with_suffix(".jsonl"))
     print(f"wrote {out.with_suffix('.png')} and {out.with_suffix('.md')} ({len(runs)} runs)")

@@ -54,10 +54,13 @@ def main() -> None:
     out = Path(args.out)
     labels = args.labels or [f"seed {i}" for i in range(len(args.metrics))]
     runs = [read_metrics(Path(m)) for m in args.metrics]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(8 if len(runs) <= 4 else 12, 4.2))
     for label, records in zip(labels, runs):
         steps, acc = _series(records, "reward/accuracy")
-        ax.plot(steps, acc, lw=0.8, alpha=0.8, label=f"accuracy, {label}")
+        # runs of older code (labelled "before ...") drawn faint, so the current ones stay readable
+        old = "before" in label
+        ax.plot(steps, acc, lw=0.6 if old else 0.9, alpha=0.35 if old else 0.9, ls="--" if old else "-",
+                label=f"accuracy, {label}")
     ax.axhline(CHANCE, color="grey", ls=":", label=f"chance ({CHANCE:g})")
     ax.axhline(TARGET, color="green", ls="--", lw=0.8, label=f"target {TARGET:g}")
     ax.plot(BAND, [FLOOR, FLOOR], color="red", ls="--", lw=0.8, label=f"floor {FLOOR:g}, steps {BAND[0]}-{BAND[1]}")
@@ -66,7 +69,10 @@ def main() -> None:
     ax.set_xlabel("RL step")
     ax.set_ylim(0, 1.02)
     ax.set_title("GRPO on the synthetic colour task, tiny Qwen2.5-VL (CPU, vLLM rollouts)")
-    ax.legend(loc="lower right", fontsize=7)
+    if len(runs) <= 4:
+        ax.legend(loc="lower right", fontsize=7)
+    else:
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
     plt.close(fig)

@@ -6,6 +6,7 @@ naming the stage, the rank and the timeout, within about the timeout (not a sile
 
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,11 @@ from titanrl.distributed import init_distributed
 from titanrl.rl.timing import StageTimer
 
 timeout_s, hang_s = float(sys.argv[1]), float(sys.argv[2])
-info = init_distributed(timeout_s)
+# start-up gets a generous timeout (on a loaded 2-core machine one rank can reach the rendezvous seconds
+# after the other), then every collective the short one - torchtitan's init / train timeout split
+info = init_distributed(120.0)
+dist.barrier()
+dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
 timer = StageTimer(info.rank, timeout_s)
 code = 0
 t0 = time.perf_counter()

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titanrl.parallel.balance import partition_minibatch
+from titanrl.parallel.balance import minibatch_time, partition_minibatch
 from titanrl.parallel.cost_model import CostModel
 from titanrl.parallel.flex_ulysses import plan_shards, plan_vision
 from titanrl.parallel.flex_ulysses.workloads import FLEXRL_MIXTURES, VLMBatch, vlm_batch
@@ -110,15 +110,12 @@ def _sample_units(batch: VLMBatch, model: CostModel) -> tuple[np.ndarray, np.nda
 def _pass_time_whole(costs: np.ndarray, order_costs: np.ndarray, lengths: np.ndarray, gpus: int, strategy: str,
                      max_tokens: int) -> tuple[float, float]:
     """(seconds-units of one pass, busy mean) with every sequence whole on one GPU. ``order_costs`` is what the
-    partitioner balances; ``costs`` what each sample really costs."""
+    partitioner balances; ``costs`` what each sample really costs. lb_mini synchronises once per pass, the others
+    at every microbatch (FSDP's per-layer collectives)."""
     plan = partition_minibatch(lengths, gpus, strategy=strategy, max_tokens_per_microbatch=max_tokens,
                                costs=order_costs)
-    per_mb = [[float(costs[mb].sum()) for mb in rank] for rank in plan]
-    busy = sum(sum(r) for r in per_mb) / gpus
-    if strategy == "lb_mini":  # one synchronisation per pass
-        return max(sum(r) for r in per_mb), busy
-    waves = max(len(r) for r in per_mb)  # FSDP's per-layer collectives: every microbatch waits for the slowest
-    return sum(max((r[k] if k < len(r) else 0.0) for r in per_mb) for k in range(waves)), busy
+    time_units, busy = minibatch_time(plan, costs, "minibatch" if strategy == "lb_mini" else "layer")
+    return time_units, busy / gpus
 
 
 def _pass_time_flex(lengths: np.ndarray, unit_costs: np.ndarray, batch: VLMBatch, sample_of_unit: list[int],
@@ -154,8 +151,7 @@ def project_step(mixture: str, gpus: int, sequences: int, frames_cap: int, args:
     # shared-prefix groups: consecutive runs of ``responses`` sequences share one prompt
     g = args.responses
     group_sample = list(range(0, n, g))
-    prompt_len = np.array(_prompt_tokens(mixture, prompts, args.seed, frames_cap))
-    assert len(prompt_len) == len(group_sample)
+    prompt_len = batch.prompt_lengths[group_sample]
     group_cost, group_len = [], []
     for k, s in enumerate(group_sample):
         responses = [int(h[j]) - int(prompt_len[k]) for j in range(s, s + g)]
@@ -198,15 +194,6 @@ def project_step(mixture: str, gpus: int, sequences: int, frames_cap: int, args:
                         "total": data + upd + 2 * fwd, "balance": t_max / t_mean if t_mean else 1.0}
     return {"sequences": n, "tokens": int(h.sum()), "longest": int(h.max()), "decode_core_s": decode_core_s,
             "pixel_gb": pixel_bytes / 1e9, "rows": rows}
-
-
-def _prompt_tokens(mixture: str, prompts: int, seed: int, frames_cap: int) -> list[int]:
-    """Prompt tokens of each prompt of ``vlm_batch(mixture, prompts, seed=seed)``, from the same specs."""
-    from titanrl.data import synth
-    from titanrl.parallel.flex_ulysses.workloads import _prompt_units
-
-    return [_prompt_units(spec, frames_cap)[0] for spec in synth.sample_specs(mixture, prompts, seed=seed,
-                                                                               scale="paper")]
 
 
 # ------------------------------------------------------------------ report

@@ -285,7 +285,7 @@ def _microbatch_costs(
     return [[float(per_sample[mb].sum()) if mb else 0.0 for mb in rank] for rank in plan]
 
 
-def _times(plan: MinibatchPlan, cost_fn, sync: Sync) -> tuple[float, float]:
+def minibatch_time(plan: MinibatchPlan, cost_fn, sync: Sync) -> tuple[float, float]:
     """(step time, busy time summed over ranks) of one minibatch."""
     costs = _microbatch_costs(plan, cost_fn)
     busy = sum(sum(r) for r in costs)
@@ -312,7 +312,7 @@ def bubble_rate(
     ``cost_fn`` is either per-sample costs (indexable by sample index; a microbatch costs their
     sum) or a callable taking a microbatch's sample indices and returning its cost.
     """
-    time, busy = _times(plan, cost_fn, sync)
+    time, busy = minibatch_time(plan, cost_fn, sync)
     world = len(plan)
     return 0.0 if time <= 0 or world == 0 else 1.0 - busy / (world * time)
 
@@ -326,7 +326,7 @@ def batch_bubble_rate(
     total_time = total_busy = 0.0
     world = 0
     for plan in plans:
-        time, busy = _times(plan, cost_fn, sync)
+        time, busy = minibatch_time(plan, cost_fn, sync)
         total_time += time
         total_busy += busy
         world = max(world, len(plan))

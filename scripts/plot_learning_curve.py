@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--mark", type=int, default=None, help="the step where the default config stops")
     parser.add_argument("--labels", nargs="*", default=None, help="a label per run (default: seed 0, 1, ...)")
     parser.add_argument("--settings", default="", help="how the runs were launched, for the summary")
+    parser.add_argument("--table-only", nargs="*", default=[], metavar="LABEL=METRICS",
+                        help="runs listed in the summary table but not drawn (variants of the default)")
     args = parser.parse_args()
 
     import matplotlib
@@ -84,7 +86,10 @@ def main() -> None:
              "| run | steps | 10-step mean accuracy >= 0.8 from step | accuracy min / mean, steps 150-300 "
              "| final accuracy | KL max / final | groups with one reward, last 50 steps |",
              "|---|---|---|---|---|---|---|"]
-    for label, records in zip(labels, runs):
+    table_only = [spec.split("=", 1) for spec in args.table_only]
+    if any(len(pair) != 2 for pair in table_only):
+        parser.error("--table-only takes LABEL=METRICS pairs")
+    for label, records in [*zip(labels, runs), *((lab, read_metrics(Path(m))) for lab, m in table_only)]:
         s = summarize(records)
         band = "-" if s["band_min"] is None else f"{s['band_min']:.3f} / {s['band_mean']:.3f}"
         uniform = "-" if s["uniform_last50"] is None else f"{100 * s['uniform_last50']:.0f}%"

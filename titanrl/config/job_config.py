@@ -254,14 +254,14 @@ class RolloutConfig:
     """Generation engine: vllm (one in-process vLLM engine per rank, weights pushed in place) or hf
     (plain transformers generate: the benchmark baseline; its video positions follow transformers'
     rule, not the trainer's, so do not train on video with it)."""
-    n: int = 16
+    n: int = 8
     """Responses sampled per prompt (the GRPO group size)."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0 = off)."""
-    max_new_tokens: int = 8
-    """Longest response, in tokens."""
+    max_new_tokens: int = 2
+    """Longest response, in tokens (the tiny default's answer is one word; raise it for real tasks)."""
     kv_cache_bytes: int = 268_435_456
     """KV cache memory reserved by the vllm engine of each rank, in bytes."""
     num_threads: int = 0
@@ -312,7 +312,7 @@ class RLConfig:
     (PPO with GAE) is not built yet."""
     reward: str = "titanrl.rl.rewards:exact_match_with_format"
     """Reward function as 'module:function', imported when training starts."""
-    global_batch_size: int = 16
+    global_batch_size: int = 32
     """Prompts per RL step, over all ranks (sequences per step = global_batch_size * rollout.n)."""
     ppo_epochs: int = 1
     """Passes over each step's rollouts."""
@@ -339,11 +339,13 @@ class RLConfig:
     """Weight of the KL penalty to the reference model (0 = no reference model is loaded)."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """KL estimator: k1 = log-ratio, k3 = unbiased low-variance (Schulman)."""
-    std_normalize: bool = True
-    """Divide advantages by the group reward std (GRPO); false = mean-centering only (Dr. GRPO)."""
+    std_normalize: bool = False
+    """Divide advantages by the group reward std (GRPO); false = mean-centering only (Dr. GRPO). With
+    it, a group whose only scored difference is small (one response earned a 0.1 format bonus) gets
+    advantages as large as one whose responses differ in correctness."""
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How per-token losses are reduced to one number."""
-    entropy_coef: float = 0.005
+    entropy_coef: float = 0.02
     """Weight of the entropy bonus."""
 
     def problems(self) -> list[str]:
@@ -412,7 +414,7 @@ class OptimizerConfig:
 class LRSchedulerConfig:
     """[lr_scheduler] Learning-rate schedule; lengths count RL steps, not optimizer steps."""
 
-    warmup_steps: int = 0
+    warmup_steps: int = 40
     """Linear warmup length, in RL steps."""
     decay_type: Literal["linear", "cosine", "constant"] = "cosine"
     """Shape of the schedule after warmup."""

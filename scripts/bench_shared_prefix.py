@@ -5,8 +5,9 @@
 
 Two parts, each running the unshared baseline and shared prefixes back to back on the same input:
 
-- ``tiny default``: the README's main job (``configs/tiny_cpu.toml``: 16 image prompts x 16 responses of up to 8
-  tokens per step) through ``titanrl.train``, one process, real rollouts, rewards and updates; per-stage seconds
+- ``tiny default``: the README's main job (``configs/tiny_cpu.toml`` as it stands: ``rl.global_batch_size``
+  prompts x ``rollout.n`` responses per step) through
+  ``titanrl.train``, one process, real rollouts, rewards and updates; per-stage seconds
   are the median over the steady steps (step 3 on), peak RSS is the whole process's (vLLM included).
 - ``stages``: the ``small`` model (random init, fp32, one process, 2 threads) through the trainer's own
   ``StageRunner``: old-log-prob pass + update (forward + backward, no optimizer step) of one RL step, on prompts

@@ -36,6 +36,25 @@ def test_stage_timer_adds_busy_seconds_per_stage_from_its_clock():
     assert set(timer.times) == {"time/update", "time/rollout"}
 
 
+def test_stage_timer_names_only_collective_failures():
+    """A collective's own error (plain RuntimeError from gloo) becomes a CollectiveError naming the stage;
+    titanrl's own errors pass through unchanged, even when their text says "timeout" (a data fetch's did,
+    and was reported as another rank's hang)."""
+    from titanrl.data.shadow.types import DataUnavailableError
+    from titanrl.rl.timing import CollectiveError
+
+    timer = StageTimer(rank=1, collective_timeout_s=5)
+    with pytest.raises(CollectiveError, match="stage 'update': rank 1 waited more than"):
+        with timer("update"):
+            raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 5000ms for recv")
+    with pytest.raises(CollectiveError, match="lost its connection"):
+        with timer("update"):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.1]:4531")
+    with pytest.raises(DataUnavailableError, match="^step 3: no data after data.fetch_timeout_s=10 s"):
+        with timer("ref_logprob"):
+            raise DataUnavailableError("step 3: no data after data.fetch_timeout_s=10 s: samples ['a']")
+
+
 @pytest.mark.slow
 def test_e2e_harness_runs_one_step_and_reports_it(tmp_path):
     out = tmp_path / "e2e"

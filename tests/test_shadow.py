@@ -437,3 +437,14 @@ def test_unreachable_ray_fails_fast_with_the_address():
     assert time.monotonic() - t0 < 5.0
     with pytest.raises(DataUnavailableError, match="not supported"):
         check_reachable("ray://head:10001")
+
+
+def test_driver_attaches_to_the_raylet_on_its_own_host():
+    """Ray picks a driver's raylet from the process table; with several raylets visible (hosts sharing a
+    PID namespace) the one on this host's own address is named, otherwise Ray's choice stands."""
+    from titanrl.data.shadow.ray_runtime import pick_driver_node_ip
+
+    assert pick_driver_node_ip({"10.0.0.1", "10.0.0.2"}, {"127.0.0.1", "10.0.0.2"}) == "10.0.0.2"
+    assert pick_driver_node_ip({"10.0.0.1"}, {"127.0.0.1", "10.0.0.2"}) is None  # one raylet: unambiguous
+    assert pick_driver_node_ip({"10.0.0.1", "10.0.0.2"}, {"127.0.0.1"}) is None  # none here: Ray decides
+    assert pick_driver_node_ip({"10.0.0.1", "10.0.0.2"}, {"10.0.0.1", "10.0.0.2"}) is None  # both here

@@ -49,6 +49,25 @@ def test_resolve_ulysses_errors_and_messages():
     assert resolve_ulysses(par, text, 8).degrees == (4,)
 
 
+def test_p_max_default_follows_the_world_size():
+    """Unset p_max = the largest power of two <= min(4, ranks): flex runs on 1, 2, 3, 4 and 8 ranks by default;
+    an explicit p_max above the ranks stays a config error."""
+    from titanrl.parallel.ulysses import default_p_max
+
+    assert [default_p_max(w) for w in (1, 2, 3, 4, 6, 8, 16)] == [1, 2, 2, 4, 4, 4, 4]
+    text = TextArgs(num_attention_heads=4, num_key_value_heads=2, hidden_size=16, mrope_section=(1, 0, 1))
+    for world, top in ((1, 1), (2, 2), (4, 4), (8, 4)):
+        cfg = JobConfig()
+        cfg.parallelism.ulysses = "flex"
+        cfg.validate()
+        cfg.validate_world_size(world)
+        setup = resolve_ulysses(cfg.parallelism, text, world)
+        assert setup.p_max == top and not setup.message
+    cfg.parallelism.p_max = 4
+    with pytest.raises(ConfigError, match=r"p_max \(4\) must be <= the number of ranks \(2\)"):
+        cfg.validate_world_size(2)
+
+
 def test_config_rejects_impossible_ulysses_settings():
     cfg = JobConfig()
     cfg.parallelism.ulysses, cfg.parallelism.ulysses_degree = "fixed", 3

@@ -368,6 +368,8 @@ class Trainer:
         # every rank's busy seconds per stage: the step time a perfect schedule would reach
         stats.update(busy_metrics(all_gather_objects(timer.busy)))
         stats["step/wall_s"] = all_reduce_max(time.perf_counter() - t_step)
+        if self.cfg.data.loader == "shadow":
+            stats.update(host_metrics(all_gather_objects(dict(self.data_step.fetch_counts))))
         return {
             "reward/mean": total[0].item() / n,
             "reward/accuracy": total[1].item() / n,
@@ -392,8 +394,11 @@ class Trainer:
             self.checkpointer.maybe_wait_for_saving()
             if self.cfg.checkpoint.export_hf:
                 self.export_hf(self.cfg.run_dir / "hf")
-        finally:
-            self.close()
+        except BaseException:
+            # the other ranks may be anywhere (in a collective, or failing too): wait for none of them
+            self.close(collective=False)
+            raise
+        self.close()
         return history
 
     def summary(self, wall_s: float) -> str:
@@ -422,10 +427,26 @@ class Trainer:
         if self.info.is_main:
             say(f"[titanrl] exported the policy to {outdir}")
 
-    def close(self) -> None:
+    def close(self, *, collective: bool = True) -> None:
         self.metrics.close()
         self.checkpointer.close()
-        self.loader.close()
+        self.loader.close(collective=collective)
         self.engine.close()
         self.pusher.close()
+
+
+def host_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Where the step's media came from, over ranks (ShadowLoader's fetch counts): whole samples from
+    the rank's own host's preprocessor or another host's, slice frames likewise, and how many ranks
+    fetched from their own host's preprocessor."""
+    def total(key: str) -> float:
+        return float(sum(c.get(key, 0.0) for c in per_rank))
+
+    return {
+        "data/samples_same_host": total("samples_local"),
+        "data/samples_cross_host": total("samples_remote"),
+        "data/ranks_fetching_same_host": float(sum(c.get("samples_local", 0.0) > 0 for c in per_rank)),
+        "vision/frames_same_host": total("slice_frames_local"),
+        "vision/frames_cross_host": total("slice_frames_remote"),
+    }
 

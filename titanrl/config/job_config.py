@@ -183,9 +183,10 @@ class ParallelismConfig:
     moved between ranks to balance balance.cost_model per rank (docs/flex_ulysses.md)."""
     ulysses_degree: int = 1
     """Ulysses group size when ulysses = 'fixed' (a power of two dividing the ranks and the model's heads)."""
-    p_max: int = 4
-    """Largest Ulysses group FlexUlysses may form when ulysses = 'flex' (a power of two; lowered, with a
-    message, to what the model's head counts and the number of ranks allow)."""
+    p_max: int | None = None
+    """Largest Ulysses group FlexUlysses may form when ulysses = 'flex': a power of two <= the number of ranks
+    (lowered, with a message, to what the model's head counts allow); unset = the largest power of two <= min(4,
+    ranks)."""
     activation_checkpoint: Literal["none", "full"] = "none"
     """Activation checkpointing of the policy's transformer blocks (vision and decoder): full = keep only each
     block's input and recompute the block in backward (under Ulysses the recomputation re-issues the block's
@@ -214,7 +215,7 @@ class ParallelismConfig:
                 f"parallelism.ulysses_degree={self.ulysses_degree} only means something with "
                 f"parallelism.ulysses='fixed' (it is {self.ulysses!r})"
             )
-        if self.p_max < 1 or self.p_max & (self.p_max - 1):
+        if self.p_max is not None and (self.p_max < 1 or self.p_max & (self.p_max - 1)):
             found.append(f"parallelism.p_max must be a power of two >= 1, got {self.p_max}")
         return found
 
@@ -631,7 +632,7 @@ class JobConfig:
                 f"parallelism.ulysses_degree ({par.ulysses_degree}) must divide the number of "
                 f"ranks ({world_size})"
             )
-        if par.ulysses == "flex" and par.p_max > world_size:
+        if par.ulysses == "flex" and par.p_max is not None and par.p_max > world_size:
             found.append(
                 f"parallelism.p_max ({par.p_max}) must be <= the number of ranks ({world_size})"
             )

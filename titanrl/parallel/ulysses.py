@@ -75,13 +75,22 @@ def resolve_ulysses(par, text, world: int) -> UlyssesSetup:
         return UlyssesSetup("fixed", degree=d, degrees=(d,) if d > 1 else ())
     if par.ulysses != "flex":
         raise ConfigError(f"parallelism.ulysses must be 'none', 'fixed' or 'flex', got {par.ulysses!r}")
-    allowed = tuple(p for p in admissible_degrees(hq, hkv, par.p_max) if world % p == 0)
+    p_max = par.p_max if par.p_max is not None else default_p_max(world)
+    allowed = tuple(p for p in admissible_degrees(hq, hkv, p_max) if world % p == 0)
     top = max(allowed)
     message = ""
-    if top < par.p_max:
-        message = (f"parallelism.p_max={par.p_max} lowered to {top}: {heads} and there are {world} ranks "
+    if top < p_max:
+        message = (f"parallelism.p_max={p_max} lowered to {top}: {heads} and there are {world} ranks "
                    f"(degrees left: {', '.join(str(x) for x in allowed)})")
     return UlyssesSetup("flex", p_max=top, degrees=tuple(p for p in allowed if p > 1), message=message)
+
+
+def default_p_max(world: int) -> int:
+    """``parallelism.p_max`` when unset: the largest power of two <= min(4, world)."""
+    p = 1
+    while 2 * p <= min(4, world):
+        p *= 2
+    return p
 
 
 def admissible_degrees(n_heads: int, n_kv_heads: int, p_max: int) -> tuple[int, ...]:

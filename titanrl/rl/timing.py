@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
+import torch.distributed
 
 _TIMED_OUT = ("timed out", "timeout")
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe")
@@ -32,6 +33,10 @@ class CollectiveError(RuntimeError):
 
 
 def _classify(err: BaseException) -> str | None:
+    """'timeout' / 'peer_lost' for a collective's own failure (gloo raises plain RuntimeError, c10d its
+    DistError subclasses); None for anything else, titanrl's own errors included, whatever they say."""
+    if not (type(err) is RuntimeError or isinstance(err, torch.distributed.DistError)):
+        return None
     text = str(err).lower()
     if any(s in text for s in _TIMED_OUT):
         return "timeout"

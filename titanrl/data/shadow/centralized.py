@@ -157,7 +157,7 @@ class CentralizedLoader:
                 planned.decoded.cancel()
         self._planned.clear()
 
-    def close(self) -> None:
+    def close(self, *, collective: bool = True) -> None:  # noqa: ARG002 - nothing collective to skip
         self._drop_planned()
         if self._ahead is not None:
             self._ahead.shutdown(wait=True, cancel_futures=True)

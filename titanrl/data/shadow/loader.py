@@ -68,7 +68,10 @@ class ShadowLoader:
         self.prefetch_batches = prefetch_batches
         self.on_bad_sample = on_bad_sample
         self.proxy = ProxyLoader(table, global_batch_size, seed)
-        self.materializer = Materializer(session.handles, settings, fetch_timeout_s=fetch_timeout_s)
+        self.materializer = Materializer(
+            session.handles, settings, fetch_timeout_s=fetch_timeout_s, rank=self.rank,
+            hosts=[session.host_of_node(p.node_id) for p in session.preprocessors],
+            here=session.host_of_node(session.node_id))
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shadow-fetch")
         self._plans: collections.OrderedDict[int, StepPlan] = collections.OrderedDict()
         self._current: StepPlan | None = None
@@ -146,7 +149,7 @@ class ShadowLoader:
         self._current = plan
         self._fill(self.prefetch_batches)  # steps t+1 .. t+prefetch_batches decode while t computes
         self.stats["steps"] += 1
-        return StepData(plan.step, plan.metas, plan.assignment, self.rank,
+        return StepData(plan.step, plan.metas, plan.assignment, self.rank, fetch_counts=plan.counts,
                         _materialize=lambda: self._materialize(plan),
                         _fetch_slices=lambda phs, stats=None: self._fetch_slices(plan, phs, stats))
 
@@ -186,8 +189,9 @@ class ShadowLoader:
 
         return ray.get([h.get_stats.remote() for h in self.session.handles], timeout=30)
 
-    def close(self) -> None:
-        """Collective: every rank must call it. Stops fetches, releases samples, tears Ray down."""
+    def close(self, *, collective: bool = True) -> None:
+        """Stops fetches, releases samples, tears Ray down. Collective (every rank must call it) unless
+        ``collective=False``: after a failure, when the other ranks may be anywhere, nothing waits for them."""
         if self._closed:
             return
         self._closed = True
@@ -202,10 +206,10 @@ class ShadowLoader:
             ray.get(refs, timeout=5.0)
         except Exception:
             pass
-        shutdown(self.session, self.comm)
+        shutdown(self.session, self.comm, collective=collective)
 
     def __enter__(self) -> "ShadowLoader":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(collective=exc_type is None)

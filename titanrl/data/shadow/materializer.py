@@ -10,7 +10,11 @@ lets a rank that needs only some frames fetch only those.
 Faults: a preprocessor that dies is restarted by Ray (``max_restarts``); a fetch that fails because
 of it (actor died/unavailable, object lost with its owner) is retried against the restarted actor,
 which re-decodes the sample on demand. A fetch that outlives ``fetch_timeout_s`` raises
-``DataUnavailableError`` naming the samples, never hangs.
+``DataUnavailableError`` naming the samples, the host of the preprocessor that holds them and the
+asking rank's host, never hangs.
+
+``stats`` counts what came from this host's preprocessor and what crossed hosts (``samples_local`` /
+``samples_remote`` for whole samples, ``slice_frames_local`` / ``slice_frames_remote`` for slices).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class StepPlan:
     future: Any = None  # this rank's background fetch (concurrent.futures.Future)
     released: bool = False
     index_of: dict[tuple[int, int], int] = field(default_factory=dict)  # (epoch, index) -> position
+    # this rank's fetches of the step by where they came from (Materializer.stats' host keys)
+    counts: dict[str, float] = field(default_factory=dict)
 
     def position_of(self, placeholder: PixelPlaceholder) -> int:
         if not self.index_of:
@@ -90,13 +96,35 @@ class Materializer:
         *,
         fetch_timeout_s: float = 300.0,
         max_attempts: int = 4,
+        hosts: Sequence[str] = (),
+        here: str = "",
+        rank: int = 0,
     ) -> None:
         self.handles = list(handles)
         self.settings = settings
         self.fetch_timeout_s = fetch_timeout_s
         self.max_attempts = max_attempts
+        # each preprocessor's host and this rank's (for messages, and the local / cross-host counts)
+        self.hosts = list(hosts) or [""] * len(self.handles)
+        self.here = here
+        self.rank = rank
         self.stats: dict[str, float] = {"fetch_s": 0.0, "patchify_s": 0.0, "fetched_bytes": 0.0, "retries": 0.0,
-                                        "samples": 0.0}
+                                        "samples": 0.0, "samples_local": 0.0, "samples_remote": 0.0,
+                                        "slice_frames_local": 0.0, "slice_frames_remote": 0.0}
+
+    def _count_host(self, plan: StepPlan, preprocessor: int, what: str, n: float) -> None:
+        key = f"{what}_{'local' if self.hosts[preprocessor] == self.here else 'remote'}"
+        self.stats[key] += n
+        plan.counts[key] = plan.counts.get(key, 0.0) + n
+
+    def _where(self, plan: StepPlan, positions: Sequence[int]) -> str:
+        """'samples [...] held by the preprocessor on host H' per preprocessor, and who asked."""
+        by_host: dict[str, list[str]] = {}
+        for pos in positions:
+            host = self.hosts[self._route(plan, pos)] or f"preprocessor {self._route(plan, pos)}"
+            by_host.setdefault(host, []).append(plan.metas[pos].sample_id)
+        held = "; ".join(f"samples {ids} held by the preprocessor on host {host}" for host, ids in by_host.items())
+        return f"{held}, asked by rank {self.rank} on host {self.here or '?'}"
 
     # ------------------------------------------------------------------------------- fetching
 
@@ -136,10 +164,13 @@ class Materializer:
                     ] if reply.ok else []
                     out[req] = (reply, frames)
                 except ray.exceptions.GetTimeoutError:
-                    ids = [plan.metas[p].sample_id for r, (p, _) in pending if r not in out]
+                    # name only the requests whose replies have not arrived (not those merely behind them)
+                    left = [(r, p, ref) for (r, (p, _)), ref in zip(pending, refs) if r not in out]
+                    _, missing = ray.wait([ref for *_, ref in left], num_returns=len(left), timeout=0)
+                    waiting = [p for _, p, ref in left if ref in missing] or [p for _, p, _ in left]
                     raise DataUnavailableError(
-                        f"step {plan.step}: no data for samples {ids} after data.fetch_timeout_s="
-                        f"{self.fetch_timeout_s:.0f} s"
+                        f"step {plan.step}: no data after data.fetch_timeout_s={self.fetch_timeout_s:.0f} s: "
+                        f"{self._where(plan, waiting)}"
                     ) from None
                 except retryable as error:
                     failed.append(((req, (pos, ranges)), error))
@@ -148,9 +179,9 @@ class Materializer:
             self.stats["retries"] += len(failed)
             pending = [req for req, _ in failed]
             self._wait_for_restart({self._route(plan, pos) for _, (pos, _) in pending}, deadline)
-        ids = [plan.metas[p].sample_id for _, (p, _) in pending]
         raise DataUnavailableError(
-            f"step {plan.step}: preprocessor failed {self.max_attempts} times for samples {ids}: {failed[-1][1]}"
+            f"step {plan.step}: the preprocessor failed {self.max_attempts} times: "
+            f"{self._where(plan, [p for _, (p, _) in pending])}: {failed[-1][1]}"
         )
 
     def _wait_for_restart(self, preprocessors: set[int], deadline: float) -> None:
@@ -199,6 +230,7 @@ class Materializer:
             media = [DecodedMedia(m.kind, f, m.sampled_fps) for m, f in zip(reply.media, frames)]  # type: ignore
             out.append(assemble_sample(pos, meta, media, self.settings))
             self.stats["fetched_bytes"] += sum(f.nbytes for f in frames)
+            self._count_host(plan, self._route(plan, pos), "samples", 1)
         self.stats["fetch_s"] += t1 - t0
         self.stats["patchify_s"] += time.perf_counter() - t1
         self.stats["samples"] += len(positions)
@@ -239,6 +271,7 @@ class Materializer:
             first_row = (f0 // (ph.temporal_patch_size if mm.kind == "video" else 1)) * ph.rows_per_group
             out.append(pixels[ph.row_start - first_row: ph.row_stop - first_row])
             self.stats["fetched_bytes"] += frames[0].nbytes
+            self._count_host(plan, self._route(plan, pos), "slice_frames", frames[0].shape[0])
             if stats is not None:
                 stats["frames"] = stats.get("frames", 0.0) + frames[0].shape[0]
                 stats["bytes"] = stats.get("bytes", 0.0) + frames[0].nbytes

@@ -149,6 +149,10 @@ class PreprocessorCore:
 
         return os.getpid()
 
+    def probe(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` zeros: a reply as large as a frame slice, to check that a rank can receive one."""
+        return np.zeros(nbytes, np.uint8)
+
     def prefetch(self, tasks: list[DecodeTask]) -> int:
         """Queue decodes; tasks already known are ignored. Returns how many were queued."""
         queued = 0

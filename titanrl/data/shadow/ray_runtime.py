@@ -8,9 +8,19 @@ the other ranks connect to that same instance as extra drivers. So N torchrun ra
 multi-node job must name a cluster (``data.ray_address``): a loopback instance cannot be shared across
 machines.
 
-**Cluster (``data.ray_address`` set).** Every rank joins the cluster; rank 0 places one preprocessor
-actor on every alive node (NodeAffinity, hard) in a namespace unique to the job, so jobs sharing a
-cluster never see each other's actors.
+**Cluster (``data.ray_address`` set).** Every rank joins the cluster as a driver attached to the raylet
+of its own host; rank 0 places one preprocessor actor on every alive node (NodeAffinity, hard) in a
+namespace unique to the job, so jobs sharing a cluster never see each other's actors. Ray finds a
+driver's raylet by reading the process table; where that table shows several raylets (hosts that
+share a PID namespace: network namespaces or containers on one machine, ``--pid=host``) it would
+attach every driver to the head's raylet, and the driver would advertise an address that the other
+hosts cannot reach (a large reply to it then never arrives). ``connect`` names the raylet whose node
+address is one of this host's own interface addresses (``driver_node_ip``).
+
+**Reachability.** Once the preprocessors run, every rank receives a probe reply larger than Ray's
+inline limit from each of them (the path a frame-range fetch takes, through the object stores of
+both hosts) within ``PROBE_TIMEOUT_S``; a rank that cannot is an error on every rank naming the rank,
+its host and the preprocessor's host, in seconds rather than after ``data.fetch_timeout_s``.
 
 **Errors.** Before ``ray.init`` every rank opens a TCP connection to the address with a short timeout,
 so an unreachable Ray is a ``DataUnavailableError`` naming the address within seconds (Ray's own
@@ -20,7 +30,8 @@ address and raise it, rather than waiting.
 **Tear-down** (``shutdown``, collective): barrier; rank 0 kills the actors; the ranks that connected
 disconnect; barrier; rank 0 shuts its instance down (GCS, raylet, workers all exit). A process that
 found Ray already initialized (a test fixture, a trainer that uses Ray for something else) leaves it
-running.
+running. After a failure (``collective=False``) no rank waits for another: each releases what it holds
+and exits, so the ranks still in a collective with it see its connections close at once.
 """
 
 from __future__ import annotations
@@ -40,6 +51,9 @@ from titanrl.data.shadow.types import DataUnavailableError
 
 CONNECT_TIMEOUT_S = 5.0
 ACTOR_READY_TIMEOUT_S = 120.0
+PROBE_TIMEOUT_S = 20.0
+# larger than Ray's inline-return limit (100 KiB): the probe reply travels through the object stores
+PROBE_BYTES = 256 * 1024
 
 
 @dataclass
@@ -48,6 +62,7 @@ class PreprocessorSpec:
 
     name: str
     node_id: str
+    host: str = ""  # the node's address (its raylet's node IP), for messages
 
 
 @dataclass
@@ -61,7 +76,17 @@ class RaySession:
     preprocessors: list[PreprocessorSpec] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)
     rank_nodes: list[str] = field(default_factory=list)
+    rank_hosts: list[str] = field(default_factory=list)  # each rank's node address, for messages
     closed: bool = False
+
+    def host_of_node(self, node_id: str) -> str:
+        for rank_node, host in zip(self.rank_nodes, self.rank_hosts):
+            if rank_node == node_id:
+                return host
+        for spec in self.preprocessors:
+            if spec.node_id == node_id:
+                return spec.host
+        return node_id[:12]
 
 
 # ------------------------------------------------------------------------------------- connect
@@ -84,6 +109,48 @@ def _local_env(token: str) -> None:
             Config.initialize("")
         except Exception:
             pass
+
+
+def pick_driver_node_ip(raylet_ips: set[str], host_ips: set[str]) -> str | None:
+    """The node address a driver on this host must attach to, when Ray's own choice is ambiguous:
+    several raylets visible (``raylet_ips``) and exactly one of them on an address of this host
+    (``host_ips``). None leaves the choice to Ray (one raylet visible, or no way to tell)."""
+    if len(raylet_ips) <= 1:
+        return None
+    mine = sorted(raylet_ips & host_ips)
+    return mine[0] if len(mine) == 1 else None
+
+
+def _visible_raylet_ips() -> set[str]:
+    """``--node_ip_address`` of every raylet in the process table (what Ray's driver discovery reads)."""
+    import psutil
+
+    found = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info.get("cmdline") or []
+        if cmd and os.path.basename(cmd[0]) == "raylet":
+            found.update(a.split("=", 1)[1] for a in cmd if a.startswith("--node_ip_address="))
+    return found
+
+
+def _host_ips() -> set[str]:
+    """IPv4 addresses of this host's (this network namespace's) interfaces."""
+    import psutil
+
+    return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
+
+
+def driver_node_ip() -> str | None:
+    try:
+        return pick_driver_node_ip(_visible_raylet_ips(), _host_ips())
+    except Exception:  # no process table or interface list: Ray's own discovery
+        return None
+
+
+def _init_cluster_driver(address: str, namespace: str) -> None:
+    import ray
+
+    ray.init(address=address, namespace=namespace, logging_level="WARNING", _node_ip_address=driver_node_ip())
 
 
 def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
@@ -141,7 +208,7 @@ def _start_or_join_on_rank0(
     namespace = f"titanrl-{uuid.uuid4().hex[:12]}"
     if data_address:
         check_reachable(data_address)
-        ray.init(address=data_address, namespace=namespace, logging_level="WARNING")
+        _init_cluster_driver(data_address, namespace)
     else:
         _start_local(object_store_bytes, namespace, num_cpus)
     return {"address": ray.get_runtime_context().gcs_address, "namespace": namespace, "token": token,
@@ -184,7 +251,10 @@ def connect(data_address: str, object_store_bytes: int, comm: Comm, *, local_wor
         import ray
 
         try:
-            ray.init(address=address, namespace=payload["namespace"], logging_level="WARNING")
+            if local:
+                ray.init(address=address, namespace=payload["namespace"], logging_level="WARNING")
+            else:
+                _init_cluster_driver(address, payload["namespace"])
         except Exception as error:
             raise DataUnavailableError(f"rank {comm.rank} cannot join Ray at {address}: {error}") from None
         connected_here = True
@@ -192,7 +262,8 @@ def connect(data_address: str, object_store_bytes: int, comm: Comm, *, local_wor
 
     node_id = ray.get_runtime_context().get_node_id()
     session = RaySession(payload["address"], payload["namespace"], owns, connected_here, local, node_id)
-    session.rank_nodes = comm.all_gather(node_id)
+    host = ray.util.get_node_ip_address()  # the address this driver advertises
+    session.rank_nodes, session.rank_hosts = map(list, zip(*comm.all_gather((node_id, host))))
     return session
 
 
@@ -230,10 +301,8 @@ def start_preprocessors(
         try:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            if session.local:
-                nodes = [session.node_id]
-            else:
-                nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+            hosts = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes() if n.get("Alive")}
+            nodes = [session.node_id] if session.local else sorted(hosts)
             cls = _preprocessor_class()
             specs = []
             job = uuid.uuid4().hex[:8]  # two loaders in one namespace (tests, a second loader) never clash
@@ -252,7 +321,7 @@ def start_preprocessors(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                 ).remote(manifest_dir, settings, num_threads, cache_bytes,
                          journal_path=str(Path(tempfile.gettempdir()) / f"{name}.crash-journal.json")))
-                specs.append({"name": name, "node_id": node})
+                specs.append({"name": name, "node_id": node, "host": hosts.get(node, "")})
             ray.get([a.ping.remote() for a in actors], timeout=ACTOR_READY_TIMEOUT_S)
         except Exception as error:
             specs = {"error": f"{type(error).__name__}: {error}"}
@@ -260,24 +329,53 @@ def start_preprocessors(
     if isinstance(specs, dict):
         raise DataUnavailableError(f"rank 0 could not start the preprocessors: {specs['error']}")
     assert specs is not None
-    session.preprocessors = [PreprocessorSpec(s["name"], s["node_id"]) for s in specs]
+    session.preprocessors = [PreprocessorSpec(s["name"], s["node_id"], s["host"]) for s in specs]
     # Rank 0 keeps the creating handles: they own the actors (an actor whose owner's handles are all
     # gone is destroyed, name or not); the other ranks look them up by name.
     session.handles = actors if comm.rank == 0 else [
         ray.get_actor(s.name, namespace=session.namespace) for s in session.preprocessors]
+    check_preprocessors_reachable(session, comm)
+
+
+def check_preprocessors_reachable(session: RaySession, comm: Comm, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Every rank receives a reply larger than Ray's inline limit from every preprocessor (collective):
+    a rank that cannot receive one - a host whose object store or driver the other hosts cannot reach -
+    is an error on every rank, naming the rank, its host and the preprocessor's host."""
+    import ray
+
+    problems = []
+    refs = [handle.probe.remote(PROBE_BYTES) for handle in session.handles]
+    deadline = time.monotonic() + timeout_s
+    for spec, ref in zip(session.preprocessors, refs):
+        try:
+            got = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
+            if len(got) != PROBE_BYTES:
+                raise RuntimeError(f"got {len(got)} of {PROBE_BYTES} bytes")
+        except Exception as error:
+            what = "no reply" if isinstance(error, ray.exceptions.GetTimeoutError) else type(error).__name__
+            problems.append(f"rank {comm.rank} on host {session.rank_hosts[comm.rank]} received no data from the "
+                            f"preprocessor on host {spec.host or spec.node_id[:12]} within {timeout_s:.0f} s ({what})")
+    problems = [p for rank_problems in comm.all_gather(problems) for p in rank_problems]
+    if problems:
+        raise DataUnavailableError(
+            "; ".join(problems[:4]) + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
+            + ": the hosts' Ray object stores or drivers cannot reach each other (check each host's "
+            "--node-ip-address, that every host can open the other's Ray ports, and GLOO_SOCKET_IFNAME)")
 
 
 # -------------------------------------------------------------------------------------- shutdown
 
 
-def shutdown(session: RaySession, comm: Comm, *, timeout_s: float = 30.0) -> None:
-    """Collective tear-down (see the module docstring). Safe to call twice."""
+def shutdown(session: RaySession, comm: Comm, *, timeout_s: float = 30.0, collective: bool = True) -> None:
+    """Tear-down (see the module docstring): collective unless ``collective=False`` (after a failure,
+    when the other ranks may be anywhere). Safe to call twice."""
     if session.closed:
         return
     session.closed = True
     import ray
 
-    comm.barrier()
+    if collective:
+        comm.barrier()
     if comm.rank == 0:
         try:  # lets each preprocessor remove its crash journal; a dead one just does not answer
             ray.get([handle.close.remote() for handle in session.handles], timeout=5)
@@ -291,6 +389,7 @@ def shutdown(session: RaySession, comm: Comm, *, timeout_s: float = 30.0) -> Non
     session.handles = []
     if session.connected_here and not session.owns_instance:
         ray.shutdown()
-    comm.barrier()
+    if collective:
+        comm.barrier()
     if session.owns_instance:
         ray.shutdown()

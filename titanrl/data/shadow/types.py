@@ -82,6 +82,9 @@ class StepData:
     _fetch_slices: Callable[..., list[np.ndarray]] | None = field(default=None, repr=False)
     _result: list[Materialized | BadSample] | None = field(default=None, repr=False)
     wait_s: float = 0.0  # time materialize() blocked
+    # this rank's fetches of the step by origin (ShadowLoader): samples_local / samples_remote (whole
+    # samples from this host's preprocessor / another host's), slice_frames_local / slice_frames_remote
+    fetch_counts: dict[str, float] = field(default_factory=dict)
 
     @property
     def mine(self) -> list[int]:

@@ -1,0 +1,158 @@
+"""Two hosts: network namespaces on a bridge, a real Ray cluster across them (head on host 0, worker on
+host 1) and a two-node torchrun (one rank per host, gloo over the hosts' interfaces), as in the README's
+multi-node section.
+
+- the default config (slice-aware loading on) and FlexUlysses ``flex`` each train 3 steps and exit 0;
+  frames cross hosts (``vision/frames_cross_host``) and every rank fetches whole samples from its own
+  host's preprocessor (``data/ranks_fetching_same_host``);
+- with Ray's object transfer between the hosts blocked, every rank stops within seconds of start-up
+  with a line naming the rank, its host and the preprocessor's host - not after data.fetch_timeout_s
+  plus job.collective_timeout_s;
+- blocked mid-run, a rank's fetch fails after data.fetch_timeout_s with a line naming the samples, the
+  host that holds them and the one that asked, and the other rank stops too (no collective timeout).
+
+Skipped, with the reason, where ``ip netns`` is refused (not root). Every namespace and every process in
+them is removed at the end, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from netns_hosts import OBJECT_MANAGER_PORT, Hosts, HostsUnavailable  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    cluster = Hosts(2)
+    try:
+        cluster.up()
+    except HostsUnavailable as error:
+        pytest.skip(f"two namespaced hosts cannot be built here: {error}")
+    try:
+        cluster.start_ray()
+        yield cluster
+    finally:
+        cluster.down()
+
+
+def start_on_hosts(hosts: Hosts, out: Path, cache: Path, *overrides: str, port: int) -> list[subprocess.Popen]:
+    procs = []
+    for rank, h in enumerate(hosts.hosts):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc-per-node", "1",
+                "--node-rank", str(rank), "--master-addr", hosts[0].ip, "--master-port", str(port),
+                "-m", "titanrl.train", "--config", "configs/tiny_cpu.toml", f"--model.cache_dir={cache}",
+                f"--job.dump_folder={out}", "--job.steps=3", f"--data.ray_address={hosts.ray_address}", *overrides]
+        env = {"GLOO_SOCKET_IFNAME": h.dev, "VLLM_HOST_IP": h.ip, "OMP_NUM_THREADS": "1"}
+        procs.append(h.popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[subprocess.CompletedProcess]:
+    done = []
+    for proc in procs:
+        try:
+            stdout, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, ""))
+    return done
+
+
+def train_on_hosts(hosts: Hosts, out: Path, cache: Path, *overrides: str, port: int,
+                   timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """torchrun with one rank on each host; returns both hosts' finished processes."""
+    return wait_all(start_on_hosts(hosts, out, cache, *overrides, port=port), timeout)
+
+
+def error_line(proc: subprocess.CompletedProcess, rank: int) -> str:
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(f"[titanrl] error on rank {rank}")]
+    assert lines, proc.stdout[-3000:]
+    return lines[0]
+
+
+def step_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("flex", [False, True], ids=["default", "flex"])
+def test_two_hosts_train_with_slice_loading(hosts, run_cache, tmp_path, flex):
+    extra = ["--parallelism.ulysses=flex"] if flex else []
+    results = train_on_hosts(hosts, tmp_path / "out", run_cache, *extra, port=29555 + flex)
+    for rank, proc in enumerate(results):
+        assert proc.returncode == 0, f"host {rank}:\n{proc.stdout[-4000:]}"
+    steps = step_metrics(tmp_path / "out")
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    # slice-aware loading is on and some encoded frames came from the other host's preprocessor
+    assert sum(m["vision/frames_cross_host"] for m in steps) > 0, steps
+    assert all(m["vision/frames_fetched"] == m["vision/frames_cross_host"] + m["vision/frames_same_host"]
+               for m in steps)
+    # both per-node preprocessors served their own host's rank
+    assert all(m["data/ranks_fetching_same_host"] == 2 for m in steps), steps
+    assert all(m["data/samples_same_host"] > 0 for m in steps)
+
+
+def test_unreachable_object_store_fails_in_seconds_on_every_rank(hosts, run_cache, tmp_path):
+    """Object transfers between the hosts blocked (a firewall on Ray's object-manager port): every rank
+    ends with the named cause within seconds of start-up."""
+    for i in range(len(hosts)):
+        hosts.throttle_port(i, OBJECT_MANAGER_PORT)
+    try:
+        t0 = time.monotonic()
+        results = train_on_hosts(hosts, tmp_path / "out", run_cache, "--data.fetch_timeout_s=300",
+                                 "--job.collective_timeout_s=600", port=29557, timeout=300)
+        elapsed = time.monotonic() - t0
+    finally:
+        for i in range(len(hosts)):
+            hosts.unshape(i)
+    for rank, proc in enumerate(results):
+        assert proc.returncode != 0, f"host {rank} did not fail:\n{proc.stdout[-3000:]}"
+        line = error_line(proc, rank)
+        assert "received no data from the preprocessor on host" in line, line
+        assert hosts[0].ip in line and hosts[1].ip in line, line
+    # start-up (~15 s here) + the reachability probe (20 s), far from 300 + 600 s
+    assert elapsed < 150, elapsed
+
+
+def test_fetch_blocked_mid_run_names_the_samples_and_hosts_and_stops_every_rank(hosts, run_cache, tmp_path):
+    out = tmp_path / "out"
+    procs = start_on_hosts(hosts, out, run_cache, "--job.steps=30", "--data.fetch_timeout_s=10",
+                           "--job.collective_timeout_s=600", "--checkpoint.enable=false", port=29558)
+    try:
+        log = out / "tiny_cpu" / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (log.exists() and len(log.read_text().splitlines()) >= 2):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 2"
+            time.sleep(0.5)
+        for i in range(len(hosts)):
+            hosts.throttle_port(i, OBJECT_MANAGER_PORT)
+        t0 = time.monotonic()
+        results = wait_all(procs, timeout=300)
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in procs:
+            p.kill()
+        for i in range(len(hosts)):
+            hosts.unshape(i)
+    assert all(p.returncode != 0 for p in results)
+    lines = [error_line(proc, rank) for rank, proc in enumerate(results)]
+    named = [x for x in lines if "no data after data.fetch_timeout_s=10 s: samples [" in x]
+    assert named, lines  # at least one rank's own fetch failed, naming what and where
+    for line in named:
+        rank = int(line.split("error on rank ")[1].split(":")[0])
+        assert f"held by the preprocessor on host {hosts[1 - rank].ip}" in line, line
+        assert f"asked by rank {rank} on host {hosts[rank].ip}" in line, line
+    # fetch_timeout_s (10 s) and the tear-down: the other rank does not wait out its 600 s collective
+    assert elapsed < 90, (elapsed, lines)

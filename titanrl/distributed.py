@@ -79,12 +79,12 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def all_gather_objects(obj: object) -> list[object]:
-    """Every rank's ``obj`` (small metadata only: pickled), in rank order."""
+def all_gather_objects(obj: object, group=None) -> list[object]:
+    """Every rank's ``obj`` (small metadata only: pickled), in rank order (of ``group``, default: all ranks)."""
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
-    out: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

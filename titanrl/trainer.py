@@ -35,6 +35,7 @@ from titanrl.parallel.balance import karmarkar_karp
 from titanrl.parallel.parallelize import CompileOptions, parallelize_qwen2_5_vl
 from titanrl.parallel.ulysses import resolve_ulysses
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
+from titanrl.rl.dump import dump_step
 from titanrl.rl.grpo import build_policy_loss, count_uniform_groups, group_advantages
 from titanrl.rl.exchange import VisionBalancing
 from titanrl.rl.slice_loading import StepSlices
@@ -208,10 +209,10 @@ class Trainer:
         ) if requests else []
         trajs = []
         for (group, prompt), samples in zip(prompts, results):
-            for s in samples:
+            for k, s in enumerate(samples):
                 text = self.encoder.tokenizer.decode(s.token_ids, skip_special_tokens=True)
                 trajs.append(Trajectory(
-                    prompt=prompt, group=group, response_ids=np.asarray(s.token_ids, dtype=np.int64),
+                    prompt=prompt, group=group, response_index=k, response_ids=np.asarray(s.token_ids, dtype=np.int64),
                     rollout_logprobs=np.asarray(s.logprobs, dtype=np.float32), finish_reason=s.finish_reason,
                     response_text=text,
                 ))
@@ -346,6 +347,8 @@ class Trainer:
         with timer("weight_sync"):
             stats.update(self.pusher.push(self.model, self.engine))
         self.step += 1
+        if self.cfg.metrics.dump_tensors:
+            dump_step(self.cfg.run_dir, self.step, trajs, {"policy": self.model}, is_main=self.info.is_main)
         probe_every = self.cfg.rollout.probe_every
         if probe_every and self.step % probe_every == 0:
             diff = float(all_reduce_max(self.probe(trajs)))

@@ -490,6 +490,11 @@ class MetricsConfig:
     """W&B mode; offline needs no network (sync later with `wandb sync`)."""
     progress: Literal["bar", "line", "none"] = "bar"
     """Console progress: one line per logged step with a progress bar in front, the line alone, or nothing."""
+    dump_tensors: bool = False
+    """Write each step's per-token tensors of every trajectory (rollout, old and reference log-probs, values,
+    advantages) and the policy's full parameters to <job.dump_folder>/<job.name>/tensors/step<N>.pt, for comparing
+    what two runs computed (world sizes, placements). It gathers the whole model on rank 0 every step: for debugging
+    and tests on small models."""
     verbose: bool = False
     """Show third-party output (vLLM, Ray, torch warnings) and full tracebacks on the console. When false it goes,
     with titanrl's own lines, to <job.dump_folder>/<job.name>/logs/rank<N>.log, and the console shows only

@@ -23,8 +23,9 @@ from titanrl.models.qwen2_5_vl.model import LogprobTargets
 class Trajectory:
     prompt: PreparedSample
     group: int  # global batch position of the prompt: GRPO's group, the minibatch key
-    response_ids: np.ndarray  # int64 [R], as sampled (may end with the EOS token)
-    rollout_logprobs: np.ndarray  # float32 [R], from the rollout engine
+    response_index: int = 0  # which of the prompt's rollout.n samples (with group: the same key on any world size)
+    response_ids: np.ndarray = None  # int64 [R], as sampled (may end with the EOS token)
+    rollout_logprobs: np.ndarray = None  # float32 [R], from the rollout engine
     finish_reason: str = "stop"
     response_text: str = ""
     reward: float = 0.0

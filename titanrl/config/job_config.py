@@ -533,6 +533,43 @@ class CompileConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class NodeConfig:
+    """One [[workflow.nodes]] entry: a node added to the built-in workflow, or - with the id of one of its
+    nodes - a change of that node (the fields given replace the built-in's; unset fields keep them)."""
+
+    id: str = ""
+    """Node id, unique in the workflow; other nodes name it in their inputs."""
+    role: Literal["actor", "critic", "reference", "reward", "none"] | None = None
+    """Whose model or function the node uses (unset: 'none' for a new node, the built-in's otherwise)."""
+    type: Literal["generate", "inference", "train", "compute"] | None = None
+    """What the node does: generate (rollout engine), inference / train (a model stage), compute (plain Python
+    on this rank's trajectories; unset: 'compute' for a new node)."""
+    function: str = ""
+    """A built-in node function's name, 'package.module:function' or 'path/to/file.py:function' (relative to the
+    working directory); it is called as function(batch, ctx) on every rank of its placement and returns the
+    batch its consumers see (docs/workflow.md)."""
+    inputs: list[str] | None = None
+    """Ids of the nodes whose output this node reads (their trajectories, joined); unset keeps the built-in's."""
+    placement: str = ""
+    """Named rank group the node runs on: 'all' (every rank; the only group of the colocated placement); empty
+    = 'all' for a new node, the built-in's otherwise."""
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkflowConfig:
+    """[workflow] The RL step as a DAG of nodes that every rank runs (docs/workflow.md)."""
+
+    name: Literal["grpo"] = "grpo"
+    """Built-in workflow: grpo = data -> rollout -> reward -> advantage -> old / reference log-probs -> update ->
+    weight_sync, colocated on every rank. (PPO with a critic and the disaggregated placement are planned.)"""
+    nodes: list[NodeConfig] = field(default_factory=list)
+    """Nodes added to the built-in workflow, or changes of its nodes (same id): [[workflow.nodes]] tables."""
+
+    def problems(self) -> list[str]:
+        return []  # the graph depends on other sections (rl.kl_coef): JobConfig.problems checks it
+
+
+@dataclass(kw_only=True, slots=True)
 class JobConfig:
     """The complete, typed configuration of one titanrl job."""
 
@@ -548,6 +585,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -569,7 +607,7 @@ class JobConfig:
         for section in (
             self.job, self.model, self.data, self.parallelism, self.balance, self.rollout,
             self.rl, self.optimizer, self.lr_scheduler, self.checkpoint, self.metrics,
-            self.compile,
+            self.compile, self.workflow,
         ):  # fmt: skip
             found += section.problems()
 
@@ -600,6 +638,9 @@ class JobConfig:
                 f"data.slice_loading=true fetches slices through ShadowLoader's preprocessors, but "
                 f"data.loader={self.data.loader!r} ships whole samples from rank 0: set data.slice_loading=false"
             )
+        from titanrl.workflow.graph import workflow_problems  # standard library only, like this module
+
+        found += workflow_problems(self)
         prompt_and_response = self.data.max_prompt_tokens + self.rollout.max_new_tokens
         if prompt_and_response > self.model.max_seq_len:
             found.append(

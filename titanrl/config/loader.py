@@ -32,6 +32,7 @@ from titanrl.config.schema import (
     lookup,
     normalize_key,
     optional_inner,
+    table_list_of,
     type_label,
     unknown_key_error,
 )
@@ -166,6 +167,18 @@ def _apply_table(
                 )
             _apply_table(getattr(obj, key), root, value, path, source)
             continue
+        element = table_list_of(spec.type)
+        if element is not None:
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                raise ConfigError(f"'{dotted}' is an array of tables: write each entry as a [[{dotted}]] table "
+                                  f"(or '{key} = []'), got {_show(value)} (from {source})")
+            items = []
+            for i, entry in enumerate(value):
+                item = element()
+                _apply_table(item, root, entry, [*path[:-1], f"{key}[{i}]"], source)
+                items.append(item)
+            setattr(obj, key, items)
+            continue
         try:
             converted = from_toml(value, spec.type)
         except Mismatch as err:
@@ -207,6 +220,9 @@ def apply_overrides(cfg: Any, overrides: Sequence[str]) -> None:
                 f"{next(iter(fields_of(spec.type)))}=... "
                 f"Valid keys in [{key}]: {', '.join(fields_of(spec.type))}"
             )
+        if table_list_of(spec.type) is not None:
+            raise ConfigError(f"{'.'.join(path)} is an array of tables: set it in the TOML file as [[{'.'.join(path)}]] "
+                              "tables, not on the command line")
         if negated:
             raw = "false"
         elif raw is None and _is_bool(spec.type):

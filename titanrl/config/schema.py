@@ -66,7 +66,21 @@ def _check_supported(tp: Any, where: str) -> None:
         (element,) = typing.get_args(tp)
         if element in (bool, int, float, str) or typing.get_origin(element) is Literal:
             return
+        if is_config_class(element):  # an array of tables ([[section.key]]), set in TOML files only
+            for name, sub in fields_of(element).items():
+                if sub.is_section or table_list_of(sub.type) is not None:
+                    raise TypeError(f"{where}.{name}: tables inside an array of tables are not supported")
+            return
     raise TypeError(f"{where}: unsupported config field type {tp!r}")
+
+
+def table_list_of(tp: Any) -> type | None:
+    """The element class of ``list[<config dataclass>]`` (a TOML array of tables), else None."""
+    if typing.get_origin(tp) is list:
+        (element,) = typing.get_args(tp)
+        if is_config_class(element):
+            return element
+    return None
 
 
 def optional_inner(tp: Any) -> Any | None:
@@ -164,8 +178,9 @@ def _closest(name: str, candidates: list[str]) -> str | None:
 
 def _resolve_section(root: type, path: list[str]) -> type:
     cls = root
-    for part in path:
-        cls = fields_of(cls)[part].type
+    for part in path:  # "nodes[2]": an entry of an array of tables
+        tp = fields_of(cls)[part.split("[", 1)[0]].type
+        cls = table_list_of(tp) or tp
     return cls
 
 
@@ -187,5 +202,7 @@ def type_label(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         (element,) = typing.get_args(tp)
+        if is_config_class(element):
+            return "array of tables (TOML file only)"
         return f"list[{type_label(element)}]"
     return getattr(tp, "__name__", repr(tp))

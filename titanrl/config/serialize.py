@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from titanrl.config.schema import fields_of, section_doc
+from titanrl.config.schema import fields_of, section_doc, table_list_of
 
 _BASIC_ESCAPES = {
     '"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r",
@@ -26,6 +26,8 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
         value = getattr(cfg, name)
         if spec.is_section:
             result[name] = config_to_dict(value)
+        elif table_list_of(spec.type) is not None:
+            result[name] = [config_to_dict(v) for v in value]
         elif isinstance(value, list):
             result[name] = list(value)
         else:
@@ -58,7 +60,8 @@ def save_resolved(cfg: Any, path: str | os.PathLike[str]) -> Path:
 
 def _write_table(obj: Any, path: list[str], lines: list[str], with_docs: bool) -> None:
     specs = fields_of(type(obj))
-    values = [s for s in specs.values() if not s.is_section]
+    arrays = [s for s in specs.values() if table_list_of(s.type) is not None]
+    values = [s for s in specs.values() if not s.is_section and s not in arrays]
     if path and (values or with_docs):
         lines.append("")
         if with_docs and section_doc(type(obj)):
@@ -73,6 +76,18 @@ def _write_table(obj: Any, path: list[str], lines: list[str], with_docs: bool) -
                 lines.append(f"# {spec.name} = none (unset)")
             continue
         lines.append(f"{spec.name} = {format_value(value)}")
+    for spec in arrays:  # after the table's plain keys: [[a.b]] opens a new table
+        entries = getattr(obj, spec.name)
+        if with_docs and spec.doc:
+            lines += [f"# {line}" for line in spec.doc.splitlines()]
+        if not entries:
+            lines.append(f"{spec.name} = []")
+        for entry in entries:
+            lines += ["", f"[[{'.'.join([*path, spec.name])}]]"]
+            for sub in fields_of(type(entry)).values():
+                value = getattr(entry, sub.name)
+                if value is not None:
+                    lines.append(f"{sub.name} = {format_value(value)}")
     for spec in specs.values():
         if spec.is_section:
             _write_table(getattr(obj, spec.name), [*path, spec.name], lines, with_docs)

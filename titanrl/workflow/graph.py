@@ -1,0 +1,171 @@
+"""The RL step as a graph of nodes (DistFlow sec. 4): what runs, on which ranks, reading whose output.
+
+Standard library only: the config layer validates the graph before anything heavy loads.
+
+A workflow is the built-in graph of ``workflow.name`` with the ``[[workflow.nodes]]`` entries applied (a
+new id adds a node, a known id changes the fields it sets). ``resolve`` checks it - every input names a
+node, no cycle, every function is a built-in name or has the shape of a user function, every placement
+names a rank group - and orders it for execution: nodes in topological order, and nodes at the same
+depth in declaration order (the built-in's first, then the added ones). Every rank runs the same order
+(multi-controller); a rank runs the nodes placed on a group it belongs to.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+ROLES = ("actor", "critic", "reference", "reward", "none")
+TYPES = ("generate", "inference", "train", "compute")
+# Rank groups of the colocated placement (the only one built so far): every node on every rank.
+GROUPS = ("all",)
+
+# "package.module:function" or "path/to/file.py:function"
+_MODULE_FN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+_FILE_FN = re.compile(r"^[^:]+\.py:[A-Za-z_]\w*$")
+
+# Built-in node functions by name (titanrl.rl.nodes); the executor binds them.
+BUILTIN_FUNCTIONS = ("load_prompts", "generate", "score", "group_advantages", "old_logprobs", "ref_logprobs",
+                     "train_actor", "push_weights")
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    id: str
+    role: str
+    type: str
+    function: str
+    inputs: tuple[str, ...]
+    placement: str = "all"
+
+    @property
+    def builtin(self) -> bool:
+        return ":" not in self.function
+
+
+def builtin_graph(cfg: Any) -> list[NodeSpec]:
+    """The nodes of ``cfg.workflow.name`` for this config (a reference model only when rl.kl_coef > 0)."""
+    if cfg.workflow.name != "grpo":
+        raise ValueError(f"unknown workflow.name {cfg.workflow.name!r}")
+    reference = cfg.rl.kl_coef > 0
+    nodes = [
+        NodeSpec("data", "none", "compute", "load_prompts", ()),
+        NodeSpec("rollout", "actor", "generate", "generate", ("data",)),
+        NodeSpec("reward", "reward", "compute", "score", ("rollout",)),
+        NodeSpec("advantage", "none", "compute", "group_advantages", ("reward",)),
+        NodeSpec("old_logprob", "actor", "inference", "old_logprobs", ("advantage",)),
+    ]
+    if reference:
+        nodes.append(NodeSpec("ref_logprob", "reference", "inference", "ref_logprobs", ("advantage",)))
+    nodes += [
+        NodeSpec("update", "actor", "train", "train_actor",
+                 ("old_logprob", "ref_logprob") if reference else ("old_logprob",)),
+        NodeSpec("weight_sync", "actor", "compute", "push_weights", ("update",)),
+    ]
+    return nodes
+
+
+@dataclass(frozen=True)
+class Workflow:
+    nodes: tuple[NodeSpec, ...]  # in execution order
+
+    def node(self, node_id: str) -> NodeSpec:
+        return next(n for n in self.nodes if n.id == node_id)
+
+    def consumers(self, node_id: str) -> list[str]:
+        return [n.id for n in self.nodes if node_id in n.inputs]
+
+    def describe(self) -> str:
+        return "\n".join(f"  {i + 1}. {n.id} [{n.role}/{n.type} on {n.placement}] = {n.function}"
+                         f"({', '.join(n.inputs) or 'step'})" for i, n in enumerate(self.nodes))
+
+
+class WorkflowError(ValueError):
+    """The workflow cannot run; the message names the node."""
+
+
+def _merge(base: list[NodeSpec], changes: list[Any]) -> list[NodeSpec]:
+    nodes = {n.id: n for n in base}
+    order = [n.id for n in base]
+    for i, c in enumerate(changes):
+        if not c.id:
+            raise WorkflowError(f"workflow.nodes[{i}] has no id")
+        if c.id in nodes:
+            old = nodes[c.id]
+            nodes[c.id] = replace(
+                old, role=c.role or old.role, type=c.type or old.type, function=c.function or old.function,
+                inputs=tuple(c.inputs) if c.inputs is not None else old.inputs, placement=c.placement or old.placement)
+        else:
+            if not c.function:
+                raise WorkflowError(f"workflow node {c.id!r} has no function")
+            nodes[c.id] = NodeSpec(c.id, c.role or "none", c.type or "compute", c.function, tuple(c.inputs or ()),
+                                   c.placement or "all")
+            order.append(c.id)
+    return [nodes[i] for i in order]
+
+
+def _check(nodes: list[NodeSpec]) -> None:
+    ids = [n.id for n in nodes]
+    dup = {i for i in ids if ids.count(i) > 1}
+    if dup:
+        raise WorkflowError(f"workflow nodes {sorted(dup)} are defined twice")
+    for n in nodes:
+        for name in n.inputs:
+            if name not in ids:
+                raise WorkflowError(f"workflow node {n.id!r} reads {name!r}, which is no node of the workflow "
+                                    f"(nodes: {', '.join(ids)})")
+            if name == n.id:
+                raise WorkflowError(f"workflow node {n.id!r} reads its own output")
+        if n.role not in ROLES:
+            raise WorkflowError(f"workflow node {n.id!r}: role {n.role!r} is not one of {', '.join(ROLES)}")
+        if n.type not in TYPES:
+            raise WorkflowError(f"workflow node {n.id!r}: type {n.type!r} is not one of {', '.join(TYPES)}")
+        if n.placement not in GROUPS:
+            raise WorkflowError(f"workflow node {n.id!r} is placed on {n.placement!r}, which names no ranks "
+                                f"(rank groups: {', '.join(GROUPS)})")
+        if n.builtin and n.function not in BUILTIN_FUNCTIONS:
+            raise WorkflowError(f"workflow node {n.id!r}: unknown function {n.function!r} (built-in: "
+                                f"{', '.join(BUILTIN_FUNCTIONS)}; or 'package.module:function' / 'file.py:function')")
+        if not n.builtin and not (_MODULE_FN.match(n.function) or _FILE_FN.match(n.function)):
+            raise WorkflowError(f"workflow node {n.id!r}: function {n.function!r} is not 'package.module:function' "
+                                "or 'path/to/file.py:function'")
+
+
+def _order(nodes: list[NodeSpec]) -> list[NodeSpec]:
+    """Topological order; at equal depth, declaration order (DistFlow's serialisation of a colocated graph)."""
+    by_id = {n.id: n for n in nodes}
+    depth: dict[str, int] = {}
+    visiting: list[str] = []
+
+    def visit(node_id: str) -> int:
+        if node_id in depth:
+            return depth[node_id]
+        if node_id in visiting:
+            cycle = visiting[visiting.index(node_id):] + [node_id]
+            raise WorkflowError(f"workflow node {node_id!r} is on a cycle: {' -> '.join(cycle)}")
+        visiting.append(node_id)
+        d = 1 + max((visit(i) for i in by_id[node_id].inputs), default=-1)
+        visiting.pop()
+        depth[node_id] = d
+        return d
+
+    for n in nodes:
+        visit(n.id)
+    position = {n.id: i for i, n in enumerate(nodes)}
+    return sorted(nodes, key=lambda n: (depth[n.id], position[n.id]))
+
+
+def resolve(cfg: Any) -> Workflow:
+    """The workflow ``cfg`` asks for, checked and in execution order; raises WorkflowError naming the node."""
+    nodes = _merge(builtin_graph(cfg), list(cfg.workflow.nodes))
+    _check(nodes)
+    return Workflow(tuple(_order(nodes)))
+
+
+def workflow_problems(cfg: Any) -> list[str]:
+    try:
+        resolve(cfg)
+    except WorkflowError as err:
+        return [str(err)]
+    return []

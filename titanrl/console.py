@@ -52,8 +52,12 @@ def log_path() -> Path | None:
     return _log_path
 
 
-def say(message: str, *, error: bool = False) -> None:
-    """A titanrl message for the person at the console (and, when routed, for the rank's log)."""
+def say(message: str, *, error: bool = False, log_only: bool = False) -> None:
+    """A titanrl message for the person at the console (and, when routed, for the rank's log); ``log_only``:
+    the rank's log alone (stderr when not routed)."""
+    if log_only:
+        print(message, file=sys.stderr if _console_out is None else sys.stdout, flush=True)
+        return
     if _console_out is None:
         print(message, file=sys.stderr if error else sys.stdout, flush=True)
         return
@@ -62,11 +66,15 @@ def say(message: str, *, error: bool = False) -> None:
     print(message, file=stream, flush=True)
 
 
-def report_exception(err: BaseException, *, rank: int, expected: bool, verbose: bool) -> None:
+def report_exception(err: BaseException, *, rank: int, expected: bool, verbose: bool, console: bool = True) -> None:
     """End a run that raised: the traceback always goes to the rank's log (or stderr); the console
     gets one named line for errors the user can fix (``expected``: bad config, bad sample, bad
-    reward function, unreachable Ray) and the traceback too for anything else (a bug of ours)."""
+    reward function, unreachable Ray) and the traceback too for anything else (a bug of ours).
+    ``console=False``: the log alone (an error that is the consequence of another rank's failure)."""
     text = "".join(traceback.format_exception(err))
+    if not console:
+        print(text, file=sys.stderr, flush=True)  # the log, or stderr when not routed
+        return
     if _console_out is None:  # not routed: stderr is the console
         print(text if (verbose or not expected) else "", end="", file=sys.stderr, flush=True)
         print(f"[titanrl] error on rank {rank}: {err}", file=sys.stderr, flush=True)

@@ -133,26 +133,32 @@ def all_to_all_arrays(
     return received, sum(in_sizes)
 
 
-def new_world_group(info: DistInfo):
+def new_world_group(info: DistInfo, timeout_s: float | None = None):
     """A process group of every rank, separate from the default one (and so from FSDP's): a
     collective issued on it never has to be ordered against the others' (vision balancing's
-    embedding route runs inside the model's forward and backward). Every rank must call it."""
-    return dist.new_group(ranks=list(range(info.world_size)))
+    embedding route runs inside the model's forward and backward). Every rank must call it.
+    ``timeout_s``: as ``job.collective_timeout_s`` (a new group does not inherit the default group's)."""
+    return dist.new_group(ranks=list(range(info.world_size)), timeout=_timeout(timeout_s))
 
 
-def build_ulysses_groups(rank: int, world: int, degrees: Sequence[int], device: torch.device) -> dict:
-    """This rank's process group for every Ulysses degree ``p > 1`` in ``degrees``: the ``ulysses``
-    dimension of a ``(world / p, p)`` DeviceMesh, so the groups of degree ``p`` are the aligned
-    blocks of ``p`` consecutive ranks (FlexRL's nested groups). Built once at start-up (making a
-    group is a collective every rank joins); keyed by the member ranks. ``p`` must divide ``world``."""
+def _timeout(timeout_s: float | None) -> timedelta | None:
+    return None if timeout_s is None else timedelta(seconds=timeout_s)
+
+
+def build_ulysses_groups(rank: int, world: int, degrees: Sequence[int], device: torch.device,
+                         timeout_s: float | None = None) -> dict:
+    """This rank's process group for every Ulysses degree ``p > 1`` in ``degrees``: the aligned blocks of
+    ``p`` consecutive ranks (the ``ulysses`` dimension of a ``(world / p, p)`` mesh: FlexRL's nested groups),
+    created with ``timeout_s`` (``job.collective_timeout_s``; torch's own default is 30 minutes whatever the
+    default group's). Built once at start-up (making a group is a collective every rank joins); keyed by the
+    member ranks. ``p`` must divide ``world``."""
     groups: dict[tuple[int, ...], object] = {}
     for p in sorted(set(degrees)):
         if p <= 1:
             continue
         if world % p:
             raise ValueError(f"Ulysses degree {p} does not divide the {world} ranks")
-        mesh = DeviceMesh(device.type, torch.arange(world).view(world // p, p),
-                          mesh_dim_names=(f"ulysses{p}_replicate", f"ulysses{p}"))
-        sub = mesh[f"ulysses{p}"]
-        groups[tuple(int(r) for r in sub.mesh.tolist())] = sub.get_group()
+        blocks = torch.arange(world).view(world // p, p).tolist()
+        mine, _ = dist.new_subgroups_by_enumeration(blocks, timeout=_timeout(timeout_s))
+        groups[tuple(next(b for b in blocks if rank in b))] = mine
     return groups

@@ -27,6 +27,9 @@ _USER_ERRORS = (
 
 def _is_user_error(err: BaseException) -> bool:
     names = {f"{c.__module__}.{c.__qualname__}" for c in type(err).__mro__}
+    if "titanrl.workflow.executor.NodeError" in names:  # the user's own function, or one of the errors above
+        node = err.node
+        return not node.builtin or node.role == "reward" or _is_user_error(err.cause)
     return any(name in names for name in _USER_ERRORS)
 
 
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from titanrl.distributed import init_distributed, shutdown
 
     info = init_distributed(cfg.job.collective_timeout_s)
+    trainer = None
     try:
         from titanrl.trainer import Trainer
 
@@ -64,8 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
         if info.is_main:
             say(trainer.summary(time.time() - started))
-    except Exception as err:  # noqa: BLE001 - every rank ends with a named line; see report_exception
-        report_exception(err, rank=info.rank, expected=_is_user_error(err), verbose=cfg.metrics.verbose)
+    except Exception as err:  # noqa: BLE001 - the failing rank ends with a named line; see report_exception
+        elsewhere = trainer.control.failed_elsewhere if trainer is not None else None
+        if elsewhere is not None:  # a consequence of another rank's failure, whose line names the cause
+            report_exception(err, rank=info.rank, expected=True, verbose=cfg.metrics.verbose, console=False)
+            say(f"[titanrl] rank {info.rank} stopped: {elsewhere}", log_only=True)
+        else:
+            report_exception(err, rank=info.rank, expected=_is_user_error(err), verbose=cfg.metrics.verbose)
         return 1
     finally:
         shutdown()

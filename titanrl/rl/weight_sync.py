@@ -65,6 +65,32 @@ def write_hf(model: torch.nn.Module, args: Qwen2_5_VLArgs, outdir: Path, *,
     return writer
 
 
+def _shm_base() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+def remove_stale_push_folders(base: Path | None = None) -> list[Path]:
+    """Remove the push folders (``titanrl-<job>-...-<pid>``) whose owning process is gone: what runs killed on
+    this machine (kill -9, an OOM kill) left in shared memory. The owner is the pid the name ends with (the
+    torchrun agent, or the process of a one-process run); a pid that lives again but started after the folder
+    was made is another process, so its folder is stale too. Returns what was removed."""
+    import psutil
+
+    removed = []
+    for folder in (base or _shm_base()).glob("titanrl-*"):
+        pid_text = folder.name.rsplit("-", 1)[-1]
+        if not folder.is_dir() or not pid_text.isdigit():
+            continue
+        try:
+            alive = psutil.Process(int(pid_text)).create_time() <= folder.stat().st_mtime + 1.0
+        except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError):
+            alive = False
+        if not alive:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
 def shm_root(job_name: str) -> Path:
     """The node-local folder the ranks of one job push weights through: unique per job on the node.
 
@@ -72,7 +98,7 @@ def shm_root(job_name: str) -> Path:
     live job on the node has; ``TORCHELASTIC_RUN_ID`` alone is not enough (it is "none" without
     ``--rdzv-id``). A plain ``python -m titanrl.train`` is one process: its own pid (its parent may be
     a shell or init, shared with other jobs)."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    base = _shm_base()
     if "LOCAL_WORLD_SIZE" in os.environ:
         job = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-{os.getppid()}"
     else:
@@ -105,7 +131,10 @@ class WeightPusher:
         t2 = time.perf_counter()
         return {"sync/export_s": t1 - t0, "sync/load_s": t2 - t1}
 
-    def close(self) -> None:
-        barrier()
+    def close(self, *, collective: bool = True) -> None:
+        """Remove this job's push folder (local rank 0, after the others are done with it; after a failure,
+        ``collective=False``, without waiting for them)."""
+        if collective:
+            barrier()
         if self.info.local_rank == 0 and self.root.exists():
             shutil.rmtree(self.root, ignore_errors=True)

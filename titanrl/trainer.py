@@ -28,7 +28,7 @@ from titanrl.parallel.balance import karmarkar_karp
 from titanrl.parallel.parallelize import CompileOptions, parallelize_qwen2_5_vl
 from titanrl.parallel.ulysses import resolve_ulysses
 from titanrl.rl.dump import dump_step
-from titanrl.rl.exchange import VisionBalancing
+from titanrl.rl.vision_inputs import VisionBalancing
 from titanrl.rl.grpo import build_policy_loss
 from titanrl.rl.rewards import load_reward
 from titanrl.rl.stages import StageRunner, build_cost_model

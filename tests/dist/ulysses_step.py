@@ -47,7 +47,9 @@ from titanrl.parallel.parallelize import CompileOptions, parallelize_qwen2_5_vl 
 from titanrl.parallel.stage_plan import plan_stage, stage_from_shard_plans  # noqa: E402
 from titanrl.parallel.ulysses import layout_builder  # noqa: E402
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories  # noqa: E402
-from titanrl.rl.exchange import TrajectoryExchange, VisionBalancing, gather_metadata, stage_units  # noqa: E402
+from titanrl.rl.exchange import TrajectoryExchange  # noqa: E402
+from titanrl.rl.units import gather_metadata, stage_units  # noqa: E402
+from titanrl.rl.vision_inputs import VisionBalancing  # noqa: E402
 from titanrl.rl.grpo import ppo_clip_loss  # noqa: E402
 
 LOSS = dict(clip_low=0.2, clip_high=0.28, mode="seq-mean-token-mean", kl_coef=0.1, kl_estimator="k3",

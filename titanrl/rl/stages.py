@@ -36,8 +36,10 @@ from titanrl.parallel.ulysses import UlyssesLayout, layout_builder
 from titanrl.rl.batch import Trajectory, dummy_pack
 from titanrl.rl.slice_loading import StepSlices
 from titanrl.rl.timing import busy_clock
-from titanrl.rl.exchange import (StageUnit, TrajectoryExchange, TrajectoryMeta, VisionBalancing, WaveInputs,
-                                 gather_metadata, stage_units)
+from titanrl.rl.assemble import WaveInputs
+from titanrl.rl.exchange import TrajectoryExchange
+from titanrl.rl.units import StageUnit, TrajectoryMeta, gather_metadata, stage_units
+from titanrl.rl.vision_inputs import VisionBalancing
 
 
 def build_cost_model(args: Qwen2_5_VLArgs, kind: str) -> CostModel:

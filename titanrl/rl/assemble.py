@@ -1,0 +1,139 @@
+"""Batch assembly: one rank's model inputs of one wave (``WaveInputs``: a ``PackedBatch``, log-prob targets and the
+per-token loss inputs) from the arrays the exchange delivered."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from titanrl.models.packed import PackedBatch
+from titanrl.models.qwen2_5_vl.model import LogprobTargets
+from titanrl.models.vision_grid import VisionGrid
+from titanrl.parallel.stage_plan import Piece
+from titanrl.parallel.vision_plan import FrameRun, WaveVisionPlan, route_indices
+from titanrl.parallel.vision_route import VisionRoute
+from titanrl.rl.vision_inputs import frame_runs
+
+
+@dataclass
+class WaveInputs:
+    """One rank's inputs for one wave, ready for the model."""
+
+    pieces: list[Piece]
+    batch: PackedBatch | None  # None: this rank has nothing in the wave (it runs a dummy)
+    targets: LogprobTargets | None
+    scored_counts: list[int]  # scored log-probs per piece, in order
+    seq_index: torch.Tensor | None  # [K] local response (a piece's response) of each scored log-prob
+    seq_lengths: torch.Tensor | None  # [local responses] full length of each
+    advantages: torch.Tensor | None  # [K]
+    fields: dict[str, torch.Tensor]  # [K] per requested field
+    bytes_sent: int = 0
+    # set when vision balancing routes embeddings in this wave: every rank's forward (a dummy's
+    # too) must call it, since it is a collective
+    vision_route: VisionRoute | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.batch is None else self.batch.num_tokens
+
+
+def assemble_wave(ex, plan, wave, mine, metas, received, cursor, fields, temperature, return_entropy,
+                  layout_builder, vplan: WaveVisionPlan | None, fetched: dict[FrameRun, np.ndarray]) -> WaveInputs:
+    """This rank's ``WaveInputs`` of ``wave`` from what it received (``received[src]``, consumed from
+    ``cursor[src]`` in send order) and fetched: pieces in plan order, one vision grid per encoded run, the row of
+    each placeholder token in the encoded (or routed) rows. ``ex`` is the step's ``TrajectoryExchange``."""
+    route = None
+    if vplan is not None and (vplan.moves() or mine):
+        route = VisionRoute(route_indices(vplan, ex.rank, ex.shapes), ex.rank, ex.vision.group,
+                            collective=vplan.moves(), counter=ex.vision_stats.route)
+    if not mine:  # a dummy forward still joins the route's collective
+        return WaveInputs([], None, None, [], None, None, None, {}, vision_route=route)
+    per_piece = []
+    for p in mine:
+        src = metas[p.seq].home
+        k = 3 + len(fields)
+        per_piece.append(received[src][cursor[src]:cursor[src] + k])
+        cursor[src] += k
+    need_runs = frame_runs(mine, metas)
+    enc_runs = list(vplan.encode[ex.rank]) if vplan is not None else need_runs
+    pixels = []
+    for run in enc_runs:
+        if ex.slices is not None:
+            pixels.append(fetched[run])
+            continue
+        src = ex.by_group[run.group].home
+        pixels.append(received[src][cursor[src]])
+        cursor[src] += 1
+
+    # vision: one grid per encoded run, in run order; the row of each placeholder token in the
+    # rows of the runs it needs (what the route returns, or the encoded rows themselves)
+    grids: list[VisionGrid] = []
+    for run in enc_runs:
+        g = ex.by_group[run.group].media[run.item].grid
+        grids.append(VisionGrid(run.f1 - run.f0, g.h, g.w, g.is_video, g.second_per_grid))
+    run_rows: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (group, item) -> (f0, f1, first row)
+    rows = 0
+    for run in need_runs:
+        item = ex.by_group[run.group].media[run.item]
+        run_rows.setdefault((run.group, run.item), []).append((run.f0, run.f1, rows))
+        rows += (run.f1 - run.f0) * item.tokens_per_frame
+    token_rows = []
+    ids, pos, tgt_pos, tgt_ids, seq_index, adv, seq_lengths = [], [], [], [], [], [], []
+    extra: dict[str, list[np.ndarray]] = {f: [] for f in fields}
+    scored_counts, offset = [], 0
+    for p, arrays in zip(mine, per_piece):
+        m = metas[p.seq]
+        ids.append(arrays[0])
+        pos.append(arrays[1])
+        sc = m.scored(p.start, p.end)
+        tgt_pos.append(sc.positions - p.start + offset)
+        tgt_ids.append(arrays[2])
+        # every response of the piece's unit is a local sequence of the loss (those without a
+        # scored token here contribute nothing)
+        seq_index.append(sc.response + len(seq_lengths))
+        seq_lengths += list(m.response_lens)
+        adv.append(np.asarray([ex.metas[t].advantage for t in m.trajs], dtype=np.float32)[sc.response])
+        for f, values in zip(fields, arrays[3:]):
+            extra[f].append(values)
+        scored_counts.append(len(sc.positions))
+        for j, item in enumerate(m.media):
+            frames = item.frames(p.start, p.end)
+            if frames is None:
+                continue
+            # a piece's frames of one item lie inside one run (runs are maximal)
+            f0, _, base = next(r for r in run_rows[(m.group, j)] if r[0] <= frames[0] < r[1])
+            lo, hi = max(p.start, item.token_start), min(p.end, item.token_end)
+            start_row = base + (lo - item.token_start) - f0 * item.tokens_per_frame
+            token_rows.append(np.arange(start_row, start_row + hi - lo))
+        offset += p.num_tokens
+    dev = ex.device
+    lengths = [p.num_tokens for p in mine]
+    layout = layout_builder(plan.waves[wave].ranks[ex.rank]) if layout_builder is not None else None
+    batch = PackedBatch(
+        input_ids=torch.from_numpy(np.concatenate(ids)).to(dev),
+        position_ids=torch.from_numpy(np.concatenate(pos, axis=1)).to(dev),
+        cu_seqlens=torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(dev),
+        max_seqlen=max(lengths),
+        grids=grids,
+        pixel_values=torch.from_numpy(np.concatenate(pixels)).to(dev, ex.dtype) if pixels else None,
+        vision_token_index=torch.from_numpy(np.concatenate(token_rows)).to(dev) if token_rows else None,
+        attention_layout=layout,
+        vision_route=route,
+        # whole units only here: sharded ones get their segments from the layout
+        segments=[metas[p.seq].segments for p in mine] if any(len(metas[p.seq].trajs) > 1 for p in mine)
+        else None,
+    )
+    targets = LogprobTargets(
+        positions=torch.from_numpy(np.concatenate(tgt_pos).astype(np.int64)).to(dev),
+        token_ids=torch.from_numpy(np.concatenate(tgt_ids)).to(dev),
+        temperature=temperature, return_entropy=return_entropy,
+    )
+    return WaveInputs(
+        pieces=mine, batch=batch, targets=targets, scored_counts=scored_counts,
+        seq_index=torch.from_numpy(np.concatenate(seq_index).astype(np.int64)).to(dev),
+        seq_lengths=torch.tensor(seq_lengths, device=dev),
+        advantages=torch.from_numpy(np.concatenate(adv)).to(dev),
+        fields={f: torch.from_numpy(np.concatenate(v)).to(dev) for f, v in extra.items()},
+    )

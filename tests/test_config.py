@@ -105,7 +105,7 @@ def test_shipped_flavors():
 def test_sections():
     assert list(fields_of(JobConfig)) == [
         "job", "model", "data", "parallelism", "balance", "rollout", "rl", "optimizer",
-        "lr_scheduler", "checkpoint", "metrics", "compile", "workflow",
+        "lr_scheduler", "checkpoint", "metrics", "compile", "critic", "workflow",
     ]  # fmt: skip
     assert all(spec.is_section for spec in fields_of(JobConfig).values())
 
@@ -378,8 +378,9 @@ def test_all_problems_are_reported_together():
     assert "optimizer.lr must be > 0" in message and "checkpoint.interval must be > 0" in message
 
 
-def test_ppo_is_not_offered_and_the_model_path_may_be_empty():
-    assert "expects one of 'grpo'" in config_error("--rl.algorithm=ppo")
+def test_ppo_needs_no_group_and_the_model_path_may_be_empty():
+    assert load_config(None, ["--rl.algorithm=ppo", "--rollout.n=1"]).rl.algorithm == "ppo"
+    assert "rollout.n must be >= 2 for rl.algorithm='grpo'" in config_error("--rollout.n=1")
     assert load_config(REPO / "configs" / "qwen2_5_vl_7b.toml").model.path == ""
 
 

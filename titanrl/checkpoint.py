@@ -15,7 +15,9 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
@@ -35,6 +37,19 @@ class OptimizerState(Stateful):
         set_optimizer_state_dict(
             self.model, self.optimizer, state_dict, options=StateDictOptions(flatten_optimizer_state_dict=True)
         )
+
+
+class ModelState(Stateful):
+    """A further model's parameters (the critic), FQN-keyed and FSDP-aware like the policy's."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict)
 
 
 class SchedulerState(Stateful):

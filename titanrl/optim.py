@@ -9,12 +9,14 @@ import torch
 from titanrl.config import JobConfig
 
 
-def build_optimizer(cfg: JobConfig, params) -> torch.optim.Optimizer:
+def build_optimizer(cfg: JobConfig, params, *, lr: float | None = None) -> torch.optim.Optimizer:
+    """AdamW of ``[optimizer]`` (``lr``: another peak learning rate, e.g. the critic's)."""
     o = cfg.optimizer
     if o.name != "AdamW":
         raise ValueError(f"optimizer.name={o.name!r}: only 'AdamW' is supported")
     return torch.optim.AdamW(
-        params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, foreach=True
+        params, lr=o.lr if lr is None else lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+        foreach=True
     )
 
 
@@ -34,13 +36,16 @@ def lr_factor(step: int, *, warmup_steps: int, decay_steps: int, decay_type: str
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def build_lr_scheduler(cfg: JobConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(cfg: JobConfig, optimizer: torch.optim.Optimizer, *,
+                       warmup_steps: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+    """``[lr_scheduler]``'s schedule (``warmup_steps``: another warmup length, e.g. the critic's)."""
     s = cfg.lr_scheduler
-    decay_steps = s.decay_steps if s.decay_steps is not None else max(0, cfg.job.steps - s.warmup_steps)
+    warmup = s.warmup_steps if warmup_steps is None else warmup_steps
+    decay_steps = s.decay_steps if s.decay_steps is not None else max(0, cfg.job.steps - warmup)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_factor(
-            step, warmup_steps=s.warmup_steps, decay_steps=decay_steps, decay_type=s.decay_type,
+            step, warmup_steps=warmup, decay_steps=decay_steps, decay_type=s.decay_type,
             min_lr_factor=s.min_lr_factor,
         ),
     )

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from titanrl import assets
-from titanrl.checkpoint import CallbackState, RNGState, build_checkpoint_manager
+from titanrl.checkpoint import (CallbackState, ModelState, OptimizerState, RNGState, SchedulerState,
+                                build_checkpoint_manager)
 from titanrl.config import JobConfig, config_to_dict, save_resolved
 from titanrl.console import log_path, say
 from titanrl.data.manifest import SampleRecord, read_manifest
@@ -97,6 +98,9 @@ class Trainer:
         mesh = build_dp_mesh(info)
         self.model = self._build_model(mesh, trainable=True)
         self.ref_model = self._build_model(mesh, trainable=False) if cfg.rl.kl_coef > 0 else None
+        # PPO's critic: the policy's network with a value head, sharded and compiled like it
+        self.critic = (self._build_model(mesh, trainable=True, value_head=True, path=cfg.critic.path or None)
+                       if cfg.rl.algorithm == "ppo" else None)
         cost_model = build_cost_model(self.args, cfg.balance.cost_model)
         self.stages = StageRunner(
             args=self.args, rank=info.rank, world=info.world_size, device=info.device, dtype=self.param_dtype,
@@ -117,6 +121,14 @@ class Trainer:
         self.probe_violations = 0
         self.optimizer = build_optimizer(cfg, self.model.parameters())
         self.lr_scheduler = build_lr_scheduler(cfg, self.optimizer)
+        critic_states = {}
+        if self.critic is not None:
+            self.critic_optimizer = build_optimizer(cfg, self.critic.parameters(), lr=cfg.critic.lr)
+            self.critic_lr_scheduler = build_lr_scheduler(cfg, self.critic_optimizer,
+                                                          warmup_steps=cfg.critic.warmup_steps)
+            critic_states = {"critic": ModelState(self.critic),
+                             "critic_optimizer": OptimizerState(self.critic, self.critic_optimizer),
+                             "critic_lr_scheduler": SchedulerState(self.critic_lr_scheduler)}
 
         self.engine = build_rollout_engine(cfg, self.model_dir, info.rank, mm_limits=mm_limits_for(self.records))
         self._resources.callback(self.engine.close)
@@ -147,6 +159,7 @@ class Trainer:
             extra_states={
                 "trainer": CallbackState(lambda: {"step": self.step}, self._load_trainer_state),
                 "rng": RNGState(info.rank),
+                **critic_states,
             },
         )
         self._resources.callback(self.checkpointer.close)
@@ -158,10 +171,10 @@ class Trainer:
         self.first_step = self.step + 1  # of this process (a resumed run starts past 1)
         self.history: list[dict[str, float]] = []  # every step's metrics, for the end-of-run summary
 
-    def _build_model(self, mesh, *, trainable: bool) -> Qwen2_5_VLModel:
+    def _build_model(self, mesh, *, trainable: bool, value_head: bool = False, path=None) -> Qwen2_5_VLModel:
         cfg = self.cfg
-        model = Qwen2_5_VLModel(self.args)
-        load_hf_weights(model, self.model_dir)
+        model = Qwen2_5_VLModel(self.args, value_head=value_head)
+        load_hf_weights(model, path or self.model_dir)
         model.set_attention_backend(cfg.model.attn_backend)
         model.to(self.info.device)
         if not trainable:
@@ -207,7 +220,8 @@ class Trainer:
         self.step += 1
         if self.cfg.metrics.dump_tensors:
             trajs = buffer.outputs["reward"].trajectories if "reward" in buffer.outputs else []
-            dump_step(self.cfg.run_dir, self.step, trajs, {"policy": self.model}, is_main=self.info.is_main)
+            models = {"policy": self.model, **({"critic": self.critic} if self.critic is not None else {})}
+            dump_step(self.cfg.run_dir, self.step, trajs, models, is_main=self.info.is_main)
         return step_metrics(self, buffer, timer, time.perf_counter() - t_step)
 
     _close_collective = True  # False after a failure: tear-down waits for no other rank

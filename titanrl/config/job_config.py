@@ -308,9 +308,16 @@ class RolloutConfig:
 class RLConfig:
     """[rl] The RL objective: algorithm, reward, batch sizes and loss terms."""
 
-    algorithm: Literal["grpo"] = "grpo"
-    """Advantage estimator: group-relative (GRPO) with the PPO-clip objective. A learned critic
-    (PPO with GAE) is not built yet."""
+    algorithm: Literal["grpo", "ppo"] = "grpo"
+    """The built-in workflow (docs/workflow.md): grpo = group-relative advantages with the PPO-clip objective;
+    ppo = a learned critic ([critic]), per-token GAE advantages (rl.gamma, rl.lam) whitened over the step, the
+    PPO-clip objective, and the critic trained with a clipped value loss (rl.value_clip)."""
+    gamma: float = 1.0
+    """PPO: discount of the per-token rewards (the reward arrives at a response's last token)."""
+    lam: float = 0.95
+    """PPO: GAE's lambda."""
+    value_clip: float = 0.5
+    """PPO: the critic's new values are clipped to old value +- value_clip in the clipped value loss."""
     reward: str = "titanrl.rl.rewards:exact_match_with_format"
     """Reward function as 'module:function', imported when training starts."""
     global_batch_size: int = 32
@@ -374,6 +381,12 @@ class RLConfig:
             found.append(f"rl.kl_coef must be >= 0, got {self.kl_coef}")
         if self.entropy_coef < 0:
             found.append(f"rl.entropy_coef must be >= 0, got {self.entropy_coef}")
+        if not 0 <= self.gamma <= 1:
+            found.append(f"rl.gamma must be in [0, 1], got {self.gamma}")
+        if not 0 <= self.lam <= 1:
+            found.append(f"rl.lam must be in [0, 1], got {self.lam}")
+        if self.value_clip <= 0:
+            found.append(f"rl.value_clip must be > 0, got {self.value_clip}")
         return found
 
 
@@ -533,6 +546,28 @@ class CompileConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class CriticConfig:
+    """[critic] The value model of rl.algorithm = 'ppo': the policy's architecture with a scalar head, sharded,
+    balanced and sequence-parallel like the policy; its own AdamW (optimizer.betas / eps / weight_decay /
+    max_grad_norm) and LR schedule (lr_scheduler's shape with its own warmup), saved and resumed with the run."""
+
+    path: str = ""
+    """Initial critic (an HF folder, e.g. a saved critic); empty = the policy's checkpoint, value head at 0."""
+    lr: float = 1e-3
+    """Peak learning rate of the critic."""
+    warmup_steps: int = 0
+    """Linear warmup of the critic's learning rate, in RL steps."""
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.lr <= 0:
+            found.append(f"critic.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            found.append(f"critic.warmup_steps must be >= 0, got {self.warmup_steps}")
+        return found
+
+
+@dataclass(kw_only=True, slots=True)
 class NodeConfig:
     """One [[workflow.nodes]] entry: a node added to the built-in workflow, or - with the id of one of its
     nodes - a change of that node (the fields given replace the built-in's; unset fields keep them)."""
@@ -557,11 +592,9 @@ class NodeConfig:
 
 @dataclass(kw_only=True, slots=True)
 class WorkflowConfig:
-    """[workflow] The RL step as a DAG of nodes that every rank runs (docs/workflow.md)."""
+    """[workflow] The RL step as a DAG of nodes that every rank runs (docs/workflow.md): the built-in graph of
+    rl.algorithm, colocated on every rank (the disaggregated placement is planned), with nodes added or changed."""
 
-    name: Literal["grpo"] = "grpo"
-    """Built-in workflow: grpo = data -> rollout -> reward -> advantage -> old / reference log-probs -> update ->
-    weight_sync, colocated on every rank. (PPO with a critic and the disaggregated placement are planned.)"""
     nodes: list[NodeConfig] = field(default_factory=list)
     """Nodes added to the built-in workflow, or changes of its nodes (same id): [[workflow.nodes]] tables."""
 
@@ -585,6 +618,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
 
     @property
@@ -607,7 +641,7 @@ class JobConfig:
         for section in (
             self.job, self.model, self.data, self.parallelism, self.balance, self.rollout,
             self.rl, self.optimizer, self.lr_scheduler, self.checkpoint, self.metrics,
-            self.compile, self.workflow,
+            self.compile, self.critic, self.workflow,
         ):  # fmt: skip
             found += section.problems()
 

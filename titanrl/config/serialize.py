@@ -62,7 +62,7 @@ def _write_table(obj: Any, path: list[str], lines: list[str], with_docs: bool) -
     specs = fields_of(type(obj))
     arrays = [s for s in specs.values() if table_list_of(s.type) is not None]
     values = [s for s in specs.values() if not s.is_section and s not in arrays]
-    if path and (values or with_docs):
+    if path and (values or arrays or with_docs):
         lines.append("")
         if with_docs and section_doc(type(obj)):
             lines.append(f"# {section_doc(type(obj))}")

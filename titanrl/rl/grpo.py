@@ -96,6 +96,13 @@ class PolicyLossOutput:
     entropy: torch.Tensor  # contribution to the mean entropy (detached)
 
 
+@dataclass
+class ValueLossOutput:
+    loss: torch.Tensor  # contribution to the minibatch's value loss (differentiable)
+    value_loss: torch.Tensor  # the same, detached
+    clip_fraction: torch.Tensor  # contribution to the share of tokens whose clipped error was the larger
+
+
 def ppo_clip_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -10,7 +10,9 @@ loader, the stage runner. ``batch`` is this rank's share of the step (``titanrl.
 - ``old_logprobs`` / ``ref_logprobs``: per-token log-probs of the policy / the reference wherever the stage plan
   places the tokens (the model stages first learn every trajectory's metadata: ``stage_inputs``);
 - ``train_actor``: ``ppo_epochs`` x ``minibatches`` optimizer steps on the PPO-clip objective;
-- ``push_weights``: the new weights into the engines, and the probe every ``rollout.probe_every`` steps.
+- ``push_weights``: the new weights into the engines, and the probe every ``rollout.probe_every`` steps;
+- PPO: ``critic_values`` (the critic's value of the state before each response token), ``gae_advantages``
+  (per-token GAE advantages, whitened over the step, and returns) and ``train_critic`` (the clipped value loss).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from titanrl.console import say
 from titanrl.data.shadow import BadSample, Materialized
 from titanrl.distributed import all_reduce_max, all_reduce_sum
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
+from titanrl.rl.grpo import ValueLossOutput, aggregate
 from titanrl.rl.grpo import group_advantages as grpo_advantages
 from titanrl.rl.rewards import exact_match
 from titanrl.rl.slice_loading import StepSlices
@@ -119,7 +122,9 @@ def _loss(ctx):
         ref = inputs.fields.get("ref_logprobs")
         # no old log-probs moved: this forward is the old policy's (old_from_first_forward), ratio 1
         old = inputs.fields["old_logprobs"] if "old_logprobs" in inputs.fields else out.logprobs.detach()
-        return ctx.policy_loss(out.logprobs, old, inputs.advantages, inputs.seq_index, inputs.seq_lengths,
+        # PPO: per-token GAE advantages; GRPO: the response's advantage on each of its tokens
+        adv = inputs.fields["advantages"] if "advantages" in inputs.fields else inputs.advantages
+        return ctx.policy_loss(out.logprobs, old, adv, inputs.seq_index, inputs.seq_lengths,
                                global_tokens=global_tokens, global_seqs=global_seqs, ref_logp=ref,
                                entropy=out.entropy)
     return loss
@@ -130,6 +135,8 @@ def train_actor(batch, ctx):
     cfg, rl = ctx.cfg, ctx.cfg.rl
     ctx.model.train()
     fields = ("old_logprobs", "ref_logprobs") if ctx.ref_model is not None else ("old_logprobs",)
+    if rl.algorithm == "ppo":
+        fields += ("advantages",)
     sums = {"pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "grad_norm": 0.0}
     steps = 0
     loss_fn = _loss(ctx)
@@ -203,3 +210,96 @@ def check_probe(diff: float, ctx) -> None:
             f"{ctx.probe_violations} consecutive checks (last: {diff:.3g}): the rollout engine does not "
             "compute with the trained weights; raise the tolerance only if the two sides use different "
             "kernels or dtypes on purpose")
+
+
+# ---------------------------------------------------------------------------------- PPO: the critic
+
+def critic_values(batch, ctx):
+    stage_inputs(batch, ctx)
+    ctx.stages.logprobs(ctx.critic, "values", temperature=1.0, output="values")
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
+    """Generalised advantage estimates of one response (float64): delta_t = r_t + gamma V_{t+1} - V_t with
+    V after the last token 0, A_t = delta_t + gamma lam A_{t+1}."""
+    adv = torch.zeros_like(values)
+    last = 0.0
+    for t in range(values.numel() - 1, -1, -1):
+        next_value = values[t + 1] if t + 1 < values.numel() else 0.0
+        last = rewards[t] + gamma * next_value - values[t] + gamma * lam * last
+        adv[t] = last
+    return adv
+
+
+def gae_advantages(batch, ctx):
+    """Per-token advantages and returns of every response from its reward (at its last token) and the critic's
+    values; the advantages are whitened over every response token of the step (all ranks: one all-reduce)."""
+    rl = ctx.cfg.rl
+    raw = []
+    for t in batch.trajectories:
+        values = t.values.double()
+        rewards = torch.zeros_like(values)
+        if values.numel():
+            rewards[-1] = t.reward
+        adv = gae(rewards, values, rl.gamma, rl.lam)
+        t.returns = (adv + values).float()
+        raw.append(adv)
+    flat = torch.cat(raw) if raw else torch.zeros(0, dtype=torch.float64)
+    returns = torch.cat([t.returns.double() for t in batch.trajectories]) if raw else flat
+    values = torch.cat([t.values.double() for t in batch.trajectories]) if raw else flat
+    err = returns - values
+    sums = all_reduce_sum(torch.stack([
+        flat.sum(), (flat ** 2).sum(), torch.tensor(float(flat.numel()), dtype=torch.float64),
+        returns.sum(), (returns ** 2).sum(), err.sum(), (err ** 2).sum(), values.sum()]))
+    n = max(sums[2].item(), 1.0)
+    mean = sums[0] / n
+    var = (sums[1] / n - mean ** 2) * n / max(n - 1.0, 1.0)  # unbiased, as the usual masked whitening
+    scale = torch.rsqrt(var.clamp(min=0.0) + 1e-8)
+    for t, adv in zip(batch.trajectories, raw):
+        t.advantages = ((adv - mean) * scale).float()
+    var_returns = sums[4] / n - (sums[3] / n) ** 2
+    var_err = sums[6] / n - (sums[5] / n) ** 2
+    batch.metrics["critic/values_mean"] = (sums[7] / n).item()
+    batch.metrics["critic/explained_variance"] = (1.0 - var_err / var_returns).item() if var_returns > 1e-12 else 0.0
+
+
+def _value_loss(ctx):
+    clip = ctx.cfg.rl.value_clip
+    mode = ctx.cfg.rl.loss_agg
+
+    def loss(out, inputs, global_tokens: float, global_seqs: float):
+        old, ret = inputs.fields["values"], inputs.fields["returns"]
+        clipped = old + (out.values - old).clamp(-clip, clip)
+        unclipped_err, clipped_err = (out.values - ret) ** 2, (clipped - ret) ** 2
+        agg = dict(seq_index=inputs.seq_index, seq_lengths=inputs.seq_lengths, mode=mode,
+                   global_tokens=global_tokens, global_seqs=global_seqs)
+        value_loss = aggregate(0.5 * torch.maximum(unclipped_err, clipped_err), **agg)
+        return ValueLossOutput(value_loss, value_loss.detach(),
+                               aggregate((clipped_err > unclipped_err).float(), **agg).detach())
+    return loss
+
+
+def train_critic(batch, ctx):
+    stage_inputs(batch, ctx)
+    cfg, rl = ctx.cfg, ctx.cfg.rl
+    ctx.critic.train()
+    sums = torch.zeros(2, dtype=torch.float64)
+    grad_norm, steps = 0.0, 0
+    loss_fn = _value_loss(ctx)
+    for _ in range(rl.ppo_epochs):
+        for m in range(rl.minibatches):
+            ids = ctx.stages.minibatch_ids(m, rl.minibatches)
+            for res in ctx.stages.train_minibatch(ctx.critic, ids, ("values", "returns"), loss_fn, temperature=1.0):
+                sums += torch.tensor([res.value_loss.item(), res.clip_fraction.item()], dtype=torch.float64)
+            norm = torch.nn.utils.clip_grad_norm_(ctx.critic.parameters(), cfg.optimizer.max_grad_norm or float("inf"))
+            grad_norm += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            ctx.critic_optimizer.step()
+            ctx.critic_optimizer.zero_grad(set_to_none=True)
+            steps += 1
+    ctx.critic_lr_scheduler.step()
+    sums = all_reduce_sum(sums)
+    ctx.critic.eval()
+    batch.metrics.update({
+        "critic/value_loss": sums[0].item() / steps, "critic/value_clip_fraction": sums[1].item() / steps,
+        "critic/grad_norm": grad_norm / steps, "critic/lr": ctx.critic_lr_scheduler.get_last_lr()[0],
+    })

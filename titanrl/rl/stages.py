@@ -237,14 +237,16 @@ class StageRunner:
             dummy.batch.vision_route = inputs.vision_route  # the wave's embedding route is a collective
         out = model(dummy.batch, dummy.targets)
         if backward:
-            # zero weight, but every parameter (output projection included) is touched, so FSDP
+            # zero weight, but every parameter (output projection or value head included) is touched, so FSDP
             # reduce-scatters the same gradient buckets on every rank
-            (out.logprobs.sum() * 0.0).backward()
+            ((out.logprobs if out.logprobs is not None else out.values).sum() * 0.0).backward()
 
     @torch.no_grad()
-    def logprobs(self, model, attr: str, *, temperature: float, ids: Sequence[int] | None = None) -> None:
+    def logprobs(self, model, attr: str, *, temperature: float, ids: Sequence[int] | None = None,
+                 output: str = "logprobs") -> None:
         """``traj.<attr>`` of every home trajectory among ``ids`` (default: all; the same on every
-        rank): the model's log-probs of its response."""
+        rank): the model's log-probs of its response (``output="values"``: a critic's values at the same
+        positions, the state before each response token)."""
         ids = self.all_ids() if ids is None else list(ids)
         if not ids:
             return
@@ -259,7 +261,7 @@ class StageRunner:
                     self._dummy(model, backward=False, inputs=inputs)
                     logp = torch.zeros(0)
                 else:
-                    logp = model(inputs.batch, inputs.targets).logprobs
+                    logp = getattr(model(inputs.batch, inputs.targets), output)
                 self.stats.busy_seconds += self.clock() - t0
                 done.append((w, inputs, logp))
                 if plan.sync == "wave":  # results home per wave; under minibatch sync once, below

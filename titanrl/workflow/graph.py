@@ -27,7 +27,7 @@ _FILE_FN = re.compile(r"^[^:]+\.py:[A-Za-z_]\w*$")
 
 # Built-in node functions by name (titanrl.rl.nodes); the executor binds them.
 BUILTIN_FUNCTIONS = ("load_prompts", "generate", "score", "group_advantages", "old_logprobs", "ref_logprobs",
-                     "train_actor", "push_weights")
+                     "train_actor", "push_weights", "critic_values", "gae_advantages", "train_critic")
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,11 @@ class NodeSpec:
 
 
 def builtin_graph(cfg: Any) -> list[NodeSpec]:
-    """The nodes of ``cfg.workflow.name`` for this config (a reference model only when rl.kl_coef > 0)."""
-    if cfg.workflow.name != "grpo":
-        raise ValueError(f"unknown workflow.name {cfg.workflow.name!r}")
+    """The nodes of ``cfg.rl.algorithm``'s workflow for this config (a reference model only when rl.kl_coef > 0)."""
+    if cfg.rl.algorithm == "ppo":
+        return ppo_graph(cfg)
+    if cfg.rl.algorithm != "grpo":
+        raise ValueError(f"unknown rl.algorithm {cfg.rl.algorithm!r}")
     reference = cfg.rl.kl_coef > 0
     nodes = [
         NodeSpec("data", "none", "compute", "load_prompts", ()),
@@ -61,6 +63,29 @@ def builtin_graph(cfg: Any) -> list[NodeSpec]:
     nodes += [
         NodeSpec("update", "actor", "train", "train_actor",
                  ("old_logprob", "ref_logprob") if reference else ("old_logprob",)),
+        NodeSpec("weight_sync", "actor", "compute", "push_weights", ("update",)),
+    ]
+    return nodes
+
+
+def ppo_graph(cfg: Any) -> list[NodeSpec]:
+    """PPO: the critic's values of the responses, GAE advantages from them and the rewards, the actor's update
+    and the critic's."""
+    reference = cfg.rl.kl_coef > 0
+    nodes = [
+        NodeSpec("data", "none", "compute", "load_prompts", ()),
+        NodeSpec("rollout", "actor", "generate", "generate", ("data",)),
+        NodeSpec("reward", "reward", "compute", "score", ("rollout",)),
+        NodeSpec("values", "critic", "inference", "critic_values", ("reward",)),
+        NodeSpec("old_logprob", "actor", "inference", "old_logprobs", ("reward",)),
+    ]
+    if reference:
+        nodes.append(NodeSpec("ref_logprob", "reference", "inference", "ref_logprobs", ("reward",)))
+    nodes += [
+        NodeSpec("advantage", "none", "compute", "gae_advantages", ("values",)),
+        NodeSpec("update", "actor", "train", "train_actor",
+                 ("advantage", "old_logprob", "ref_logprob") if reference else ("advantage", "old_logprob")),
+        NodeSpec("critic_update", "critic", "train", "train_critic", ("advantage",)),
         NodeSpec("weight_sync", "actor", "compute", "push_weights", ("update",)),
     ]
     return nodes

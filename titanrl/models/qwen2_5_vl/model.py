@@ -44,6 +44,7 @@ class ModelOutput:
     hidden: torch.Tensor  # [N, hidden]
     logprobs: torch.Tensor | None = None  # [K] fp32
     entropy: torch.Tensor | None = None  # [K] fp32
+    values: torch.Tensor | None = None  # [K] fp32, a critic's (value_head=True) value at each target position
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -248,7 +249,9 @@ class Qwen2_5_VLModel(nn.Module):
     ``logits`` / ``token_logprobs`` project only the positions asked for, so the full
     [tokens, vocab] matrix is never materialised for log-prob computation."""
 
-    def __init__(self, args: Qwen2_5_VLArgs) -> None:
+    def __init__(self, args: Qwen2_5_VLArgs, *, value_head: bool = False) -> None:
+        """``value_head``: the critic of PPO - the same network with a scalar head (``values`` at the target
+        positions) where the policy has its vocabulary projection."""
         super().__init__()
         self.args = args
         t = args.text
@@ -256,10 +259,15 @@ class Qwen2_5_VLModel(nn.Module):
         self.tok_embeddings = nn.Embedding(t.vocab_size, t.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(t) for i in range(t.num_hidden_layers)})
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
-        self.output = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
         self.attn_backend: AttnBackend = "sdpa"
-        if t.tie_word_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        if value_head:  # a critic: a scalar per position instead of the vocabulary projection
+            self.output = None
+            self.value_head = nn.Linear(t.hidden_size, 1)
+        else:
+            self.output = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
+            self.value_head = None
+            if t.tie_word_embeddings:
+                self.output.weight = self.tok_embeddings.weight
         inv_freq = 1.0 / (t.rope_theta ** (torch.arange(0, t.head_dim, 2, dtype=torch.float) / t.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -350,6 +358,8 @@ class Qwen2_5_VLModel(nn.Module):
         h = self.norm(h)
         if targets is None:
             return ModelOutput(hidden=h)
+        if self.value_head is not None:  # (no targets still runs the head: every rank's backward reaches it)
+            return ModelOutput(hidden=h, values=self.value_head(h[targets.positions]).squeeze(-1).float())
         logp, ent = self.token_logprobs(
             h, targets.token_ids, targets.positions, temperature=targets.temperature,
             return_entropy=targets.return_entropy,

@@ -146,9 +146,16 @@ def read_hf_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Load an HF Qwen2.5-VL checkpoint into an unsharded titanrl model, strictly."""
+    """Load an HF Qwen2.5-VL checkpoint into an unsharded titanrl model, strictly. A critic (a model with a
+    ``value_head``) takes everything but the vocabulary projection from a policy checkpoint, and its value head
+    from the checkpoint when it has one (``value_head.*``, a saved critic), else zeros (every value 0 at first)."""
     adapter = Qwen2_5_VLStateDictAdapter(model.args)  # type: ignore[arg-type]
-    ours = adapter.from_hf(read_hf_safetensors(path))
+    raw = read_hf_safetensors(path)
+    head = {k: raw.pop(k) for k in list(raw) if k.startswith("value_head.")}
+    ours = adapter.from_hf(raw)
+    if getattr(model, "value_head", None) is not None:
+        ours.pop("output.weight", None)
+        ours.update(head or {k: torch.zeros_like(v) for k, v in model.value_head.state_dict(prefix="value_head.").items()})
     expected = dict(model.state_dict())
     missing = sorted(set(expected) - set(ours))
     unexpected = sorted(set(ours) - set(expected))

@@ -88,11 +88,12 @@ class RunControl:
         if self._store is None:
             return
         self._cleanup = cleanup
-        threading.Thread(target=self._watch, name="titanrl-abort-watch", daemon=True).start()
+        self._thread = threading.Thread(target=self._watch, name="titanrl-abort-watch", daemon=True)
+        self._thread.start()
 
     def _watch(self) -> None:
         while not self._done.wait(self.poll_s):
-            if self.announced or self.cause_elsewhere() is None:
+            if self.announced or self._done.is_set() or self.cause_elsewhere() is None:
                 continue
             print(f"[titanrl] rank {self.rank} stopping: {self.failed_elsewhere}", file=sys.stderr, flush=True)
             if self._done.wait(self.grace_s):
@@ -106,7 +107,12 @@ class RunControl:
                 os._exit(1)
 
     def close(self) -> None:
+        """Stop the watcher and wait for it: a daemon thread still inside a store call when the interpreter
+        finalises aborts the process."""
         self._done.set()
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10.0)
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None

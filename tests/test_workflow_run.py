@@ -1,10 +1,12 @@
 """The workflow end to end (tiny model, vLLM-CPU rollouts, gloo):
 
 - ``grpo`` on 4 ranks equals 1 rank after 3 steps on per-token log-probs (rollout, old, reference) and parameters;
+- ``ppo`` on 4 ranks equals 1 rank after 2 steps (actor and critic);
 - a node added from TOML (DAPO's dynamic sampling) runs and changes what the next node sees;
 - a reward that raises on one rank of 4 ends all 4 ranks within seconds, with one console line naming the node,
   the rank and the cause;
-- SIGTERM during step 3 leaves a checkpoint of step 3 and exit code 0; the rerun equals an uninterrupted run.
+- SIGTERM during step 3 leaves a checkpoint of step 3 (PPO: the critic's state too); the rerun equals an
+  uninterrupted run.
 """
 
 from __future__ import annotations
@@ -57,6 +59,26 @@ def test_grpo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
         assert all(v <= 1e-5 for v in diff.values()), (step, diff)
 
 
+def test_ppo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
+    """PPO (critic, GAE, clipped value loss): actor and critic parameters, per-token log-probs, values, returns and
+    advantages of 4 ranks equal 1 rank after 2 steps."""
+    common = ["--rl.algorithm=ppo", "--job.steps=2", "--checkpoint.enable=false", "--metrics.dump_tensors",
+              "--rl.old_logprobs=recompute", "--rl.minibatches=2"]
+    for name, nproc in (("one", None), ("four", 4)):
+        proc = run(cmd(tmp_path / name, run_cache, *common, nproc=nproc))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one, four = load_dumps(tmp_path / "one" / "tiny_cpu"), load_dumps(tmp_path / "four" / "tiny_cpu")
+    for step in (1, 2):
+        diff = max_differences(one[step], four[step])
+        assert {"values", "returns", "advantages", "old_logprobs", "params/policy", "params/critic"} <= set(diff)
+        assert all(v <= 1e-5 for v in diff.values()), (step, diff)
+    # the critic trained: its parameters moved from the policy's initialisation
+    first = load_dumps(tmp_path / "one" / "tiny_cpu")[1]["params"]["critic"]
+    assert float(first["value_head.weight"].abs().sum()) > 0
+    rec = metrics(tmp_path / "four" / "tiny_cpu")[2]
+    assert {"critic/value_loss", "critic/explained_variance", "critic/values_mean"} <= set(rec)
+
+
 def test_a_node_from_toml_changes_what_the_next_node_sees(run_cache, tmp_path):
     proc = run(cmd(tmp_path, run_cache, "--job.steps=2", "--checkpoint.enable=false",
                    config="configs/examples/dapo_filter.toml"))
@@ -105,7 +127,9 @@ def test_a_reward_raising_on_one_rank_ends_every_rank_with_one_named_line(run_ca
 
 
 def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, tmp_path):
-    common = ["--job.steps=5", "--checkpoint.interval=10", "--metrics.dump_tensors", "--rl.old_logprobs=recompute"]
+    """With PPO, so the critic, its optimizer and LR schedule are in the checkpoint too."""
+    common = ["--rl.algorithm=ppo", "--job.steps=5", "--checkpoint.interval=10", "--metrics.dump_tensors",
+              "--rl.old_logprobs=recompute"]
     straight = run(cmd(tmp_path / "straight", run_cache, *common, nproc=2))
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
 
@@ -130,7 +154,8 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, t
     assert "resumed from step 3" in resumed.stdout + resumed.stderr
     a, b = load_dumps(tmp_path / "straight" / "tiny_cpu"), load_dumps(out / "tiny_cpu")
     for step in (4, 5):
-        assert all(v == 0.0 for v in max_differences(a[step], b[step]).values()), step
+        diff = max_differences(a[step], b[step])
+        assert "params/critic" in diff and all(v == 0.0 for v in diff.values()), (step, diff)
     ma, mb = metrics(tmp_path / "straight" / "tiny_cpu"), metrics(out / "tiny_cpu")
     for step in (4, 5):
         for key in ("loss", "reward/mean", "kl", "entropy", "grad_norm"):

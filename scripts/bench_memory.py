@@ -1,0 +1,191 @@
+"""Predicted (titanrl.memory) vs measured peak memory per rank, CPU: benchmarks/memory.md + .json.
+
+    nice -n 19 python scripts/bench_memory.py [--models tiny small] [--worlds 1 2] [--steps 2]
+
+For every case (model flavor x ranks x balance.strategy x activation checkpointing) it runs, each as
+``python`` (1 rank) or ``torchrun --standalone --nproc-per-node N`` (this file in --child mode, which
+calls titanrl's own entry points):
+
+1. ``init``: the Trainer is built (model, reference model, rollout engine, loader, Ray client) and each
+   rank's peak RSS is read (``getrusage``). The *runtime* term of that case is this peak minus the
+   planner's static terms already resident then (parameters, reference model, engine weights and KV
+   cache): the Python/torch/vLLM/Ray-client process, which the planner does not derive from the shape.
+   It is a measured constant, reported per case, never fitted to the training run.
+2. ``train``: ``titanrl.train`` for ``--steps`` steps with checkpoints off; each rank's peak RSS after.
+
+predicted = planner terms (titanrl.memory.predict) with runtime_bytes = the measured runtime of (1);
+the error column compares it with (2), the rank with the largest peak. So the error measures exactly the
+terms the training step adds (gradients, AdamW state, lb_mini's gathered parameters and gradients,
+activations, the log-prob head), against a baseline that is measured, not guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = {"tiny": "configs/tiny_cpu.toml", "small": "configs/small_cpu.toml"}
+
+
+def child(out: Path, phase: str, argv: list[str]) -> int:
+    """One rank: build the Trainer (init) or run titanrl.train (train); write this rank's peak RSS."""
+    from titanrl import memory
+
+    rank = int(os.environ.get("RANK", "0"))
+    out.mkdir(parents=True, exist_ok=True)
+    if phase == "train":
+        from titanrl.train import main
+
+        rc = main(argv)
+    else:
+        from titanrl.config import parse_args_or_exit
+        from titanrl.console import route_output
+        from titanrl.distributed import init_distributed, shutdown
+
+        cfg = parse_args_or_exit(argv)
+        route_output(cfg.run_dir / "logs", rank)
+        info = init_distributed(cfg.job.collective_timeout_s)
+        try:
+            from titanrl.trainer import Trainer
+
+            trainer = Trainer(cfg, info)
+            peak = memory.measured_peak_bytes("cpu")
+            trainer.close()
+        finally:
+            shutdown()
+        rc = 0
+        (out / f"{phase}_rank{rank}.json").write_text(json.dumps({"rank": rank, "peak_rss_bytes": peak}))
+        return rc
+    (out / f"{phase}_rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "peak_rss_bytes": memory.measured_peak_bytes("cpu"), "rc": rc}))
+    return rc
+
+
+def launch(out: Path, phase: str, world: int, argv: list[str]) -> tuple[list[int], float]:
+    out.mkdir(parents=True, exist_ok=True)
+    me = [str(Path(__file__).resolve()), "--child", str(out), "--phase", phase, "--"]
+    if world == 1:
+        cmd = [sys.executable, *me, *argv]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *me, *argv]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{phase} world={world} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    peaks = [json.loads((out / f"{phase}_rank{r}.json").read_text())["peak_rss_bytes"] for r in range(world)]
+    return peaks, wall
+
+
+def static_at_init(plan) -> int:
+    """Planner terms resident once the Trainer is built, before the first step."""
+    names = ("parameters", "reference_model", "engine_weights", "engine_kv_cache")
+    return sum(t.bytes for t in plan.terms if t.name in names)
+
+
+def git_commit() -> str:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                           capture_output=True, text=True).stdout.strip()
+    return head + ("+dirty" if dirty else "")
+
+
+def run(args: argparse.Namespace) -> None:
+    from titanrl import memory
+    from titanrl.config import load_config
+
+    rows = []
+    tmp = Path(args.workdir)
+    for flavor in args.models:
+        for world in args.worlds:
+            for strategy in args.strategies:
+                for ac in args.ac:
+                    name = f"{flavor}_w{world}_{strategy}_ac{ac}"
+                    overrides = [f"--balance.strategy={strategy}", f"--parallelism.activation_checkpoint={ac}",
+                                 "--checkpoint.enable=false", f"--job.steps={args.steps}",
+                                 f"--job.dump_folder={tmp / 'runs'}", f"--job.name={name}", "--metrics.progress=none"]
+                    argv = ["--config", CONFIGS[flavor], *overrides]
+                    cfg = load_config(REPO / CONFIGS[flavor], overrides)
+                    shape = memory.flavor_shape(flavor)
+                    plan0 = memory.predict(cfg, shape, world, runtime_bytes=0)
+                    print(f"[bench_memory] {name}: init ...", flush=True)
+                    init_peaks, init_wall = launch(tmp / name, "init", world, argv)
+                    runtime = max(init_peaks) - static_at_init(plan0)
+                    plan = memory.predict(cfg, shape, world, runtime_bytes=runtime)
+                    print(f"[bench_memory] {name}: train ...", flush=True)
+                    train_peaks, train_wall = launch(tmp / name, "train", world, argv)
+                    measured = max(train_peaks)
+                    row = {
+                        "case": name, "model": flavor, "world": world, "strategy": strategy, "activation_checkpoint": ac,
+                        "params": plan.params, "tokens_per_microbatch": plan.tokens_per_microbatch,
+                        "init_peak_rss_bytes": init_peaks, "runtime_bytes": runtime,
+                        "terms": {t.name: t.bytes for t in plan.terms},
+                        "predicted_bytes": plan.total, "measured_peak_rss_bytes": train_peaks,
+                        "measured_bytes": measured,
+                        "step_terms_predicted": plan.total - static_at_init(plan0) - runtime,
+                        "step_terms_measured": measured - max(init_peaks),
+                        "error": (plan.total - measured) / measured,
+                        "wall_s": {"init": round(init_wall, 1), "train": round(train_wall, 1)},
+                    }
+                    rows.append(row)
+                    print(f"[bench_memory] {name}: predicted {memory.fmt_bytes(plan.total)} measured "
+                          f"{memory.fmt_bytes(measured)} ({100 * row['error']:+.1f}%)", flush=True)
+                    write(rows, args)
+
+
+def write(rows: list[dict], args: argparse.Namespace) -> None:
+    from titanrl.memory import fmt_bytes
+
+    commit = git_commit()
+    out = REPO / "benchmarks"
+    (out / "memory.json").write_text(json.dumps({"commit": commit, "steps": args.steps, "device": "cpu",
+                                                 "rows": rows}, indent=1) + "\n")
+    lines = [
+        "# Memory planner: predicted vs measured peak per rank (CPU)",
+        "",
+        f"Commit measured: `{commit}`. Written by `scripts/bench_memory.py` (`nice -n 19`, {args.steps} steps, "
+        "checkpoints off, 2 shared CPU cores). Measured = the largest peak RSS over the ranks (`getrusage`) of "
+        "`titanrl.train`; predicted = `titanrl.memory.predict` with its *runtime* term set to the measured "
+        "constant of the same case: peak RSS after building the Trainer minus the planner's terms resident then "
+        "(parameters, reference model, engine weights and KV cache). `step+` = what the training steps add over "
+        "that init peak, predicted vs measured.",
+        "",
+        "| case | N params | runtime (measured) | predicted | measured | error | step+ predicted | step+ measured |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} | {r['params'] / 1e6:.1f}M | {fmt_bytes(r['runtime_bytes'])} | {fmt_bytes(r['predicted_bytes'])} "
+            f"| {fmt_bytes(r['measured_bytes'])} | {100 * r['error']:+.1f}% | {fmt_bytes(r['step_terms_predicted'])} "
+            f"| {fmt_bytes(r['step_terms_measured'])} |")
+    lines += ["", "Per-case terms (bytes) are in `benchmarks/memory.json`.", ""]
+    (out / "memory.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--phase", choices=("init", "train"), help=argparse.SUPPRESS)
+    p.add_argument("--models", nargs="+", default=["tiny", "small"], choices=sorted(CONFIGS))
+    p.add_argument("--worlds", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--strategies", nargs="+", default=["lb_mini", "lb_micro"])
+    p.add_argument("--ac", nargs="+", default=["none", "full"])
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--workdir", default="/tmp/titanrl_bench_memory")
+    args, rest = p.parse_known_args()
+    if args.child is not None:
+        if rest and rest[0] == "--":
+            rest = rest[1:]
+        sys.exit(child(args.child, args.phase, rest))
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> None:
     from titanrl import memory
     from titanrl.config import load_config
 
+    args.commit = git_commit()  # the code the children run: taken once, before the first case
     rows = []
     tmp = Path(args.workdir)
     for flavor in args.models:
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> None:
 def write(rows: list[dict], args: argparse.Namespace) -> None:
     from titanrl.memory import fmt_bytes
 
-    commit = git_commit()
+    commit = args.commit
     out = REPO / "benchmarks"
     (out / "memory.json").write_text(json.dumps({"commit": commit, "steps": args.steps, "device": "cpu",
                                                  "rows": rows}, indent=1) + "\n")
@@ -165,8 +166,28 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
             f"| {r['case']} | {r['params'] / 1e6:.1f}M | {fmt_bytes(r['runtime_bytes'])} | {fmt_bytes(r['predicted_bytes'])} "
             f"| {fmt_bytes(r['measured_bytes'])} | {100 * r['error']:+.1f}% | {fmt_bytes(r['step_terms_predicted'])} "
             f"| {fmt_bytes(r['step_terms_measured'])} |")
-    lines += ["", "Per-case terms (bytes) are in `benchmarks/memory.json`.", ""]
+    lines += ["", *deltas(rows), "", "Per-case terms (bytes) are in `benchmarks/memory.json`.", ""]
     (out / "memory.md").write_text("\n".join(lines) + "\n")
+
+
+def deltas(rows: list[dict]) -> list[str]:
+    """What switching one setting changes, predicted vs measured: checks the terms' slopes apart from
+    any constant offset."""
+    from titanrl.memory import fmt_bytes
+
+    by = {(r["model"], r["world"], r["strategy"], r["activation_checkpoint"]): r for r in rows}
+    lines = ["## One setting changed: predicted vs measured difference of the peak", "",
+             "| model | ranks | change | predicted | measured |", "|---|---|---|---|---|"]
+    for (model, world, strategy, ac), r in by.items():
+        pairs = []
+        if ac == "none" and (model, world, strategy, "full") in by:
+            pairs.append((f"{strategy}: activation_checkpoint none -> full", by[(model, world, strategy, "full")]))
+        if strategy == "lb_mini" and world > 1 and (model, world, "lb_micro", ac) in by:
+            pairs.append((f"ac={ac}: lb_mini -> lb_micro", by[(model, world, "lb_micro", ac)]))
+        for label, other in pairs:
+            lines.append(f"| {model} | {world} | {label} | {fmt_bytes(other['predicted_bytes'] - r['predicted_bytes'])}"
+                         f" | {fmt_bytes(other['measured_bytes'] - r['measured_bytes'])} |")
+    return lines
 
 
 def main() -> None:
@@ -179,7 +200,13 @@ def main() -> None:
     p.add_argument("--ac", nargs="+", default=["none", "full"])
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--workdir", default="/tmp/titanrl_bench_memory")
+    p.add_argument("--rewrite", action="store_true", help="rewrite memory.md from memory.json, run nothing")
     args, rest = p.parse_known_args()
+    if args.rewrite:
+        data = json.loads((REPO / "benchmarks" / "memory.json").read_text())
+        args.commit, args.steps = data["commit"], data["steps"]
+        write(data["rows"], args)
+        return
     if args.child is not None:
         if rest and rest[0] == "--":
             rest = rest[1:]

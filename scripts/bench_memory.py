@@ -84,6 +84,41 @@ def launch(out: Path, phase: str, world: int, argv: list[str]) -> tuple[list[int
     return peaks, wall
 
 
+def observed_tokens_per_microbatch(run_dir: Path, world: int) -> int:
+    """The mean tokens of one rank's update microbatch in the run's busiest step:
+    train/tokens_computed / (ranks x mean of balance/microbatches_min and _max)."""
+    best = 0.0
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        micro = (m["balance/microbatches_min"] + m["balance/microbatches_max"]) / 2
+        best = max(best, m["train/tokens_computed"] / (world * micro))
+    return max(1, round(best))
+
+
+def add_observed(row: dict, workdir: Path) -> dict:
+    """The planner again with T = the tokens the run really put in a microbatch (the data's lengths,
+    which the planner does not know: it assumes full microbatches of the longest samples)."""
+    from titanrl import memory
+    from titanrl.config import load_config
+
+    t_obs = observed_tokens_per_microbatch(workdir / "runs" / row["case"], row["world"])
+    shape, world, runtime = memory.flavor_shape(row["model"]), row["world"], row["runtime_bytes"]
+    base = [f"--balance.strategy={row['strategy']}", f"--parallelism.activation_checkpoint={row['activation_checkpoint']}"]
+    # the config bound again (a --rewrite recomputes it with the current planner)
+    bound = memory.predict(load_config(REPO / CONFIGS[row["model"]], base), shape, world, runtime_bytes=runtime)
+    static = static_at_init(bound)
+    row["terms"] = {t.name: t.bytes for t in bound.terms}
+    row["predicted_bytes"] = bound.total
+    row["error"] = (bound.total - row["measured_bytes"]) / row["measured_bytes"]
+    row["step_terms_predicted"] = bound.total - static - runtime
+    cfg = load_config(REPO / CONFIGS[row["model"]], [*base, f"--balance.max_tokens_per_microbatch={t_obs}"])
+    plan = memory.predict(cfg, shape, world, runtime_bytes=runtime)
+    row["observed_tokens_per_microbatch"] = t_obs
+    row["predicted_observed_T_bytes"] = plan.total
+    row["error_observed_T"] = (plan.total - row["measured_bytes"]) / row["measured_bytes"]
+    return row
+
+
 def static_at_init(plan) -> int:
     """Planner terms resident once the Trainer is built, before the first step."""
     names = ("parameters", "reference_model", "engine_weights", "engine_kv_cache")
@@ -101,7 +136,7 @@ def run(args: argparse.Namespace) -> None:
     from titanrl import memory
     from titanrl.config import load_config
 
-    args.commit = git_commit()  # the code the children run: taken once, before the first case
+    args.commit = args.planner_commit = git_commit()  # the code the children run: taken before the first case
     rows = []
     tmp = Path(args.workdir)
     for flavor in args.models:
@@ -135,7 +170,7 @@ def run(args: argparse.Namespace) -> None:
                         "error": (plan.total - measured) / measured,
                         "wall_s": {"init": round(init_wall, 1), "train": round(train_wall, 1)},
                     }
-                    rows.append(row)
+                    rows.append(add_observed(row, tmp))
                     print(f"[bench_memory] {name}: predicted {memory.fmt_bytes(plan.total)} measured "
                           f"{memory.fmt_bytes(measured)} ({100 * row['error']:+.1f}%)", flush=True)
                     write(rows, args)
@@ -146,26 +181,35 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
 
     commit = args.commit
     out = REPO / "benchmarks"
-    (out / "memory.json").write_text(json.dumps({"commit": commit, "steps": args.steps, "device": "cpu",
-                                                 "rows": rows}, indent=1) + "\n")
+    planner = getattr(args, "planner_commit", commit)
+    (out / "memory.json").write_text(json.dumps({"commit": commit, "planner_commit": planner, "steps": args.steps,
+                                                 "device": "cpu", "rows": rows}, indent=1) + "\n")
     lines = [
         "# Memory planner: predicted vs measured peak per rank (CPU)",
         "",
-        f"Commit measured: `{commit}`. Written by `scripts/bench_memory.py` (`nice -n 19`, {args.steps} steps, "
+        f"Commit measured: `{commit}`; predictions by the planner at `{planner}`. Written by `scripts/bench_memory.py` (`nice -n 19`, {args.steps} steps, "
         "checkpoints off, 2 shared CPU cores). Measured = the largest peak RSS over the ranks (`getrusage`) of "
         "`titanrl.train`; predicted = `titanrl.memory.predict` with its *runtime* term set to the measured "
         "constant of the same case: peak RSS after building the Trainer minus the planner's terms resident then "
         "(parameters, reference model, engine weights and KV cache). `step+` = what the training steps add over "
         "that init peak, predicted vs measured.",
         "",
-        "| case | N params | runtime (measured) | predicted | measured | error | step+ predicted | step+ measured |",
-        "|---|---|---|---|---|---|---|---|",
+        "Two predictions: **config bound** is what `python -m titanrl.memory` and `check_fits` use: full "
+        "microbatches of `balance.max_tokens_per_microbatch` tokens made of the longest samples the config allows "
+        "(all-media prompts of `data.max_prompt_tokens`, responses of `rollout.max_new_tokens`). **observed T** is "
+        "the same planner with T = the mean tokens per update microbatch the run really had (metrics: "
+        "`train/tokens_computed` / ranks / microbatches), the composition still the config's worst case.",
+        "",
+        "| case | N params | runtime (measured) | config bound | observed T | predicted (obs. T) | measured "
+        "| error (bound) | error (obs. T) | step+ predicted (bound) | step+ measured |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['case']} | {r['params'] / 1e6:.1f}M | {fmt_bytes(r['runtime_bytes'])} | {fmt_bytes(r['predicted_bytes'])} "
-            f"| {fmt_bytes(r['measured_bytes'])} | {100 * r['error']:+.1f}% | {fmt_bytes(r['step_terms_predicted'])} "
-            f"| {fmt_bytes(r['step_terms_measured'])} |")
+            f"| {r['observed_tokens_per_microbatch']} | {fmt_bytes(r['predicted_observed_T_bytes'])} "
+            f"| {fmt_bytes(r['measured_bytes'])} | {100 * r['error']:+.1f}% | {100 * r['error_observed_T']:+.1f}% "
+            f"| {fmt_bytes(r['step_terms_predicted'])} | {fmt_bytes(r['step_terms_measured'])} |")
     lines += ["", *deltas(rows), "", "Per-case terms (bytes) are in `benchmarks/memory.json`.", ""]
     (out / "memory.md").write_text("\n".join(lines) + "\n")
 
@@ -205,7 +249,8 @@ def main() -> None:
     if args.rewrite:
         data = json.loads((REPO / "benchmarks" / "memory.json").read_text())
         args.commit, args.steps = data["commit"], data["steps"]
-        write(data["rows"], args)
+        args.planner_commit = git_commit()  # predictions recomputed from the stored measurements
+        write([add_observed(r, Path(args.workdir)) for r in data["rows"]], args)
         return
     if args.child is not None:
         if rest and rest[0] == "--":

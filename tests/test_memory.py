@@ -89,7 +89,15 @@ def test_plan_terms_by_hand():
     assert plan.term("engine_kv_cache") == 1000
     assert plan.term("reference_model") == 4 * n // 4
     assert plan.term("critic") == 0 and plan.term("runtime") == 7
-    assert plan.total == sum(t.bytes for t in plan.terms)
+    assert plan.total == sum(t.bytes for t in plan.terms)  # vllm: no rollout-only term
+    cfg.rollout.engine = "hf"
+    hf = memory.predict(cfg, hand_args(), 4, runtime_bytes=7)
+    # 2 L kv b x (ceil(32 / 4) prompts x 8) x (256 + 2)
+    assert hf.term("engine_generate_kv") == 2 * 1 * 4 * 2 * 64 * 258
+    resident = sum(t.bytes for t in hf.terms if t.phase == "resident")
+    update = hf.term("activations") + hf.term("logprob_head")
+    assert hf.total == resident + max(update, hf.term("engine_generate_kv"))
+    cfg.rollout.engine = "vllm"
     # one rank: no FSDP, everything fp32
     single = memory.predict(cfg, hand_args(), 1, runtime_bytes=7)
     assert single.term("parameters") == 4 * n and not any(t.name.startswith("lb_mini") for t in single.terms)
@@ -193,3 +201,37 @@ def test_parse_bytes():
 
 def test_measured_peak_is_positive():
     assert memory.measured_peak_bytes("cpu") > 10 << 20
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "full"])
+def test_decoder_activation_formula_matches_autograd(checkpoint):
+    """What autograd really saves in the forward of a text-only packed sequence (unique storages, the
+    parameters left out) against T (L A_d + o) (none) or its kept part T (L b h + o) (full)."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from titanrl.models.packed import pack_sequences
+    from titanrl.models.qwen2_5_vl.inputs import make_sequence_input
+    from titanrl.models.qwen2_5_vl.model import Qwen2_5_VLModel
+    from titanrl.parallel.parallelize import apply_activation_checkpointing
+
+    args = memory.flavor_shape("tiny")
+    model = Qwen2_5_VLModel(args)
+    apply_activation_checkpointing(model, checkpoint)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    tokens = 512
+    batch = pack_sequences([make_sequence_input(args, np.arange(tokens, dtype=np.int64) % 500)]).to(
+        torch.device("cpu"), torch.float32)
+    saved: dict[int, int] = {}
+
+    def keep(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model(batch)
+    predicted = memory.activation_bytes(args, memory.TokenMix(0.0, 0.0), tokens, 4, checkpoint)
+    if checkpoint == "full":  # the recomputed block exists only in backward
+        predicted -= tokens * memory.decoder_layer_activation_bytes(args, 4)
+    assert sum(saved.values()) == pytest.approx(predicted, rel=0.2)

@@ -9,8 +9,9 @@ runs before torch is imported, like the config loader.
 
 The trainer calls, at start-up (once it knows the world size and the model's shape)::
 
-    plan = memory.predict(cfg, args, world)            # MemoryPlan, by term
-    memory.check_fits(plan, capacity)                  # raises ConfigError when it does not fit
+    plan = memory.predict(cfg, args, world, device=info.device.type)   # MemoryPlan, by term
+    capacity = memory.device_capacity_bytes(str(info.device), local_world_size)
+    memory.check_fits(plan, capacity, cfg)             # raises ConfigError when it does not fit
     ...
     memory.measured_peak_bytes(device)                 # after a step: what was really used
 
@@ -61,11 +62,18 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # (Qwen2_5_VLModel.token_logprobs' chunk_size).
 LOGPROB_CHUNK = 4096
 
-# The runtime term per device kind, in bytes. cpu: measured peak RSS of a rank that has imported
-# torch, vLLM and titanrl and started a vLLM engine over a near-empty model (scripts/bench_memory.py
-# measures it again and reports it next to the predictions); cuda: CUDA context + NCCL communicator
-# buffers + caching-allocator fragmentation, an assumption (no GPU measurement yet).
-RUNTIME_BYTES: dict[str, int] = {"cpu": int(1.6 * GiB), "cuda": 3 * GiB}
+# The runtime term, by "device/engine", in bytes: what a rank holds besides the modelled terms.
+# cpu: measured by scripts/bench_memory.py (benchmarks/memory.json, "runtime_bytes": a rank's peak RSS once
+# the Trainer is built minus the planner's terms resident then; 1 rank, rounded up): the Python / torch /
+# vLLM / Ray-client process. cuda: CUDA context + NCCL buffers + allocator fragmentation, an assumption
+# (no GPU measurement yet). CPU runs also add ~0.2 GiB during the first step that no term explains yet
+# (benchmarks/memory.md).
+RUNTIME_BYTES: dict[str, int] = {
+    "cpu/vllm": int(0.85 * GiB),
+    "cpu/hf": int(0.55 * GiB),
+    "cuda/vllm": 3 * GiB,
+    "cuda/hf": 3 * GiB,
+}
 
 # Shapes of published checkpoints, for a model.path that is not on this machine (matched on the
 # folder name) or --shape NAME: the fields of their config.json the planner reads.
@@ -273,6 +281,9 @@ class Term:
     name: str
     bytes: int
     formula: str
+    phase: Literal["resident", "update", "rollout"] = "resident"
+    """resident: held for the whole step; update / rollout: live only in that stage (the peak counts the
+    larger of the two)."""
 
 
 @dataclass
@@ -290,7 +301,9 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return sum(t.bytes for t in self.terms)
+        """resident terms + max(update-stage terms, rollout-stage terms)."""
+        by = {phase: sum(t.bytes for t in self.terms if t.phase == phase) for phase in ("resident", "update", "rollout")}
+        return by["resident"] + max(by["update"], by["rollout"])
 
     def term(self, name: str) -> int:
         return next(t.bytes for t in self.terms if t.name == name)
@@ -307,7 +320,8 @@ class MemoryPlan:
         lines = [f"memory plan per rank: {self.shape}, {self.params / 1e6:,.1f}M parameters, world {self.world} "
                  f"(FSDP degree {self.dp}), device {self.device}, {self.tokens_per_microbatch} tokens per microbatch"]
         for t in sorted(self.terms, key=lambda t: -t.bytes):
-            lines.append(f"  {t.name:<22} {fmt_bytes(t.bytes):>11}   {t.formula}")
+            tag = "" if t.phase == "resident" else f"[{t.phase}] "
+            lines.append(f"  {t.name:<22} {fmt_bytes(t.bytes):>11}   {tag}{t.formula}")
         lines.append(f"  {'total':<22} {fmt_bytes(self.total):>11}")
         if capacity is not None:
             lines.append(f"  {'capacity':<22} {fmt_bytes(capacity):>11}   ({100 * self.total / capacity:.0f}% used)")
@@ -323,7 +337,7 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
             runtime_bytes: int | None = None) -> MemoryPlan:
     """The predicted peak memory per rank of ``cfg`` on ``world`` ranks for the model shape ``args``
     (module docstring: the terms and their formulas). ``device`` defaults to cuda when
-    model.attn_backend is flash, else cpu; ``runtime_bytes`` defaults to RUNTIME_BYTES[device]."""
+    model.attn_backend is flash, else cpu; ``runtime_bytes`` defaults to RUNTIME_BYTES[device/engine]."""
     device = device or ("cuda" if cfg.model.attn_backend == "flash" else "cpu")
     dp = cfg.data_parallel_degree(world)
     counts = param_counts(args)
@@ -357,26 +371,39 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
                           f"{cfg.balance.strategy}: root + 2 blocks gathered, grads of root + 1 block, {b_p} B each"))
     terms.append(Term("activations", activation_bytes(args, mix, tokens, b_p, ac),
                       f"T={tokens} tokens, {mix.vision_patches_per_token:.2f} patches/token, "
-                      f"activation_checkpoint={ac}, {b_p} B"))
+                      f"activation_checkpoint={ac}, {b_p} B", "update"))
     entropy = cfg.rl.entropy_coef > 0
     terms.append(Term("logprob_head", logits_bytes(args, mix, tokens, b_p, entropy),
                       f"{mix.targets_per_token:.2f} targets/token x vocab {args.text.vocab_size} fp32 log-softmax"
-                      + (" + exp (entropy)" if entropy else "")))
+                      + (" + exp (entropy)" if entropy else ""), "update"))
     if cfg.rollout.engine == "vllm":
         terms.append(Term("engine_weights", engine_b * n, f"vLLM weights {engine_b} N"))
         terms.append(Term("engine_kv_cache", cfg.rollout.kv_cache_bytes, "rollout.kv_cache_bytes"))
     else:
         terms.append(Term("engine_weights", engine_b * n, f"hf engine weights {engine_b} N"))
+        terms.append(Term("engine_generate_kv", hf_generate_kv_bytes(cfg, args, world),
+                          "hf generate's KV cache: 2 L kv b x (prompts per rank x n) x (P + R)", "rollout"))
     if cfg.rl.kl_coef > 0:
         terms.append(Term("reference_model", 4 * n // dp, f"rl.kl_coef > 0: frozen fp32 shard 4 N / {dp}"))
     terms.append(Term("critic", critic_bytes(cfg, n, dp), "no critic with rl.algorithm=grpo"))
-    runtime = RUNTIME_BYTES[device] if runtime_bytes is None else runtime_bytes
+    runtime = RUNTIME_BYTES[f"{device}/{cfg.rollout.engine}"] if runtime_bytes is None else runtime_bytes
     terms.append(Term("runtime", runtime, f"measured constant ({device}): process, libraries, context"))
     plan = MemoryPlan(terms=terms, world=world, dp=dp, device=device, shape="", params=n,
                       tokens_per_microbatch=tokens)
     if cfg.parallelism.ulysses != "none":
         plan.notes.append("Ulysses: a trajectory longer than T is split over ranks; T stays the per-rank budget")
     return plan
+
+
+def hf_generate_kv_bytes(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int) -> int:
+    """The hf engine's KV cache while it generates (dynamic, freed after the rollout): one entry per layer
+    for k and v, kv = kv_heads * head_dim wide, in model.dtype, for every sequence of the rank's prompts
+    (ceil(rl.global_batch_size / world) x rollout.n) at its longest (data.max_prompt_tokens +
+    rollout.max_new_tokens): 2 L kv b S (P + R)."""
+    t = args.text
+    seqs = -(-cfg.rl.global_batch_size // world) * cfg.rollout.n
+    length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    return 2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * DTYPE_BYTES[cfg.model.dtype] * seqs * length
 
 
 def critic_bytes(cfg: JobConfig, n: int, dp: int) -> int:
@@ -446,6 +473,16 @@ def measured_peak_bytes(device: str = "cpu") -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def device_capacity_bytes(device: str, local_world_size: int = 1) -> int:
+    """Memory one rank may use: on CUDA the device's total memory (torch.cuda.mem_get_info); on CPU this
+    host's physical memory divided by the ranks on this host (LOCAL_WORLD_SIZE under torchrun)."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[1])
+    return host_memory_bytes() // max(1, local_world_size)
 
 
 def host_memory_bytes() -> int:

@@ -199,7 +199,7 @@ FINDINGS = """## Findings
 - **vLLM's KV cache is resident from start-up on CPU:** `rollout.kv_cache_bytes` 256 MiB -> 1 GiB raised the
   rank's RSS after building the Trainer by 769 MiB (768 MiB more cache).
 - **The settings change the peak in the predicted direction, by less than predicted:** activation checkpointing
-  saves 0.3-0.7 GiB measured on small (3.3 GiB predicted at the bound), and `lb_mini` -> `lb_micro` is within noise on
+  saves 0.27-0.72 GiB measured on small (3.3 GiB predicted at the bound), and `lb_mini` -> `lb_micro` is within noise on
   these models (the full parameters and gradients of a 35M model are 0.27 GiB).
 - Not measured: 4 ranks (2 shared cores), GPUs.
 """

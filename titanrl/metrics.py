@@ -86,6 +86,20 @@ def format_summary(history: Sequence[dict[str, float]], first_step: int, wall_s:
     return "\n".join(lines)
 
 
+def _import_optional(module: str, key: str, extra: str) -> Any:
+    """Import an optional dependency that config key ``key`` turns on; when it is missing, say which
+    extra of titanrl installs it (``pip install 'titanrl[<extra>]'``) instead of a bare ImportError."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"{key}=true needs the {module!r} package, which is not installed: "
+            f"pip install 'titanrl[{extra}]' (or set {key}=false)"
+        ) from e
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -111,7 +125,7 @@ class MetricsLogger:
         if not enabled:
             return
         if wandb:
-            import wandb as wandb_lib
+            wandb_lib = _import_optional("wandb", "metrics.wandb", "wandb")
 
             self._wandb = wandb_lib.init(
                 project=wandb_project, name=run_name, mode=wandb_mode, dir=str(run_dir), config=config or {}
@@ -120,6 +134,7 @@ class MetricsLogger:
         if jsonl:
             self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if tensorboard:
+            _import_optional("tensorboard", "metrics.tensorboard", "tensorboard")
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))

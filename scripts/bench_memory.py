@@ -1,0 +1,292 @@
+"""Predicted (titanrl.memory) vs measured peak memory per rank, CPU: benchmarks/memory.md + .json.
+
+    nice -n 19 python scripts/bench_memory.py [--models tiny small] [--worlds 1 2] [--steps 2]
+
+For every case (model flavor x ranks x balance.strategy x activation checkpointing) it runs, each as
+``python`` (1 rank) or ``torchrun --standalone --nproc-per-node N`` (this file in --child mode, which
+calls titanrl's own entry points):
+
+1. ``init``: the Trainer is built (model, reference model, rollout engine, loader, Ray client) and each
+   rank's peak RSS is read (``getrusage``). The *runtime* term of that case is this peak minus the
+   planner's static terms already resident then (parameters, reference model, engine weights and KV
+   cache): the Python/torch/vLLM/Ray-client process, which the planner does not derive from the shape.
+   It is a measured constant, reported per case, never fitted to the training run.
+2. ``train``: ``titanrl.train`` for ``--steps`` steps with checkpoints off; each rank's peak RSS after.
+
+predicted = planner terms (titanrl.memory.predict) with runtime_bytes = the measured runtime of (1);
+the error column compares it with (2), the rank with the largest peak. So the error measures exactly the
+terms the training step adds (gradients, AdamW state, lb_mini's gathered parameters and gradients,
+activations, the log-prob head), against a baseline that is measured, not guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = {"tiny": "configs/tiny_cpu.toml", "small": "configs/small_cpu.toml"}
+
+
+def child(out: Path, phase: str, argv: list[str]) -> int:
+    """One rank: build the Trainer (init) or run titanrl.train (train); write this rank's peak RSS."""
+    from titanrl import memory
+
+    rank = int(os.environ.get("RANK", "0"))
+    out.mkdir(parents=True, exist_ok=True)
+    if phase == "train":
+        from titanrl.train import main
+
+        rc = main(argv)
+    else:
+        from titanrl.config import parse_args_or_exit
+        from titanrl.console import route_output
+        from titanrl.distributed import init_distributed, shutdown
+
+        cfg = parse_args_or_exit(argv)
+        route_output(cfg.run_dir / "logs", rank)
+        info = init_distributed(cfg.job.collective_timeout_s)
+        try:
+            from titanrl.trainer import Trainer
+
+            trainer = Trainer(cfg, info)
+            peak = memory.measured_peak_bytes("cpu")
+            trainer.close()
+        finally:
+            shutdown()
+        rc = 0
+        (out / f"{phase}_rank{rank}.json").write_text(json.dumps({"rank": rank, "peak_rss_bytes": peak}))
+        return rc
+    (out / f"{phase}_rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "peak_rss_bytes": memory.measured_peak_bytes("cpu"), "rc": rc}))
+    return rc
+
+
+def launch(out: Path, phase: str, world: int, argv: list[str]) -> tuple[list[int], float]:
+    out.mkdir(parents=True, exist_ok=True)
+    me = [str(Path(__file__).resolve()), "--child", str(out), "--phase", phase, "--"]
+    if world == 1:
+        cmd = [sys.executable, *me, *argv]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *me, *argv]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{phase} world={world} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    peaks = [json.loads((out / f"{phase}_rank{r}.json").read_text())["peak_rss_bytes"] for r in range(world)]
+    return peaks, wall
+
+
+def observed_tokens_per_microbatch(run_dir: Path, world: int) -> int:
+    """The mean tokens of one rank's update microbatch in the run's busiest step:
+    train/tokens_computed / (ranks x mean of balance/microbatches_min and _max)."""
+    best = 0.0
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        micro = (m["balance/microbatches_min"] + m["balance/microbatches_max"]) / 2
+        best = max(best, m["train/tokens_computed"] / (world * micro))
+    return max(1, round(best))
+
+
+def add_observed(row: dict, workdir: Path) -> dict:
+    """The planner again with T = the tokens the run really put in a microbatch (the data's lengths,
+    which the planner does not know: it assumes full microbatches of the longest samples)."""
+    from titanrl import memory
+    from titanrl.config import load_config
+
+    t_obs = observed_tokens_per_microbatch(workdir / "runs" / row["case"], row["world"])
+    shape, world, runtime = memory.flavor_shape(row["model"]), row["world"], row["runtime_bytes"]
+    base = [f"--balance.strategy={row['strategy']}", f"--parallelism.activation_checkpoint={row['activation_checkpoint']}"]
+    # the config bound again (a --rewrite recomputes it with the current planner)
+    bound = memory.predict(load_config(REPO / CONFIGS[row["model"]], base), shape, world, runtime_bytes=runtime)
+    static = static_at_init(bound)
+    row["terms"] = {t.name: t.bytes for t in bound.terms}
+    row["predicted_bytes"] = bound.total
+    row["error"] = (bound.total - row["measured_bytes"]) / row["measured_bytes"]
+    row["step_terms_predicted"] = bound.total - static - runtime
+    cfg = load_config(REPO / CONFIGS[row["model"]], [*base, f"--balance.max_tokens_per_microbatch={t_obs}"])
+    plan = memory.predict(cfg, shape, world, runtime_bytes=runtime)
+    row["observed_tokens_per_microbatch"] = t_obs
+    row["predicted_observed_T_bytes"] = plan.total
+    row["error_observed_T"] = (plan.total - row["measured_bytes"]) / row["measured_bytes"]
+    return row
+
+
+def static_at_init(plan) -> int:
+    """Planner terms resident once the Trainer is built, before the first step."""
+    names = ("parameters", "reference_model", "engine_weights", "engine_kv_cache")
+    return sum(t.bytes for t in plan.terms if t.name in names)
+
+
+def git_commit() -> str:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                           capture_output=True, text=True).stdout.strip()
+    return head + ("+dirty" if dirty else "")
+
+
+def run(args: argparse.Namespace) -> None:
+    from titanrl import memory
+    from titanrl.config import load_config
+
+    args.commit = args.planner_commit = git_commit()  # the code the children run: taken before the first case
+    rows = []
+    tmp = Path(args.workdir)
+    for flavor in args.models:
+        for world in args.worlds:
+            for strategy in args.strategies:
+                for ac in args.ac:
+                    name = f"{flavor}_w{world}_{strategy}_ac{ac}"
+                    overrides = [f"--balance.strategy={strategy}", f"--parallelism.activation_checkpoint={ac}",
+                                 "--checkpoint.enable=false", f"--job.steps={args.steps}",
+                                 f"--job.dump_folder={tmp / 'runs'}", f"--job.name={name}", "--metrics.progress=none"]
+                    argv = ["--config", CONFIGS[flavor], *overrides]
+                    cfg = load_config(REPO / CONFIGS[flavor], overrides)
+                    shape = memory.flavor_shape(flavor)
+                    plan0 = memory.predict(cfg, shape, world, runtime_bytes=0)
+                    print(f"[bench_memory] {name}: init ...", flush=True)
+                    init_peaks, init_wall = launch(tmp / name, "init", world, argv)
+                    runtime = max(init_peaks) - static_at_init(plan0)
+                    plan = memory.predict(cfg, shape, world, runtime_bytes=runtime)
+                    print(f"[bench_memory] {name}: train ...", flush=True)
+                    train_peaks, train_wall = launch(tmp / name, "train", world, argv)
+                    measured = max(train_peaks)
+                    row = {
+                        "case": name, "model": flavor, "world": world, "strategy": strategy, "activation_checkpoint": ac,
+                        "params": plan.params, "tokens_per_microbatch": plan.tokens_per_microbatch,
+                        "init_peak_rss_bytes": init_peaks, "runtime_bytes": runtime,
+                        "terms": {t.name: t.bytes for t in plan.terms},
+                        "predicted_bytes": plan.total, "measured_peak_rss_bytes": train_peaks,
+                        "measured_bytes": measured,
+                        "step_terms_predicted": plan.total - static_at_init(plan0) - runtime,
+                        "step_terms_measured": measured - max(init_peaks),
+                        "error": (plan.total - measured) / measured,
+                        "wall_s": {"init": round(init_wall, 1), "train": round(train_wall, 1)},
+                    }
+                    rows.append(add_observed(row, tmp))
+                    print(f"[bench_memory] {name}: predicted {memory.fmt_bytes(plan.total)} measured "
+                          f"{memory.fmt_bytes(measured)} ({100 * row['error']:+.1f}%)", flush=True)
+                    write(rows, args)
+
+
+# What the numbers of the last run (2260d85, 2 x 2 CPU cores shared with another job) say; update it with them.
+FINDINGS = """## Findings
+
+- **The config bound is an upper bound, not a forecast of these data.** It assumes every update microbatch is full
+  (T = `balance.max_tokens_per_microbatch`) and made of the longest samples the config allows. The synthetic runs put
+  1720 of 2048 (tiny) and 2184 / 1092 of 4096 (small, 1 / 2 ranks) tokens in a microbatch, mostly text, so without
+  activation checkpointing the bound over-predicts small by 76-129%. That direction is what a start-up fit check needs.
+- **With the observed T, the cases dominated by activations are within 15%:** small without checkpointing
+  +15.7%, +14.1%, +2.3%, -4.6%.
+- **Not within 15% (under-predicted):** tiny (-10% to -18%) and small with checkpointing (-18% to -34% at the observed
+  T). The training steps add 0.21-0.33 GiB on tiny where the planner has 55-118 MiB, and 1.0-1.35 GiB on small with
+  checkpointing where it has 0.76-0.96 GiB at the bound. So on CPU about 0.2-0.4 GiB appears in the first steps that
+  no term models. The candidates were not separated in the time this had: peak RSS keeps glibc arenas' freed chunks
+  from earlier stages (rollout, log-prob passes), the first generate's buffers (vLLM; transformers' activations for the
+  hf engine), the vision tower's no-grad forward of video prompts, and Ray-fetched media mapped into the process. On
+  CUDA the allocator's peak (`measured_peak_bytes`) would not count freed chunks; not measured (no GPU).
+- **Per-token activation formula, checked directly:** autograd's saved tensors (unique storages, parameters
+  left out) of a text-only packed sequence are 0.978 (tiny) and 0.997 (small) of `T (L A_d + o)`, and 0.83 / 0.92 of the
+  kept part with full checkpointing (`tests/test_memory.py` asserts within 20%). The vision-block formula is not checked
+  this way yet.
+- **vLLM's KV cache is resident from start-up on CPU:** `rollout.kv_cache_bytes` 256 MiB -> 1 GiB raised the
+  rank's RSS after building the Trainer by 769 MiB (768 MiB more cache).
+- **The settings change the peak in the predicted direction, by less than predicted:** activation checkpointing
+  saves 0.27-0.72 GiB measured on small (3.3 GiB predicted at the bound), and `lb_mini` -> `lb_micro` is within noise on
+  these models (the full parameters and gradients of a 35M model are 0.27 GiB).
+- Not measured: 4 ranks (2 shared cores), GPUs.
+"""
+
+
+def write(rows: list[dict], args: argparse.Namespace) -> None:
+    from titanrl.memory import fmt_bytes
+
+    commit = args.commit
+    out = REPO / "benchmarks"
+    planner = getattr(args, "planner_commit", commit)
+    (out / "memory.json").write_text(json.dumps({"commit": commit, "planner_commit": planner, "steps": args.steps,
+                                                 "device": "cpu", "rows": rows}, indent=1) + "\n")
+    lines = [
+        "# Memory planner: predicted vs measured peak per rank (CPU)",
+        "",
+        f"Commit measured: `{commit}`; predictions by the planner at `{planner}`. Written by `scripts/bench_memory.py` (`nice -n 19`, {args.steps} steps, "
+        "checkpoints off, 2 shared CPU cores). Measured = the largest peak RSS over the ranks (`getrusage`) of "
+        "`titanrl.train`; predicted = `titanrl.memory.predict` with its *runtime* term set to the measured "
+        "constant of the same case: peak RSS after building the Trainer minus the planner's terms resident then "
+        "(parameters, reference model, engine weights and KV cache). `step+` = what the training steps add over "
+        "that init peak, predicted vs measured.",
+        "",
+        "Two predictions: **config bound** is what `python -m titanrl.memory` and `check_fits` use: full "
+        "microbatches of `balance.max_tokens_per_microbatch` tokens made of the longest samples the config allows "
+        "(all-media prompts of `data.max_prompt_tokens`, responses of `rollout.max_new_tokens`). **observed T** is "
+        "the same planner with T = the mean tokens per update microbatch the run really had (metrics: "
+        "`train/tokens_computed` / ranks / microbatches), the composition still the config's worst case.",
+        "",
+        "| case | N params | runtime (measured) | config bound | observed T | predicted (obs. T) | measured "
+        "| error (bound) | error (obs. T) | step+ predicted (bound) | step+ measured |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} | {r['params'] / 1e6:.1f}M | {fmt_bytes(r['runtime_bytes'])} | {fmt_bytes(r['predicted_bytes'])} "
+            f"| {r['observed_tokens_per_microbatch']} | {fmt_bytes(r['predicted_observed_T_bytes'])} "
+            f"| {fmt_bytes(r['measured_bytes'])} | {100 * r['error']:+.1f}% | {100 * r['error_observed_T']:+.1f}% "
+            f"| {fmt_bytes(r['step_terms_predicted'])} | {fmt_bytes(r['step_terms_measured'])} |")
+    lines += ["", FINDINGS, *deltas(rows), "", "Per-case terms (bytes) are in `benchmarks/memory.json`.", ""]
+    (out / "memory.md").write_text("\n".join(lines) + "\n")
+
+
+def deltas(rows: list[dict]) -> list[str]:
+    """What switching one setting changes, predicted vs measured: checks the terms' slopes apart from
+    any constant offset."""
+    from titanrl.memory import fmt_bytes
+
+    by = {(r["model"], r["world"], r["strategy"], r["activation_checkpoint"]): r for r in rows}
+    lines = ["## One setting changed: predicted vs measured difference of the peak", "",
+             "| model | ranks | change | predicted | measured |", "|---|---|---|---|---|"]
+    for (model, world, strategy, ac), r in by.items():
+        pairs = []
+        if ac == "none" and (model, world, strategy, "full") in by:
+            pairs.append((f"{strategy}: activation_checkpoint none -> full", by[(model, world, strategy, "full")]))
+        if strategy == "lb_mini" and world > 1 and (model, world, "lb_micro", ac) in by:
+            pairs.append((f"ac={ac}: lb_mini -> lb_micro", by[(model, world, "lb_micro", ac)]))
+        for label, other in pairs:
+            lines.append(f"| {model} | {world} | {label} | {fmt_bytes(other['predicted_bytes'] - r['predicted_bytes'])}"
+                         f" | {fmt_bytes(other['measured_bytes'] - r['measured_bytes'])} |")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--phase", choices=("init", "train"), help=argparse.SUPPRESS)
+    p.add_argument("--models", nargs="+", default=["tiny", "small"], choices=sorted(CONFIGS))
+    p.add_argument("--worlds", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--strategies", nargs="+", default=["lb_mini", "lb_micro"])
+    p.add_argument("--ac", nargs="+", default=["none", "full"])
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--workdir", default="/tmp/titanrl_bench_memory")
+    p.add_argument("--rewrite", action="store_true", help="rewrite memory.md from memory.json, run nothing")
+    args, rest = p.parse_known_args()
+    if args.rewrite:
+        data = json.loads((REPO / "benchmarks" / "memory.json").read_text())
+        args.commit, args.steps = data["commit"], data["steps"]
+        args.planner_commit = git_commit()  # predictions recomputed from the stored measurements
+        write([add_observed(r, Path(args.workdir)) for r in data["rows"]], args)
+        return
+    if args.child is not None:
+        if rest and rest[0] == "--":
+            rest = rest[1:]
+        sys.exit(child(args.child, args.phase, rest))
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The memory planner (titanrl/memory.py): term arithmetic, CLI exit codes, the 7B config, world scaling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titanrl import memory
+from titanrl.config import ConfigError, load_config
+from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A hand-checkable shape: h = 8, 2 heads of 4 (kv: 1 head -> kv = 4), I = 16, V = 10, one layer;
+# vision hv = 4, Iv = 8, one block, 1 head, patch 2 x 2 x 1 channel x temporal 1 -> patch_dim 4, merge 2.
+HAND = {
+    "model_type": "qwen2_5_vl", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+    "rope_scaling": {"mrope_section": [1, 0, 1]}, "tie_word_embeddings": False,
+    "vision_config": {"depth": 1, "hidden_size": 4, "intermediate_size": 8, "num_heads": 1, "in_channels": 1,
+                      "patch_size": 2, "temporal_patch_size": 1, "spatial_merge_size": 2, "out_hidden_size": 8},
+}
+
+
+def hand_args() -> Qwen2_5_VLArgs:
+    return Qwen2_5_VLArgs.from_hf_config(HAND)
+
+
+def test_parameter_count_by_hand():
+    c = memory.param_counts(hand_args())
+    # wq 8*8+8, wk/wv 2*(8*4+4), wo 8*8, mlp 3*8*16, norms 16
+    assert c.decoder_layer == 72 + 72 + 64 + 384 + 16 == 608
+    # qkv 3*4*4+12, proj 4*4+4, mlp 3*4*8 + 2*8 + 4, norms 8
+    assert c.vision_block == 60 + 20 + 116 + 8 == 204
+    # patch_embed 4*4, merger: norm 4, fc1 16*16+16, fc2 16*8+8; embed 10*8, norm 8, output 10*8
+    assert c.root == 16 + (4 + 272 + 136) + 80 + 8 + 80 == 596
+    assert c.total == 596 + 204 + 608
+
+
+def test_parameter_count_matches_the_built_tiny_model():
+    torch = pytest.importorskip("torch")
+    from titanrl.models.qwen2_5_vl.model import Qwen2_5_VLModel
+
+    args = memory.flavor_shape("tiny")
+    with torch.device("meta"):
+        model = Qwen2_5_VLModel(args)
+    assert memory.param_counts(args).total == sum(p.numel() for p in model.parameters())
+
+
+def test_activation_formulas_by_hand():
+    a = hand_args()
+    # b = 4: 2*(8)*8 + 4*(32 + 8) + 16*16 + 4*2 = 128 + 160 + 256 + 8
+    assert memory.decoder_layer_activation_bytes(a, 4) == 552
+    # 2*8*4 + 24*4 + 16*8 + 4 = 64 + 96 + 128 + 4
+    assert memory.vision_block_activation_bytes(a, 4) == 292
+    mix = memory.TokenMix(vision_patches_per_token=2.0, targets_per_token=0.5)
+    other = 10 * (4 * 8 + 8 * 8 + 8 * 4)  # T (b h + (4 + b) h + 8 head_dim)
+    assert memory.activation_bytes(a, mix, 10, 4, "none") == 10 * 552 + 20 * 292 + other
+    kept = 10 * 4 * 8 + 20 * 4 * 4
+    assert memory.activation_bytes(a, mix, 10, 4, "full") == kept + max(10 * 552, 20 * 292) + other
+    # 5 targets x V 10 x 4 B x (1 + entropy) + 5 x 10 x (4 + 8)
+    assert memory.logits_bytes(a, mix, 10, 4, entropy=True) == 400 + 600
+
+
+def test_token_mix_follows_the_config():
+    cfg = load_config(None, ["--data.max_prompt_tokens=6", "--rollout.max_new_tokens=2", "--rollout.n=2",
+                             "--model.max_seq_len=8"])
+    mix = memory.token_mix(cfg, hand_args())
+    assert mix.vision_patches_per_token == pytest.approx(4 * 6 / 10)  # merge unit 4, P / (P + n R)
+    assert mix.targets_per_token == pytest.approx(4 / 10)
+    cfg.rl.shared_prefix = False
+    assert memory.token_mix(cfg, hand_args()).targets_per_token == pytest.approx(2 / 8)
+
+
+def test_plan_terms_by_hand():
+    cfg = load_config(None, ["--model.dtype=bfloat16", "--rollout.kv_cache_bytes=1000"])
+    n = memory.param_counts(hand_args()).total
+    plan = memory.predict(cfg, hand_args(), 4, runtime_bytes=7)
+    assert plan.term("parameters") == 4 * n // 4
+    assert plan.term("gradients") == 4 * n // 4
+    assert plan.term("optimizer") == 8 * n // 4
+    assert plan.term("lb_mini_full_params") == 2 * n  # gathered in model.dtype
+    assert plan.term("lb_mini_full_grads") == 4 * n  # accumulated in the fp32 reduce dtype
+    assert plan.term("engine_weights") == 2 * n
+    assert plan.term("engine_kv_cache") == 1000
+    assert plan.term("reference_model") == 4 * n // 4
+    assert plan.term("critic") == 0 and plan.term("runtime") == 7
+    assert plan.total == sum(t.bytes for t in plan.terms)  # vllm: no rollout-only term
+    cfg.rollout.engine = "hf"
+    hf = memory.predict(cfg, hand_args(), 4, runtime_bytes=7)
+    # 2 L kv b x (ceil(32 / 4) prompts x 8) x (256 + 2)
+    assert hf.term("engine_generate_kv") == 2 * 1 * 4 * 2 * 64 * 258
+    resident = sum(t.bytes for t in hf.terms if t.phase == "resident")
+    update = hf.term("activations") + hf.term("logprob_head")
+    assert hf.total == resident + max(update, hf.term("engine_generate_kv"))
+    cfg.rollout.engine = "vllm"
+    # one rank: no FSDP, everything fp32
+    single = memory.predict(cfg, hand_args(), 1, runtime_bytes=7)
+    assert single.term("parameters") == 4 * n and not any(t.name.startswith("lb_mini") for t in single.terms)
+    # no reference model without the KL term
+    cfg.rl.kl_coef = 0
+    assert not any(t.name == "reference_model" for t in memory.predict(cfg, hand_args(), 4).terms)
+
+
+def test_sharded_terms_scale_with_the_world():
+    cfg = load_config(REPO / "configs" / "small_cpu.toml")
+    args = memory.flavor_shape("small")
+    p2, p4 = memory.predict(cfg, args, 2), memory.predict(cfg, args, 4)
+    for name in ("parameters", "gradients", "optimizer", "reference_model"):
+        assert p2.term(name) == pytest.approx(2 * p4.term(name), abs=2)
+    for name in ("lb_mini_full_params", "lb_mini_full_grads", "activations", "logprob_head", "engine_weights"):
+        assert p2.term(name) == p4.term(name)
+
+
+def test_activation_checkpointing_and_lb_micro_reduce_the_peak():
+    cfg = load_config(REPO / "configs" / "small_cpu.toml")
+    args = memory.flavor_shape("small")
+    base = memory.predict(cfg, args, 2)
+    cfg.parallelism.activation_checkpoint = "full"
+    ac = memory.predict(cfg, args, 2)
+    assert ac.term("activations") < base.term("activations") / 3
+    cfg.balance.strategy = "lb_micro"
+    micro = memory.predict(cfg, args, 2)
+    assert micro.total < ac.total and not any(t.name.startswith("lb_mini") for t in micro.terms)
+
+
+def test_check_fits_names_the_largest_term_and_fixes():
+    cfg = load_config(REPO / "configs" / "small_cpu.toml")
+    plan = memory.predict(cfg, memory.flavor_shape("small"), 2)
+    memory.check_fits(plan, plan.total)
+    with pytest.raises(ConfigError) as err:
+        memory.check_fits(plan, plan.total - 1, cfg)
+    text = str(err.value)
+    assert f"largest term is {plan.largest.name}" in text
+    assert "--parallelism.activation_checkpoint=full" in text and "--balance.strategy=lb_micro" in text
+    assert "--balance.max_tokens_per_microbatch=" in text
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "titanrl.memory", *argv], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+
+
+def test_cli_tiny_default_fits():
+    out = run_cli("--config", "configs/tiny_cpu.toml", "--device-memory", "16GB")
+    assert out.returncode == 0, out.stderr
+    assert "engine_kv_cache" in out.stdout and "fits" in out.stdout
+
+
+def test_cli_exits_2_when_it_does_not_fit():
+    out = run_cli("--config", "configs/small_cpu.toml", "--world", "2", "--device-memory", "2GiB")
+    assert out.returncode == 2
+    assert "largest term is activations" in out.stderr
+    assert "--parallelism.activation_checkpoint=full" in out.stderr
+
+
+def test_cli_names_a_bad_key():
+    out = run_cli("--config", "configs/tiny_cpu.toml", "--balance.max_tokens=3")
+    assert out.returncode == 2 and "balance.max_tokens" in out.stderr
+
+
+def test_7b_config_fits_8_x_80gb(tmp_path):
+    cfg_json = {
+        "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False,
+        "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                          "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "in_chans": 3},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg_json))
+    out = run_cli("--config", "configs/qwen2_5_vl_7b.toml", "--world", "8", "--device-memory", "80GB",
+                  f"--model.path={tmp_path}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "8,292.2M parameters" in out.stdout  # Qwen2.5-VL-7B: 8.29B with the vision tower
+    # the table entry gives the same shape for a model.path that is not on this machine
+    cfg = load_config(REPO / "configs" / "qwen2_5_vl_7b.toml", ["--model.path=/models/Qwen2.5-VL-7B-Instruct"])
+    args, source = memory.resolve_shape(cfg)
+    assert args.text == Qwen2_5_VLArgs.from_hf_config(cfg_json).text and "table" in source
+    plan = memory.predict(cfg, args, 8)
+    memory.check_fits(plan, 80 * 10**9, cfg)
+    # and the previous settings (lb_mini, 16k tokens, 20 GiB KV) did not
+    cfg.balance.strategy, cfg.balance.max_tokens_per_microbatch = "lb_mini", 16384
+    cfg.rollout.kv_cache_bytes = 20 << 30
+    with pytest.raises(ConfigError, match="lb_mini_full_grads"):
+        memory.check_fits(memory.predict(cfg, args, 8), 80 * 10**9, cfg)
+
+
+def test_parse_bytes():
+    assert memory.parse_bytes("80GB") == 80 * 10**9
+    assert memory.parse_bytes("2GiB") == 2 << 30
+    assert memory.parse_bytes("1.5e3") == 1500
+    with pytest.raises(ConfigError, match="device-memory"):
+        memory.parse_bytes("3 parsecs")
+
+
+def test_measured_peak_is_positive():
+    assert memory.measured_peak_bytes("cpu") > 10 << 20
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "full"])
+def test_decoder_activation_formula_matches_autograd(checkpoint):
+    """What autograd really saves in the forward of a text-only packed sequence (unique storages, the
+    parameters left out) against T (L A_d + o) (none) or its kept part T (L b h + o) (full)."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from titanrl.models.packed import pack_sequences
+    from titanrl.models.qwen2_5_vl.inputs import make_sequence_input
+    from titanrl.models.qwen2_5_vl.model import Qwen2_5_VLModel
+    from titanrl.parallel.parallelize import apply_activation_checkpointing
+
+    args = memory.flavor_shape("tiny")
+    model = Qwen2_5_VLModel(args)
+    apply_activation_checkpointing(model, checkpoint)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    tokens = 512
+    batch = pack_sequences([make_sequence_input(args, np.arange(tokens, dtype=np.int64) % 500)]).to(
+        torch.device("cpu"), torch.float32)
+    saved: dict[int, int] = {}
+
+    def keep(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model(batch)
+    predicted = memory.activation_bytes(args, memory.TokenMix(0.0, 0.0), tokens, 4, checkpoint)
+    if checkpoint == "full":  # the recomputed block exists only in backward
+        predicted -= tokens * memory.decoder_layer_activation_bytes(args, 4)
+    assert sum(saved.values()) == pytest.approx(predicted, rel=0.2)

@@ -407,9 +407,10 @@ def hf_generate_kv_bytes(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int) -> in
 
 
 def critic_bytes(cfg: JobConfig, n: int, dp: int) -> int:
-    """A learned critic's parameters, gradients, optimizer state (16 N_critic / dp) once PPO exists;
-    0 for GRPO (the only rl.algorithm)."""
-    return 0
+    """PPO's critic (the policy's network with a value head, ~N parameters): its fp32 parameters, gradients and
+    AdamW state sharded over the ranks, 16 N / dp; its activations are the policy's and come at another time
+    (the critic's update runs after the actor's). 0 for GRPO."""
+    return 16 * n // max(dp, 1) if cfg.rl.algorithm == "ppo" else 0
 
 
 # ------------------------------------------------------------------ fit check

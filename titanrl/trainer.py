@@ -8,15 +8,16 @@ stage runner, optimizer) is its attributes.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from titanrl import assets
+from titanrl import assets, memory
 from titanrl.checkpoint import (CallbackState, ModelState, OptimizerState, RNGState, SchedulerState,
                                 build_checkpoint_manager)
-from titanrl.config import JobConfig, config_to_dict, save_resolved
+from titanrl.config import ConfigError, JobConfig, config_to_dict, save_resolved
 from titanrl.console import log_path, say
 from titanrl.data.manifest import SampleRecord, read_manifest
 from titanrl.data.prompt import PromptEncoder
@@ -90,6 +91,19 @@ class Trainer:
 
         self.args = Qwen2_5_VLArgs.from_pretrained(self.model_dir)
         self.param_dtype = _DTYPES[cfg.model.dtype]
+        # the memory plan (titanrl.memory), before any model is built: on a GPU a config predicted not to fit is
+        # refused, naming the largest term and the fixes; on CPU the prediction (an upper bound: full microbatches
+        # of the longest samples, benchmarks/memory.md) only warns
+        self.memory_plan = memory.predict(cfg, self.args, info.world_size, device=info.device.type)
+        capacity = memory.device_capacity_bytes(str(info.device), int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                                     info.world_size)))
+        try:
+            memory.check_fits(self.memory_plan, capacity, cfg)
+        except ConfigError as err:
+            if info.device.type == "cuda":
+                raise
+            if info.is_main:
+                say(f"[titanrl] warning: {err}")
         # Ulysses degrees against the model's head counts: an impossible one stops the run here,
         # before any model or engine is built.
         self.ulysses = resolve_ulysses(cfg.parallelism, self.args.text, info.world_size)
@@ -222,7 +236,10 @@ class Trainer:
             trajs = buffer.outputs["reward"].trajectories if "reward" in buffer.outputs else []
             models = {"policy": self.model, **({"critic": self.critic} if self.critic is not None else {})}
             dump_step(self.cfg.run_dir, self.step, trajs, models, is_main=self.info.is_main)
-        return step_metrics(self, buffer, timer, time.perf_counter() - t_step)
+        out = step_metrics(self, buffer, timer, time.perf_counter() - t_step)
+        out["memory/predicted_peak_bytes"] = float(self.memory_plan.total)
+        out["memory/measured_peak_bytes"] = float(memory.measured_peak_bytes(self.info.device.type))
+        return out
 
     _close_collective = True  # False after a failure: tear-down waits for no other rank
 

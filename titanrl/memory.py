@@ -385,7 +385,8 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
                           "hf generate's KV cache: 2 L kv b x (prompts per rank x n) x (P + R)", "rollout"))
     if cfg.rl.kl_coef > 0:
         terms.append(Term("reference_model", 4 * n // dp, f"rl.kl_coef > 0: frozen fp32 shard 4 N / {dp}"))
-    terms.append(Term("critic", critic_bytes(cfg, n, dp), "no critic with rl.algorithm=grpo"))
+    terms.append(Term("critic", critic_bytes(cfg, n, dp), "16 N / dp: fp32 parameters, gradients, AdamW (ppo)"
+                      if cfg.rl.algorithm == "ppo" else "no critic with rl.algorithm=grpo"))
     runtime = RUNTIME_BYTES[f"{device}/{cfg.rollout.engine}"] if runtime_bytes is None else runtime_bytes
     terms.append(Term("runtime", runtime, f"measured constant ({device}): process, libraries, context"))
     plan = MemoryPlan(terms=terms, world=world, dp=dp, device=device, shape="", params=n,

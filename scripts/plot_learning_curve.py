@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--mark", type=int, default=None, help="the step where the default config stops")
     parser.add_argument("--labels", nargs="*", default=None, help="a label per run (default: seed 0, 1, ...)")
     parser.add_argument("--settings", default="", help="how the runs were launched, for the summary")
+    parser.add_argument("--title", default="GRPO on the synthetic colour task, tiny Qwen2.5-VL (CPU, vLLM rollouts)",
+                        help="the plot's title")
     parser.add_argument("--table-only", nargs="*", default=[], metavar="LABEL=METRICS",
                         help="runs listed in the summary table but not drawn (variants of the default)")
     args = parser.parse_args()
@@ -70,7 +72,7 @@ def main() -> None:
         ax.axvline(args.mark, color="black", ls=":", lw=0.8, label=f"default stops (step {args.mark})")
     ax.set_xlabel("RL step")
     ax.set_ylim(0, 1.02)
-    ax.set_title("GRPO on the synthetic colour task, tiny Qwen2.5-VL (CPU, vLLM rollouts)")
+    ax.set_title(args.title)
     if len(runs) <= 4:
         ax.legend(loc="lower right", fontsize=7)
     else:

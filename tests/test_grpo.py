@@ -116,6 +116,16 @@ def test_math_answer(response, answer, score):
     assert math_answer(response, rec) == score
 
 
+def test_a_reward_can_be_a_function_in_a_file(tmp_path):
+    (tmp_path / "my_reward.py").write_text("def score(response, record):\n    return float(len(response))\n")
+    fn = load_reward(f"{tmp_path / 'my_reward.py'}:score")
+    assert fn("abc", None) == 3.0
+    with pytest.raises(ValueError, match="no file"):
+        load_reward(f"{tmp_path / 'missing.py'}:score")
+    with pytest.raises(ValueError, match="has no 'nope'"):
+        load_reward(f"{tmp_path / 'my_reward.py'}:nope")
+
+
 def test_load_reward_errors_name_the_spec():
     assert load_reward("titanrl.rl.rewards:exact_match") is exact_match
     with pytest.raises(ValueError, match="no_such"):

@@ -27,7 +27,7 @@ from typing import Literal
 from titanrl.config.errors import ConfigError
 
 # "package.module:function" -- checked for shape only; importing it here could pull in torch.
-_REWARD_SPEC = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+_REWARD_SPEC = re.compile(r"^([A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*|[^:]+\.py):[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -319,7 +319,8 @@ class RLConfig:
     value_clip: float = 0.5
     """PPO: the critic's new values are clipped to old value +- value_clip in the clipped value loss."""
     reward: str = "titanrl.rl.rewards:exact_match_with_format"
-    """Reward function as 'module:function', imported when training starts."""
+    """Reward function as 'package.module:function' or 'path/to/file.py:function' (relative to the working
+    directory), imported when training starts, before any model is built."""
     global_batch_size: int = 32
     """Prompts per RL step, over all ranks (sequences per step = global_batch_size * rollout.n)."""
     ppo_epochs: int = 1
@@ -360,7 +361,7 @@ class RLConfig:
         found = []
         if not _REWARD_SPEC.match(self.reward):
             found.append(
-                f"rl.reward must look like 'package.module:function', got {self.reward!r}"
+                f"rl.reward must look like 'package.module:function' or 'path/to/file.py:function', got {self.reward!r}"
             )
         if self.global_batch_size < 1:
             found.append(f"rl.global_batch_size must be >= 1, got {self.global_batch_size}")

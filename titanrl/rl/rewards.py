@@ -6,12 +6,10 @@ A reward function takes the decoded response text and the sample's record (its `
 
 from __future__ import annotations
 
-import importlib
 import re
 from fractions import Fraction
 from typing import Callable, Protocol
 
-from titanrl.config.errors import ConfigError
 from titanrl.data.manifest import SampleRecord
 
 
@@ -75,17 +73,8 @@ def math_answer(response: str, record: SampleRecord) -> float:
 
 
 def load_reward(spec: str) -> Callable[[str, SampleRecord], float]:
-    """Resolve ``"package.module:function"``; a clear error names what could not be found."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"rl.reward={spec!r}: cannot import module {module_name!r} ({e})") from e
-    fn = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise ConfigError(f"rl.reward={spec!r}: module {module_name!r} has no {attr!r}")
-    if not callable(fn):
-        raise ConfigError(f"rl.reward={spec!r} is not callable")
-    return fn
+    """Resolve ``"package.module:function"`` or ``"path/to/file.py:function"``; a clear error names what could not be
+    found."""
+    from titanrl.workflow.functions import load_function
+
+    return load_function(spec, "rl.reward")

@@ -15,8 +15,9 @@ from titanrl.workflow.graph import NodeSpec, Workflow
 
 
 def load_function(spec: str, what: str) -> Callable:
-    """``module:function`` or ``file.py:function`` (a path relative to the working directory); ``what`` names the
-    config key or node in errors."""
+    """``module:function`` or ``file.py:function`` (a path relative to the working directory; ``function`` may be
+    dotted: ``Class.method``); ``what`` names the config key or node in errors. The one resolver of user code:
+    workflow nodes and ``rl.reward``."""
     target, _, name = spec.rpartition(":")
     if target.endswith(".py"):
         path = Path(target).expanduser()
@@ -38,9 +39,11 @@ def load_function(spec: str, what: str) -> Callable:
             module = importlib.import_module(target)
         except ImportError as err:
             raise ConfigError(f"{what}: {spec!r}: cannot import module {target!r} ({err})") from err
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise ConfigError(f"{what}: {spec!r}: {target!r} has no {name!r}")
+    fn = module
+    for part in name.split("."):  # module:Class.method too
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ConfigError(f"{what}: {spec!r}: {target!r} has no {name!r}")
     if not callable(fn):
         raise ConfigError(f"{what}: {spec!r} is not callable")
     return fn

@@ -44,6 +44,15 @@ class NodeSpec:
         return ":" not in self.function
 
 
+def _generation() -> list[NodeSpec]:
+    """The nodes every built-in workflow starts with: prompts, responses, rewards."""
+    return [
+        NodeSpec("data", "none", "compute", "load_prompts", ()),
+        NodeSpec("rollout", "actor", "generate", "generate", ("data",)),
+        NodeSpec("reward", "reward", "compute", "score", ("rollout",)),
+    ]
+
+
 def builtin_graph(cfg: Any) -> list[NodeSpec]:
     """The nodes of ``cfg.rl.algorithm``'s workflow for this config (a reference model only when rl.kl_coef > 0)."""
     if cfg.rl.algorithm == "ppo":
@@ -51,10 +60,7 @@ def builtin_graph(cfg: Any) -> list[NodeSpec]:
     if cfg.rl.algorithm != "grpo":
         raise ValueError(f"unknown rl.algorithm {cfg.rl.algorithm!r}")
     reference = cfg.rl.kl_coef > 0
-    nodes = [
-        NodeSpec("data", "none", "compute", "load_prompts", ()),
-        NodeSpec("rollout", "actor", "generate", "generate", ("data",)),
-        NodeSpec("reward", "reward", "compute", "score", ("rollout",)),
+    nodes = _generation() + [
         NodeSpec("advantage", "none", "compute", "group_advantages", ("reward",)),
         NodeSpec("old_logprob", "actor", "inference", "old_logprobs", ("advantage",)),
     ]
@@ -72,10 +78,7 @@ def ppo_graph(cfg: Any) -> list[NodeSpec]:
     """PPO: the critic's values of the responses, GAE advantages from them and the rewards, the actor's update
     and the critic's."""
     reference = cfg.rl.kl_coef > 0
-    nodes = [
-        NodeSpec("data", "none", "compute", "load_prompts", ()),
-        NodeSpec("rollout", "actor", "generate", "generate", ("data",)),
-        NodeSpec("reward", "reward", "compute", "score", ("rollout",)),
+    nodes = _generation() + [
         NodeSpec("values", "critic", "inference", "critic_values", ("reward",)),
         NodeSpec("old_logprob", "actor", "inference", "old_logprobs", ("reward",)),
     ]

@@ -74,6 +74,9 @@ class Trainer:
         cfg.validate_world_size(info.world_size)
         # the step as a workflow: checked, and its functions found, before anything heavy is built
         self.workflow = resolve_workflow(cfg)
+        if info.is_main:
+            say(f"[titanrl] workflow ({cfg.rl.algorithm}; node [role/type on ranks] = function(inputs)):\n"
+                + self.workflow.describe())
         self.executor = Executor(self.workflow, bind_functions(self.workflow), info.rank,
                                  {"all": frozenset(range(info.world_size))})
         self.control = RunControl(info.rank)

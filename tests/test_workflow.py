@@ -72,3 +72,15 @@ def test_bad_workflows_are_config_errors_naming_the_node(tmp_path, text, message
 def test_nodes_are_set_in_toml_not_on_the_command_line():
     with pytest.raises(ConfigError, match="array of tables: set it in the TOML file"):
         load_config(None, ["--workflow.nodes=[]"])
+
+
+def test_help_lists_the_nodes_of_a_config(tmp_path, capsys):
+    from titanrl.config.loader import parse_args
+
+    path = tmp_path / "w.toml"
+    path.write_text('[[workflow.nodes]]\nid = "a"\nfunction = "m:f"\ninputs = ["reward"]\n')
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(path), "--help"])
+    out = capsys.readouterr().out
+    assert "workflow.nodes: array of tables (TOML file only) = 1 table(s)" in out
+    assert '[[workflow.nodes]] #0: id="a", function="m:f", inputs=["reward"]' in out

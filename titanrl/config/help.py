@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from titanrl.config.schema import fields_of, section_doc, type_label
+from titanrl.config.schema import fields_of, section_doc, table_list_of, type_label
 from titanrl.config.serialize import format_value
 
 USAGE = (
@@ -36,6 +36,19 @@ def _section_help(obj: Any, path: list[str], lines: list[str]) -> None:
         if spec.is_section:
             continue
         value = getattr(obj, spec.name)
+        element = table_list_of(spec.type)
+        if element is not None:  # [[a.b]] tables: their count here, each entry's keys and docs below
+            dotted = ".".join([*path, spec.name])
+            lines.append(f"  {dotted}: {type_label(spec.type)} = {len(value)} table(s)")
+            if spec.doc:
+                lines += [f"      {line}" for line in spec.doc.splitlines()]
+            for i, entry in enumerate(value):
+                shown = ", ".join(f"{k}={format_value(v)}" for k, v in
+                                  ((n, getattr(entry, n)) for n in fields_of(element)) if v is not None)
+                lines.append(f"      [[{dotted}]] #{i}: {shown}")
+            for name, sub in fields_of(element).items():
+                lines.append(f"      {name}: {type_label(sub.type)}" + (f" - {sub.doc.splitlines()[0]}" if sub.doc else ""))
+            continue
         shown = "none" if value is None else format_value(value)
         lines.append(f"  --{'.'.join([*path, spec.name])}: {type_label(spec.type)} = {shown}")
         if spec.doc:

@@ -66,7 +66,11 @@ class Trainer:
         self._resources = contextlib.ExitStack()
         try:
             self._setup(cfg, info)
-        except BaseException:
+        except BaseException as err:
+            # the other ranks may be anywhere in their set-up: tell them, and wait for none of them
+            if hasattr(self, "control"):
+                self.control.announce(str(err).splitlines()[0] if str(err) else type(err).__name__)
+            self._close_collective = False
             self._resources.close()
             raise
 

@@ -60,13 +60,18 @@ def test_grpo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
 
 
 def test_ppo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
-    """PPO (critic, GAE, clipped value loss): actor and critic parameters, per-token log-probs, values, returns and
-    advantages of 4 ranks equal 1 rank after 2 steps."""
+    """PPO (critic, GAE, clipped value loss) with the critic under the actor's modes - FlexUlysses sharding
+    sequences over up to 4 ranks (a small token budget forces it), lb_micro, vision balancing, slice-aware loading
+    on the video mixture: actor and critic parameters, per-token log-probs, values, returns and advantages of 4
+    ranks equal 1 rank after 2 steps. (PPO under the default lb_mini: the SIGTERM resume test.)"""
     common = ["--rl.algorithm=ppo", "--job.steps=2", "--checkpoint.enable=false", "--metrics.dump_tensors",
-              "--rl.old_logprobs=recompute", "--rl.minibatches=2"]
-    for name, nproc in (("one", None), ("four", 4)):
-        proc = run(cmd(tmp_path / name, run_cache, *common, nproc=nproc))
+              "--rl.old_logprobs=recompute", "--data.mixture=video-heavy", "--parallelism.ulysses=flex",
+              "--balance.strategy=lb_micro", "--parallelism.vision_balance=true"]
+    for name, nproc, extra in (("one", None, []), ("four", 4, ["--balance.max_tokens_per_microbatch=48"])):
+        proc = run(cmd(tmp_path / name, run_cache, *common, *extra, nproc=nproc))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sharded = metrics(tmp_path / "four" / "tiny_cpu")
+    assert all(r["parallel/degree_max"] == 4 and r["parallel/sharded_sequences"] > 0 for r in sharded.values())
     one, four = load_dumps(tmp_path / "one" / "tiny_cpu"), load_dumps(tmp_path / "four" / "tiny_cpu")
     for step in (1, 2):
         diff = max_differences(one[step], four[step])

@@ -78,9 +78,14 @@ def train_on_hosts(hosts: Hosts, out: Path, cache: Path, *overrides: str, port: 
 
 
 def error_line(proc: subprocess.CompletedProcess, rank: int) -> str:
-    lines = [x for x in proc.stdout.splitlines() if x.startswith(f"[titanrl] error on rank {rank}")]
-    assert lines, proc.stdout[-3000:]
-    return lines[0]
+    """The host's one line naming the cause: its rank's own error, or - where another host's rank failed
+    first - ``rank R stopped: rank F: <cause>``. Returned as ``error on rank F: <cause>``."""
+    own = [x for x in proc.stdout.splitlines() if x.startswith(f"[titanrl] error on rank {rank}")]
+    elsewhere = [x for x in proc.stdout.splitlines() if x.startswith(f"[titanrl] rank {rank} stopped: rank ")]
+    assert len(own) + len(elsewhere) == 1, proc.stdout[-3000:]
+    if own:
+        return own[0]
+    return "[titanrl] error on " + elsewhere[0].split(" stopped: ", 1)[1]
 
 
 def step_metrics(out: Path) -> list[dict]:

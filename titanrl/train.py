@@ -33,6 +33,18 @@ def _is_user_error(err: BaseException) -> bool:
     return any(name in names for name in _USER_ERRORS)
 
 
+def _shows_cause(info, elsewhere: str) -> bool:
+    """Whether this rank repeats another rank's cause on its console: the first rank of a host (torchrun
+    numbers a host's ranks contiguously) that does not hold the failing rank ("rank N: ...")."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    try:
+        failing = int(elsewhere.split(":", 1)[0].removeprefix("rank "))
+    except ValueError:
+        failing = -1
+    first = info.rank - info.local_rank
+    return info.local_rank == 0 and not first <= failing < first + local_world
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.time()
     from titanrl.config import config_to_toml, parse_args_or_exit
@@ -72,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         elsewhere = trainer.control.failed_elsewhere if trainer is not None else None
         if elsewhere is not None:  # a consequence of another rank's failure, whose line names the cause
             report_exception(err, rank=info.rank, expected=True, verbose=cfg.metrics.verbose, console=False)
-            say(f"[titanrl] rank {info.rank} stopped: {elsewhere}", log_only=True)
+            # the failing rank's own console line is on its host's console; a host without it shows the
+            # cause once, from its first rank
+            say(f"[titanrl] rank {info.rank} stopped: {elsewhere}", error=True, log_only=not _shows_cause(info, elsewhere))
         else:
             report_exception(err, rank=info.rank, expected=_is_user_error(err), verbose=cfg.metrics.verbose)
         return 1

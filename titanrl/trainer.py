@@ -41,7 +41,7 @@ from titanrl.rl.exchange import VisionBalancing
 from titanrl.rl.slice_loading import StepSlices
 from titanrl.rl.stages import StageRunner, build_cost_model
 from titanrl.rl.timing import StageTimer, busy_clock, busy_metrics
-from titanrl.rl.rewards import exact_match, load_reward
+from titanrl.rl.reward_runner import RewardRunner, reward_metrics, reward_sums
 from titanrl.rl.weight_sync import WeightPusher
 from titanrl.rollout import RolloutRequest, build_rollout_engine, mm_limits_for, probe_logprobs
 
@@ -73,7 +73,8 @@ class Trainer:
         self.manifest = assets.manifest_path(cfg, info)
         self.records: list[SampleRecord] = read_manifest(self.manifest, check_files=False)
         self.encoder = PromptEncoder.from_pretrained(self.model_dir)
-        self.reward_fn = load_reward(cfg.rl.reward)
+        self.rewards = RewardRunner(cfg.rl.reward, timeout_s=cfg.rl.reward_timeout_s, workers=cfg.rl.reward_workers,
+                                    on_error=cfg.rl.on_reward_error)
 
         self.args = Qwen2_5_VLArgs.from_pretrained(self.model_dir)
         self.param_dtype = _DTYPES[cfg.model.dtype]
@@ -219,9 +220,11 @@ class Trainer:
         return trajs
 
     def score(self, trajs: list[Trajectory]) -> None:
-        for t in trajs:
-            t.reward = float(self.reward_fn(t.response_text, t.prompt.record))
-            t.extras["correct"] = exact_match(t.response_text, t.prompt.record)
+        self.reward_results = self.rewards.score([(t.response_text, t.prompt.record) for t in trajs])
+        for t, result in zip(trajs, self.reward_results):
+            t.reward = result.score
+            if result.correct is not None:
+                t.extras["correct"] = result.correct
         if trajs:
             adv = group_advantages(
                 torch.tensor([t.reward for t in trajs]), torch.tensor([t.group for t in trajs]),
@@ -358,7 +361,7 @@ class Trainer:
         # a prompt's group is generated and scored on one rank, so groups can be counted locally
         uniform, groups = count_uniform_groups([t.reward for t in trajs], [t.group for t in trajs])
         local = torch.tensor([
-            sum(t.reward for t in trajs), sum(t.extras["correct"] for t in trajs), float(len(trajs)),
+            sum(t.reward for t in trajs), 0.0, float(len(trajs)),  # slot 1 unused: reward_metrics below
             float(sum(t.num_response_tokens for t in trajs)), float(sum(t.num_tokens for t in trajs)),
             float(self.skips.total()), float(uniform), float(groups),
         ], dtype=torch.float64)
@@ -375,7 +378,7 @@ class Trainer:
             stats.update(host_metrics(all_gather_objects(dict(self.data_step.fetch_counts))))
         return {
             "reward/mean": total[0].item() / n,
-            "reward/accuracy": total[1].item() / n,
+            **reward_metrics(all_gather_objects(reward_sums(self.reward_results))),  # accuracy, errors, extras
             # groups whose responses all scored the same: no gradient from them this step
             "reward/uniform_group_fraction": total[6].item() / max(total[7].item(), 1.0),
             "response/length_mean": total[3].item() / n,

@@ -26,8 +26,14 @@ from typing import Literal
 
 from titanrl.config.errors import ConfigError
 
-# "package.module:function" -- checked for shape only; importing it here could pull in torch.
-_REWARD_SPEC = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+# "package.module:function" or "path/to/file.py:function" (or a REWARD_BUILTINS name) -- checked for shape
+# only; importing it here could pull in torch (titanrl.rl.rewards.load_reward resolves it).
+_REWARD_SPEC = re.compile(
+    r"^(?:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"  # package.module:function
+    r"|[^:]+\.py:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$"  # path/to/file.py:function
+)
+# The built-in rewards of titanrl.rl.rewards.BUILTIN_REWARDS (a test keeps the two equal).
+REWARD_BUILTINS: tuple[str, ...] = ("math", "choice", "exact", "exact_match_with_format", "first_word")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -312,7 +318,21 @@ class RLConfig:
     """Advantage estimator: group-relative (GRPO) with the PPO-clip objective. A learned critic
     (PPO with GAE) is not built yet."""
     reward: str = "titanrl.rl.rewards:exact_match_with_format"
-    """Reward function as 'module:function', imported when training starts."""
+    """Reward function: a built-in (math = math-verify equivalence, choice = multiple-choice letter or option,
+    exact = normalised string equality, first_word = the first word equals the answer, exact_match_with_format = the
+    synthetic colour task), 'package.module:function'
+    or 'path/to/file.py:function', loaded when training starts. It returns a float score, or a dict with 'score',
+    optionally 'correct' (reward/accuracy is its mean; absent when the reward gives none) and other numbers (each
+    logged as reward/<name>). docs/data.md#rewards"""
+    reward_timeout_s: float = 10.0
+    """Longest one reward call may run, in seconds; then its worker process is killed and replaced and the call
+    counts as failed (rl.on_reward_error). Only enforced with rl.reward_workers >= 1."""
+    reward_workers: int = 1
+    """Worker processes per rank that run the reward calls (spawned at start-up); 0 = call the reward in the
+    trainer's process, with no time limit."""
+    on_reward_error: Literal["zero", "error"] = "zero"
+    """A reward call that raises, times out or returns a non-finite or malformed value: zero = score 0 (correct 0),
+    counted in reward/errors; error = stop with an error naming the sample."""
     global_batch_size: int = 32
     """Prompts per RL step, over all ranks (sequences per step = global_batch_size * rollout.n)."""
     ppo_epochs: int = 1
@@ -351,10 +371,16 @@ class RLConfig:
 
     def problems(self) -> list[str]:
         found = []
-        if not _REWARD_SPEC.match(self.reward):
+        if self.reward not in REWARD_BUILTINS and not _REWARD_SPEC.match(self.reward):
             found.append(
-                f"rl.reward must look like 'package.module:function', got {self.reward!r}"
+                f"rl.reward must be a built-in ({', '.join(REWARD_BUILTINS)}), 'package.module:function' or "
+                "'path/to/file.py:function', "
+                f"got {self.reward!r}"
             )
+        if self.reward_timeout_s <= 0:
+            found.append(f"rl.reward_timeout_s must be > 0, got {self.reward_timeout_s}")
+        if self.reward_workers < 0:
+            found.append(f"rl.reward_workers must be >= 0 (0 = in the trainer's process), got {self.reward_workers}")
         if self.global_batch_size < 1:
             found.append(f"rl.global_batch_size must be >= 1, got {self.global_batch_size}")
         if self.ppo_epochs < 1:

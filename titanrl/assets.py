@@ -55,10 +55,31 @@ def model_dir(cfg: JobConfig, info: DistInfo) -> Path:
 
 
 def manifest_path(cfg: JobConfig, info: DistInfo) -> Path:
-    if cfg.data.manifest:
-        path = Path(cfg.data.manifest).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"data.manifest={cfg.data.manifest!r} does not exist")
+    """The titanrl manifest of the run: data.path (or data.manifest) read in place when it is one, else
+    imported into the cache (titanrl.data.sources); without either, a synthesized dataset."""
+    source = cfg.data.path or cfg.data.manifest
+    if source:
+        from titanrl.console import say
+        from titanrl.data.formats import ColumnMap
+        from titanrl.data.sources import ImportSettings, dataset_manifest
+
+        key = "data.path" if cfg.data.path else "data.manifest"
+        if not Path(source).expanduser().exists():
+            raise FileNotFoundError(f"{key}={source!r} does not exist")
+        d = cfg.data
+        settings = ImportSettings(
+            format=d.format, on_bad_sample=d.on_bad_sample,
+            columns=ColumnMap(d.prompt_key, d.answer_key, d.image_key, d.video_key, d.system_prompt),
+        )
+        if info.is_main:
+            path, report = dataset_manifest(source, cfg.cache_dir, settings, _build_once)
+            if report is not None:
+                skipped = f", {len(report.skipped)} bad rows skipped (listed in {path.parent / 'import.json'})"
+                say(f"[titanrl] {key}={source!r}: {report.samples} samples from {report.rows} rows"
+                    f"{skipped if report.skipped else ''}; imported to {path.parent}")
+        barrier()
+        if not info.is_main:
+            path, _ = dataset_manifest(source, cfg.cache_dir, settings, lambda target, build: target)
         return path
     target = cfg.cache_dir / "data" / f"{cfg.data.mixture}_n{cfg.data.num_samples}_seed{cfg.job.seed}"
     if info.is_main:

@@ -101,12 +101,33 @@ class ModelConfig:
 class DataConfig:
     """[data] Prompt dataset, media decoding and the loader that feeds rollouts."""
 
+    path: str = ""
+    """The prompt dataset: a .jsonl / .json / .parquet file, a folder of them, or a folder written by Hugging Face
+    datasets' save_to_disk, in data.format; empty (and data.manifest empty) = synthesize one into model.cache_dir.
+    A titanrl JSONL manifest is read in place; any other dataset is imported once into
+    <model.cache_dir>/data/imported/ (embedded images extracted to files). docs/data.md"""
     manifest: str = ""
-    """JSONL manifest of prompts/media/answers; empty = synthesize one into model.cache_dir."""
+    """The older name of data.path (a titanrl JSONL manifest, or any dataset data.path takes); set at most one."""
+    format: Literal["auto", "titanrl", "verl", "easyr1", "columns"] = "auto"
+    """Schema of data.path's rows: titanrl (id/source/prompt/media/answer/answer_choices), verl (chat-list prompt,
+    images, videos, reward_model.ground_truth, data_source), easyr1 (problem, answer, images, videos), columns
+    (data.prompt_key / answer_key / image_key / video_key); auto = told apart by the first row's keys (never
+    columns)."""
+    prompt_key: str = "prompt"
+    """columns format: the prompt column (a string with <image>/<video> placeholders, or a chat message list)."""
+    answer_key: str = "answer"
+    """columns format: the answer column (a string)."""
+    image_key: str = "images"
+    """columns format: the images column (a list of paths, bytes, base64 data URIs or {bytes, path}); a row
+    without it has no images."""
+    video_key: str = "videos"
+    """columns format: the videos column (a list of paths); a row without it has no videos."""
+    system_prompt: str = ""
+    """columns format: the system message of every row whose prompt has none (empty = no system message)."""
     mixture: Literal["image-heavy", "video-heavy", "only-video"] = "image-heavy"
-    """Media mix of the synthesized dataset (ignored when manifest is set)."""
+    """Media mix of the synthesized dataset (ignored when data.path or data.manifest is set)."""
     num_samples: int = 64
-    """Number of samples to synthesize (ignored when manifest is set)."""
+    """Number of samples to synthesize (ignored when data.path or data.manifest is set)."""
     loader: Literal["shadow", "centralized"] = "shadow"
     """shadow = plan from header metadata on every rank, decode ahead on per-node Ray preprocessors,
     fetch asynchronously (docs/shadowloader.md); centralized = rank 0 decodes each batch, then scatters
@@ -118,7 +139,9 @@ class DataConfig:
     encoding rank over the trajectory all-to-all (the whole-sample baseline). Needs loader = "shadow"
     (the centralized loader cannot fetch slices)."""
     on_bad_sample: Literal["skip", "error"] = "skip"
-    """What to do with an undecodable or over-long sample: skip it (and count it) or stop."""
+    """What to do with a bad sample -- a row data.path's import cannot use (missing key, unreadable image bytes,
+    placeholders that do not match the media, a non-string answer; listed in the import folder's import.json), an
+    undecodable or over-long sample: skip it (and count it) or stop with an error naming the file, row and key."""
     max_prompt_tokens: int = 256
     """Longest prompt after vision tokens are expanded; longer samples count as bad."""
     video_backend: Literal["pyav", "decord"] = "pyav"
@@ -164,6 +187,12 @@ class DataConfig:
             "ray_object_store_bytes": self.ray_object_store_bytes,
         }
         found += [f"data.{k} must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
+        if self.path and self.manifest:
+            found.append(f"data.path ({self.path!r}) and data.manifest ({self.manifest!r}) name the same setting: "
+                         "set only data.path")
+        if self.format == "columns":
+            found += [f"data.{k} must not be empty with data.format='columns'"
+                      for k in ("prompt_key", "answer_key") if not getattr(self, k)]
         if self.fps <= 0:
             found.append(f"data.fps must be > 0, got {self.fps}")
         if self.fetch_timeout_s <= 0:

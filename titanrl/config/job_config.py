@@ -124,8 +124,14 @@ class DataConfig:
     """columns format: the videos column (a list of paths); a row without it has no videos."""
     system_prompt: str = ""
     """columns format: the system message of every row whose prompt has none (empty = no system message)."""
-    mixture: Literal["image-heavy", "video-heavy", "only-video"] = "image-heavy"
-    """Media mix of the synthesized dataset (ignored when data.path or data.manifest is set)."""
+    mixture: Literal["image-heavy", "video-heavy", "only-video", "arithmetic"] = "image-heavy"
+    """Media mix of the synthesized dataset (ignored when data.path or data.manifest is set); arithmetic = a
+    different task on images only: count the squares and add a number, answered in \\boxed{} (for rl.reward =
+    "math")."""
+    synth_format: Literal["titanrl", "verl", "easyr1"] = "titanrl"
+    """Schema the synthesized dataset is written in (images embedded as bytes in a Parquet file for verl and
+    easyr1), then read back through data.format like any data.path (ignored when data.path or data.manifest is
+    set)."""
     num_samples: int = 64
     """Number of samples to synthesize (ignored when data.path or data.manifest is set)."""
     loader: Literal["shadow", "centralized"] = "shadow"

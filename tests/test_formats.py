@@ -159,3 +159,11 @@ def test_unknown_schema_names_the_keys(tmp_path):
     (tmp_path / "x.jsonl").write_text(json.dumps({"question": "q", "label": "a"}) + "\n")
     with pytest.raises(DatasetError, match=r"x.jsonl: row 0: cannot tell the dataset format.*'label', 'question'"):
         import_dataset(tmp_path / "x.jsonl", tmp_path / "out", ImportSettings())
+
+
+def test_data_config_path_checks():
+    from titanrl.config.job_config import DataConfig
+
+    assert any("set only data.path" in p for p in DataConfig(path="a.parquet", manifest="b.jsonl").problems())
+    assert any("data.prompt_key must not be empty" in p for p in DataConfig(format="columns", prompt_key="").problems())
+    assert not DataConfig(manifest="b.jsonl").problems()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math as pymath
 import textwrap
 
 import pytest
@@ -94,6 +93,8 @@ def test_normalize_output():
     assert normalize_output({"score": 1, "correct": True, "len": 3}) == RewardResult(1.0, 1.0, {"len": 3.0})
     with pytest.raises(ValueError, match="non-finite"):
         normalize_output(float("nan"))
+    with pytest.raises(ValueError, match="reserved"):
+        normalize_output({"score": 1, "accuracy": 1})
     with pytest.raises(ValueError, match="without 'score'"):
         normalize_output({"correct": 1})
 
@@ -152,4 +153,3 @@ def test_runner_workers_timeout_exception_and_recovery(tmp_path):
             strict.score([("sleep", rec("a", id="7"))])
     finally:
         strict.close()
-    assert not pymath.isnan(0.0)

@@ -1,11 +1,10 @@
 """Dataset schemas: how one row of a titanrl, verl, EasyR1 or column-mapped dataset becomes a sample.
 
-| format   | prompt                          | answer                      | media                          | source        |
-|----------|---------------------------------|-----------------------------|--------------------------------|---------------|
-| titanrl  | ``prompt``                      | ``answer``                  | ``media`` [{path, kind}]       | ``source``    |
-| verl     | ``prompt`` (chat list)          | ``reward_model.ground_truth`` | ``images``, ``videos``       | ``data_source`` |
-| easyr1   | ``problem``                     | ``answer``                  | ``images``, ``videos``         | file name     |
-| columns  | ``data.prompt_key``             | ``data.answer_key``         | ``data.image_key``, ``data.video_key`` | ``source`` or file name |
+- titanrl: ``prompt``, ``answer``, ``media`` [{path, kind}], ``source``, optional ``answer_choices``, ``system``;
+- verl: ``prompt`` (a chat list), ``reward_model.ground_truth``, ``images``, ``videos``, ``data_source``;
+- easyr1: ``problem``, ``answer``, ``images``, ``videos`` (source: the file name);
+- columns: ``data.prompt_key``, ``data.answer_key``, ``data.image_key``, ``data.video_key``, and
+  ``data.system_prompt`` for rows without a system message (source: a ``source`` column or the file name).
 
 A prompt is a string with ``<image>`` / ``<video>`` placeholders, or a chat list
 (``[{"role": "system"|"user", "content": str | [parts]}]``, parts ``{"type": "text", "text": ...}``,
@@ -128,7 +127,7 @@ def _titanrl(row: Row) -> Draft:
     media = []
     for i, raw in enumerate(_get(row, "media", list)):
         key = f"media[{i}]"
-        if not isinstance(raw, dict) or not isinstance(raw.get("path"), str) or raw.get("kind") not in ("image", "video"):
+        if not (isinstance(raw, dict) and isinstance(raw.get("path"), str) and raw.get("kind") in ("image", "video")):
             raise BadRow(f"{row.where}key {key!r} must be {{'path': str, 'kind': 'image'|'video'}}, got {raw!r:.80}")
         media.append(MediaRef(raw["kind"], key, path=_resolve(row, key, raw["path"])))
     choices = row.data.get("answer_choices") or []

@@ -25,6 +25,10 @@ from typing import Any, Callable, Iterable, Sequence
 from titanrl.data.manifest import SampleRecord
 
 
+# reward/<name> metrics the trainer logs itself; a reward's extras may not use these names
+RESERVED_EXTRAS = frozenset({"accuracy", "errors", "mean", "uniform_group_fraction"})
+
+
 class RewardError(RuntimeError):
     """A reward call failed and ``rl.on_reward_error = "error"``; the message names the sample."""
 
@@ -47,6 +51,9 @@ def normalize_output(value: Any) -> RewardResult:
         if value.get("correct") is not None:
             correct = _number(value["correct"], "correct")
         extras = {str(k): _number(v, str(k)) for k, v in value.items() if k not in ("score", "correct")}
+        reserved = sorted(set(extras) & RESERVED_EXTRAS)
+        if reserved:
+            raise ValueError(f"returned extra key(s) {reserved}, reserved for the trainer's reward/ metrics")
         return RewardResult(score=score, correct=correct, extras=extras)
     return RewardResult(score=_number(value, "score"))
 

@@ -106,6 +106,7 @@ def trl_worker(opts) -> None:
 
     from titanrl.assets import model_dir
     from titanrl.data.manifest import SampleRecord
+    from titanrl.rl.reward_runner import normalize_output
     from titanrl.rl.rewards import exact_match, load_reward
 
     torch.set_num_threads(opts.threads)
@@ -120,7 +121,7 @@ def trl_worker(opts) -> None:
         return completion[-1]["content"] if isinstance(completion, list) else completion
 
     def reward(prompts, completions, answer, answer_choices, **_):
-        return [reward_fn(text(c), r) for c, r in zip(completions, as_records(answer, answer_choices))]
+        return [normalize_output(reward_fn(text(c), r)).score for c, r in zip(completions, as_records(answer, answer_choices))]
 
     def accuracy(prompts, completions, answer, answer_choices, **_):  # logged only (weight 0)
         return [exact_match(text(c), r) for c, r in zip(completions, as_records(answer, answer_choices))]

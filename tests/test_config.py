@@ -360,7 +360,7 @@ def test_entry_point_prints_the_error_without_traceback_and_exits_2():
         (["--model.attn_backend=flash"], "model.attn_backend='flash' needs model.dtype='bfloat16'"),
         (["--rollout.max_new_tokens=300"], "data.max_prompt_tokens + rollout.max_new_tokens (256 + 300 = 556) must be <= model.max_seq_len (512)"),
         (["--optimizer.betas=[0.9]"], "optimizer.betas must be two numbers in [0, 1)"),
-        (["--rl.reward=exact_match"], "rl.reward must look like 'package.module:function'"),
+        (["--rl.reward=exact_match"], "rl.reward must be a built-in (math, choice"),
         (["--data.min_pixels=100000", "--data.max_pixels=12544"], "data.max_pixels (12544) must be >= data.min_pixels (100000)"),
         (["--parallelism.data_parallel_shard_degree=0"], "must be -1 (all ranks) or >= 1"),
         (["--rollout.temperature=0"], "rollout.temperature must be > 0 for rl.algorithm='grpo'"),

@@ -102,9 +102,9 @@ def test_exact_match(response, score):
 
 
 def test_exact_match_with_format():
-    assert exact_match_with_format("red", RECORD) == pytest.approx(1.0)
-    assert exact_match_with_format("blue", RECORD) == pytest.approx(0.1)
-    assert exact_match_with_format("dog", RECORD) == 0.0
+    assert exact_match_with_format("red", RECORD) == {"score": pytest.approx(1.0), "correct": 1.0, "format": 1.0}
+    assert exact_match_with_format("blue", RECORD) == {"score": pytest.approx(0.1), "correct": 0.0, "format": 1.0}
+    assert exact_match_with_format("dog", RECORD) == {"score": 0.0, "correct": 0.0, "format": 0.0}
 
 
 @pytest.mark.parametrize("response,answer,score", [

@@ -55,17 +55,48 @@ def model_dir(cfg: JobConfig, info: DistInfo) -> Path:
 
 
 def manifest_path(cfg: JobConfig, info: DistInfo) -> Path:
-    if cfg.data.manifest:
-        path = Path(cfg.data.manifest).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"data.manifest={cfg.data.manifest!r} does not exist")
-        return path
-    target = cfg.cache_dir / "data" / f"{cfg.data.mixture}_n{cfg.data.num_samples}_seed{cfg.job.seed}"
-    if info.is_main:
-        from titanrl.data.synth import generate_dataset
+    """The titanrl manifest of the run: data.path (or data.manifest) read in place when it is one, else
+    imported into the cache (titanrl.data.sources); without either, a synthesized dataset (in
+    data.synth_format, imported the same way when that is not titanrl)."""
+    d = cfg.data
+    source, key = (d.path, "data.path") if d.path else (d.manifest, "data.manifest")
+    if source:
+        if not Path(source).expanduser().exists():
+            raise FileNotFoundError(f"{key}={source!r} does not exist")
+    else:
+        key = "synthesized data"
+        target = cfg.cache_dir / "data" / f"{d.mixture}_n{d.num_samples}_seed{cfg.job.seed}"
+        if d.synth_format != "titanrl":
+            target = target.with_name(f"{target.name}_{d.synth_format}")
+        if info.is_main:
+            from titanrl.data.synth import generate_dataset
 
-        _build_once(
-            target, lambda d: generate_dataset(d, cfg.data.mixture, cfg.data.num_samples, seed=cfg.job.seed)
-        )
+            _build_once(target, lambda out: generate_dataset(out, d.mixture, d.num_samples, seed=cfg.job.seed,
+                                                             fmt=d.synth_format))
+        barrier()
+        source = target / ("manifest.jsonl" if d.synth_format == "titanrl" else "train.parquet")
+        if d.synth_format == "titanrl":
+            return source
+    return _import(cfg, info, str(source), key)
+
+
+def _import(cfg: JobConfig, info: DistInfo, source: str, key: str) -> Path:
+    from titanrl.console import say
+    from titanrl.data.formats import ColumnMap
+    from titanrl.data.sources import ImportSettings, dataset_manifest
+
+    d = cfg.data
+    settings = ImportSettings(
+        format=d.format, on_bad_sample=d.on_bad_sample,
+        columns=ColumnMap(d.prompt_key, d.answer_key, d.image_key, d.video_key, d.system_prompt),
+    )
+    if info.is_main:
+        path, report = dataset_manifest(source, cfg.cache_dir, settings, _build_once)
+        if report is not None:
+            skipped = f", {len(report.skipped)} bad rows skipped (listed in {path.parent / 'import.json'})"
+            say(f"[titanrl] {key} {source!r}: {report.samples} samples from {report.rows} rows"
+                f"{skipped if report.skipped else ''}; imported to {path.parent}")
     barrier()
-    return target / "manifest.jsonl"
+    if not info.is_main:
+        path, _ = dataset_manifest(source, cfg.cache_dir, settings, lambda target, build: target)
+    return path

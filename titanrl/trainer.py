@@ -32,7 +32,7 @@ from titanrl.parallel.ulysses import resolve_ulysses
 from titanrl.rl.dump import dump_step
 from titanrl.rl.vision_inputs import VisionBalancing
 from titanrl.rl.grpo import build_policy_loss
-from titanrl.rl.rewards import load_reward
+from titanrl.rl.reward_runner import RewardRunner
 from titanrl.rl.stages import StageRunner, build_cost_model
 from titanrl.rl.step_metrics import step_metrics
 from titanrl.rl.timing import StageTimer, busy_clock
@@ -94,7 +94,9 @@ class Trainer:
         self.manifest = assets.manifest_path(cfg, info)
         self.records: list[SampleRecord] = read_manifest(self.manifest, check_files=False)
         self.encoder = PromptEncoder.from_pretrained(self.model_dir)
-        self.reward_fn = load_reward(cfg.rl.reward)
+        self.rewards = RewardRunner(cfg.rl.reward, timeout_s=cfg.rl.reward_timeout_s, workers=cfg.rl.reward_workers,
+                                    on_error=cfg.rl.on_reward_error)
+        self._resources.callback(self.rewards.close)
 
         self.args = Qwen2_5_VLArgs.from_pretrained(self.model_dir)
         self.param_dtype = _DTYPES[cfg.model.dtype]

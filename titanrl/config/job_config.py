@@ -26,8 +26,14 @@ from typing import Literal
 
 from titanrl.config.errors import ConfigError
 
-# "package.module:function" -- checked for shape only; importing it here could pull in torch.
-_REWARD_SPEC = re.compile(r"^([A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*|[^:]+\.py):[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+# "package.module:function" or "path/to/file.py:function" (or a REWARD_BUILTINS name) -- checked for shape
+# only; importing it here could pull in torch (titanrl.rl.rewards.load_reward resolves it).
+_REWARD_SPEC = re.compile(
+    r"^(?:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"  # package.module:function
+    r"|[^:]+\.py:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$"  # path/to/file.py:function
+)
+# The built-in rewards of titanrl.rl.rewards.BUILTIN_REWARDS (a test keeps the two equal).
+REWARD_BUILTINS: tuple[str, ...] = ("math", "choice", "exact", "exact_match_with_format", "first_word")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,12 +101,39 @@ class ModelConfig:
 class DataConfig:
     """[data] Prompt dataset, media decoding and the loader that feeds rollouts."""
 
+    path: str = ""
+    """The prompt dataset: a .jsonl / .json / .parquet file, a folder of them, or a folder written by Hugging Face
+    datasets' save_to_disk, in data.format; empty (and data.manifest empty) = synthesize one into model.cache_dir.
+    A titanrl JSONL manifest is read in place; any other dataset is imported once into
+    <model.cache_dir>/data/imported/ (embedded images extracted to files). docs/data.md"""
     manifest: str = ""
-    """JSONL manifest of prompts/media/answers; empty = synthesize one into model.cache_dir."""
-    mixture: Literal["image-heavy", "video-heavy", "only-video"] = "image-heavy"
-    """Media mix of the synthesized dataset (ignored when manifest is set)."""
+    """The older name of data.path (a titanrl JSONL manifest, or any dataset data.path takes); set at most one."""
+    format: Literal["auto", "titanrl", "verl", "easyr1", "columns"] = "auto"
+    """Schema of data.path's rows: titanrl (id/source/prompt/media/answer/answer_choices), verl (chat-list prompt,
+    images, videos, reward_model.ground_truth, data_source), easyr1 (problem, answer, images, videos), columns
+    (data.prompt_key / answer_key / image_key / video_key); auto = told apart by the first row's keys (never
+    columns)."""
+    prompt_key: str = "prompt"
+    """columns format: the prompt column (a string with <image>/<video> placeholders, or a chat message list)."""
+    answer_key: str = "answer"
+    """columns format: the answer column (a string)."""
+    image_key: str = "images"
+    """columns format: the images column (a list of paths, bytes, base64 data URIs or {bytes, path}); a row
+    without it has no images."""
+    video_key: str = "videos"
+    """columns format: the videos column (a list of paths); a row without it has no videos."""
+    system_prompt: str = ""
+    """columns format: the system message of every row whose prompt has none (empty = no system message)."""
+    mixture: Literal["image-heavy", "video-heavy", "only-video", "arithmetic"] = "image-heavy"
+    """Media mix of the synthesized dataset (ignored when data.path or data.manifest is set); arithmetic = a
+    different task on images only: count the squares and add a number, answered in \\boxed{} (for rl.reward =
+    "math")."""
+    synth_format: Literal["titanrl", "verl", "easyr1"] = "titanrl"
+    """Schema the synthesized dataset is written in (images embedded as bytes in a Parquet file for verl and
+    easyr1), then read back through data.format like any data.path (ignored when data.path or data.manifest is
+    set)."""
     num_samples: int = 64
-    """Number of samples to synthesize (ignored when manifest is set)."""
+    """Number of samples to synthesize (ignored when data.path or data.manifest is set)."""
     loader: Literal["shadow", "centralized"] = "shadow"
     """shadow = plan from header metadata on every rank, decode ahead on per-node Ray preprocessors,
     fetch asynchronously (docs/shadowloader.md); centralized = rank 0 decodes each batch, then scatters
@@ -112,7 +145,9 @@ class DataConfig:
     encoding rank over the trajectory all-to-all (the whole-sample baseline). Needs loader = "shadow"
     (the centralized loader cannot fetch slices)."""
     on_bad_sample: Literal["skip", "error"] = "skip"
-    """What to do with an undecodable or over-long sample: skip it (and count it) or stop."""
+    """What to do with a bad sample -- a row data.path's import cannot use (missing key, unreadable image bytes,
+    placeholders that do not match the media, a non-string answer; listed in the import folder's import.json), an
+    undecodable or over-long sample: skip it (and count it) or stop with an error naming the file, row and key."""
     max_prompt_tokens: int = 256
     """Longest prompt after vision tokens are expanded; longer samples count as bad."""
     video_backend: Literal["pyav", "decord"] = "pyav"
@@ -158,6 +193,12 @@ class DataConfig:
             "ray_object_store_bytes": self.ray_object_store_bytes,
         }
         found += [f"data.{k} must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
+        if self.path and self.manifest:
+            found.append(f"data.path ({self.path!r}) and data.manifest ({self.manifest!r}) name the same setting: "
+                         "set only data.path")
+        if self.format == "columns":
+            found += [f"data.{k} must not be empty with data.format='columns'"
+                      for k in ("prompt_key", "answer_key") if not getattr(self, k)]
         if self.fps <= 0:
             found.append(f"data.fps must be > 0, got {self.fps}")
         if self.fetch_timeout_s <= 0:
@@ -319,8 +360,21 @@ class RLConfig:
     value_clip: float = 0.5
     """PPO: the critic's new values are clipped to old value +- value_clip in the clipped value loss."""
     reward: str = "titanrl.rl.rewards:exact_match_with_format"
-    """Reward function as 'package.module:function' or 'path/to/file.py:function' (relative to the working
-    directory), imported when training starts, before any model is built."""
+    """Reward function: a built-in (math = math-verify equivalence, choice = multiple-choice letter or option,
+    exact = normalised string equality, first_word = the first word equals the answer, exact_match_with_format = the
+    synthetic colour task), 'package.module:function'
+    or 'path/to/file.py:function', loaded when training starts. It returns a float score, or a dict with 'score',
+    optionally 'correct' (reward/accuracy is its mean; absent when the reward gives none) and other numbers (each
+    logged as reward/<name>). docs/data.md#rewards"""
+    reward_timeout_s: float = 10.0
+    """Longest one reward call may run, in seconds; then its worker process is killed and replaced and the call
+    counts as failed (rl.on_reward_error). Only enforced with rl.reward_workers >= 1."""
+    reward_workers: int = 1
+    """Worker processes per rank that run the reward calls (spawned at start-up); 0 = call the reward in the
+    trainer's process, with no time limit."""
+    on_reward_error: Literal["zero", "error"] = "zero"
+    """A reward call that raises, times out or returns a non-finite or malformed value: zero = score 0 (correct 0),
+    counted in reward/errors; error = stop with an error naming the sample."""
     global_batch_size: int = 32
     """Prompts per RL step, over all ranks (sequences per step = global_batch_size * rollout.n)."""
     ppo_epochs: int = 1
@@ -359,10 +413,16 @@ class RLConfig:
 
     def problems(self) -> list[str]:
         found = []
-        if not _REWARD_SPEC.match(self.reward):
+        if self.reward not in REWARD_BUILTINS and not _REWARD_SPEC.match(self.reward):
             found.append(
-                f"rl.reward must look like 'package.module:function' or 'path/to/file.py:function', got {self.reward!r}"
+                f"rl.reward must be a built-in ({', '.join(REWARD_BUILTINS)}), 'package.module:function' or "
+                "'path/to/file.py:function', "
+                f"got {self.reward!r}"
             )
+        if self.reward_timeout_s <= 0:
+            found.append(f"rl.reward_timeout_s must be > 0, got {self.reward_timeout_s}")
+        if self.reward_workers < 0:
+            found.append(f"rl.reward_workers must be >= 0 (0 = in the trainer's process), got {self.reward_workers}")
         if self.global_batch_size < 1:
             found.append(f"rl.global_batch_size must be >= 1, got {self.global_batch_size}")
         if self.ppo_epochs < 1:

@@ -8,7 +8,9 @@ A line looks like::
      "answer": "red", "answer_choices": ["red", "green", "blue", "yellow"]}
 
 Media paths are relative to the manifest's directory so a dataset folder can be moved or copied to
-another machine as a whole. The prompt holds one placeholder per media entry, in order: ``<image>``
+another machine as a whole; an absolute path is used as is (manifests that ``titanrl.data.sources``
+writes for other formats point at the user's files that way). An optional ``"system"`` key holds the
+sample's system message. ``source`` is any non-empty name (the synthetic sets use ``SOURCES``). The prompt holds one placeholder per media entry, in order: ``<image>``
 for an image and ``<video>`` for a video; the prompt builder expands them into Qwen's vision tokens.
 """
 
@@ -48,9 +50,10 @@ class SampleRecord:
     media: list[MediaEntry]
     answer: str
     answer_choices: list[str] = field(default_factory=list)
+    system: str | None = None  # the sample's system message; None = the encoder's default
 
     def to_json_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "id": self.id,
             "source": self.source,
             "prompt": self.prompt,
@@ -58,6 +61,9 @@ class SampleRecord:
             "answer": self.answer,
             "answer_choices": list(self.answer_choices),
         }
+        if self.system is not None:
+            out["system"] = self.system
+        return out
 
 
 def prompt_placeholders(prompt: str) -> list[str]:
@@ -70,17 +76,15 @@ def validate_record(record: SampleRecord, *, where: str = "") -> None:
     prefix = f"{where}sample {record.id!r}: "
     if not record.id:
         raise ManifestError(f"{where}key 'id' is empty")
-    if record.source not in SOURCES:
-        raise ManifestError(f"{prefix}key 'source' is {record.source!r}, expected one of {list(SOURCES)}")
+    if not record.source:
+        raise ManifestError(f"{prefix}key 'source' is empty")
     for i, entry in enumerate(record.media):
         if entry.kind not in MEDIA_KINDS:
             raise ManifestError(
                 f"{prefix}key 'media[{i}].kind' is {entry.kind!r}, expected one of {list(MEDIA_KINDS)}"
             )
-        if not entry.path or Path(entry.path).is_absolute():
-            raise ManifestError(
-                f"{prefix}key 'media[{i}].path' is {entry.path!r}, expected a path relative to the manifest"
-            )
+        if not entry.path:
+            raise ManifestError(f"{prefix}key 'media[{i}].path' is empty")
     placeholders = prompt_placeholders(record.prompt)
     expected = [PLACEHOLDER_BY_KIND[m.kind] for m in record.media]
     if len(placeholders) != len(expected):
@@ -151,8 +155,12 @@ def parse_record(obj: Any, *, where: str = "") -> SampleRecord:
         media.append(MediaEntry(path=path, kind=_require(raw, "kind", str, item_where)))
     if not all(isinstance(c, str) for c in raw_choices):
         raise ManifestError(f"{where}key 'answer_choices' must be a list of strings")
+    system = obj.get("system")
+    if system is not None and not isinstance(system, str):
+        raise ManifestError(f"{where}key 'system' must be a str, got {type(system).__name__}")
     return SampleRecord(
-        id=obj["id"], source=source, prompt=prompt, media=media, answer=answer, answer_choices=list(raw_choices)
+        id=obj["id"], source=source, prompt=prompt, media=media, answer=answer, answer_choices=list(raw_choices),
+        system=system,
     )
 
 
@@ -192,5 +200,6 @@ def read_manifest(path: str | Path, *, check_files: bool = False) -> list[Sample
 
 
 def media_path(manifest_path: str | Path, entry: MediaEntry) -> Path:
-    """The absolute-or-cwd-relative path of a media entry (entries are relative to the manifest dir)."""
+    """The absolute-or-cwd-relative path of a media entry (relative entries are relative to the manifest dir;
+    an absolute entry stays as it is)."""
     return Path(manifest_path).parent / entry.path

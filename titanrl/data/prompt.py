@@ -60,15 +60,17 @@ class PromptEncoder:
         tok = AutoTokenizer.from_pretrained(str(path))
         return cls(tok, cfg["image_token_id"], cfg["video_token_id"], merge, system)
 
-    def render(self, prompt: str) -> str:
-        """The chat-formatted text (one pad per media item) — what vLLM is given."""
+    def render(self, prompt: str, system: str | None = None) -> str:
+        """The chat-formatted text (one pad per media item) — what vLLM is given. ``system``: the
+        sample's system message (``SampleRecord.system``); None = the encoder's ``system``."""
         return self.tokenizer.apply_chat_template(
-            chat_messages(prompt, self.system), tokenize=False, add_generation_prompt=True
+            chat_messages(prompt, self.system if system is None else system), tokenize=False,
+            add_generation_prompt=True,
         )
 
-    def encode(self, prompt: str, grids: Sequence[VisionGrid]) -> np.ndarray:
+    def encode(self, prompt: str, grids: Sequence[VisionGrid], system: str | None = None) -> np.ndarray:
         """Token ids with every image/video pad expanded to its grid's token count."""
-        ids = self.tokenizer(self.render(prompt), add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(self.render(prompt, system), add_special_tokens=False)["input_ids"]
         return self.expand(ids, grids)
 
     def expand(self, token_ids: Sequence[int], grids: Sequence[VisionGrid]) -> np.ndarray:

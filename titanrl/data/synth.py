@@ -1,9 +1,12 @@
 """Synthetic stand-ins for the paper's Geo3K / NExTQA / LongVILA-Reason mixtures, generated locally.
 
-    python -m titanrl.data.synth OUTDIR --mixture image-heavy|video-heavy|only-video --num-samples N \
-        [--seed S] [--scale tiny|paper]
+    python -m titanrl.data.synth OUTDIR --mixture image-heavy|video-heavy|only-video|arithmetic \
+        --num-samples N [--seed S] [--scale tiny|paper] [--format titanrl|verl|easyr1]
 
-writes ``OUTDIR/media/*`` (PNG/JPEG images, h264 mp4 videos) and ``OUTDIR/manifest.jsonl``.
+writes ``OUTDIR/media/*`` (PNG/JPEG images, h264 mp4 videos) and ``OUTDIR/manifest.jsonl``; with
+``--format verl|easyr1`` also ``OUTDIR/train.parquet``, the same samples in that schema with the
+images embedded as bytes (``titanrl.data.synth_formats``). ``arithmetic`` is a different task: count
+the squares of an image and add a number, answered in ``\\boxed{}`` (for the ``math`` reward).
 
 The samples have the *shape* of the real sources -- one image of moderate, varied size with a
 geometry-style text (Geo3K); a short clip of tens of frames (NExTQA); a long clip with a long tail of
@@ -432,13 +435,22 @@ def render_sample(spec: SampleSpec, outdir: str | Path) -> SampleRecord:
 
 
 def generate_dataset(
-    outdir: str | Path, mixture: str, num_samples: int, seed: int = 0, scale: str = "tiny"
+    outdir: str | Path, mixture: str, num_samples: int, seed: int = 0, scale: str = "tiny", fmt: str = "titanrl"
 ) -> Path:
-    """Generate media and ``manifest.jsonl`` in `outdir`; return the manifest path."""
+    """Generate media and ``manifest.jsonl`` in `outdir`; return the manifest path, or with ``fmt`` =
+    verl / easyr1 the path of ``train.parquet`` holding the same samples in that schema."""
+    from titanrl.data.synth_formats import arithmetic_records, write_format
+
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    records = [render_sample(spec, outdir) for spec in sample_specs(mixture, num_samples, seed, scale)]
-    return write_manifest(records, outdir / "manifest.jsonl")
+    if mixture == "arithmetic":
+        records = arithmetic_records(outdir, num_samples, seed)
+    else:
+        records = [render_sample(spec, outdir) for spec in sample_specs(mixture, num_samples, seed, scale)]
+    manifest = write_manifest(records, outdir / "manifest.jsonl")
+    if fmt == "titanrl":
+        return manifest
+    return write_format(records, outdir, outdir / "train.parquet", fmt)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -446,14 +458,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m titanrl.data.synth", description="Generate a synthetic Geo3K/NExTQA/LongVILA-shaped dataset."
     )
     parser.add_argument("outdir", type=Path)
-    parser.add_argument("--mixture", choices=list(MIXTURES), required=True)
+    parser.add_argument("--mixture", choices=[*MIXTURES, "arithmetic"], required=True)
     parser.add_argument("--num-samples", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scale", choices=list(SCALES), default="tiny")
+    parser.add_argument("--format", choices=["titanrl", "verl", "easyr1"], default="titanrl",
+                        help="also write OUTDIR/train.parquet in this schema (images embedded as bytes)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    manifest = generate_dataset(args.outdir, args.mixture, args.num_samples, seed=args.seed, scale=args.scale)
-    counts = source_counts(args.mixture, args.num_samples)
+    manifest = generate_dataset(args.outdir, args.mixture, args.num_samples, seed=args.seed, scale=args.scale,
+                                fmt=args.format)
+    counts = {"geo3k": args.num_samples} if args.mixture == "arithmetic" else source_counts(args.mixture,
+                                                                                           args.num_samples)
     print(f"wrote {manifest} ({args.num_samples} samples {counts}) in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -26,7 +26,6 @@ from titanrl.distributed import all_reduce_max, all_reduce_sum
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
 from titanrl.rl.grpo import ValueLossOutput, aggregate
 from titanrl.rl.grpo import group_advantages as grpo_advantages
-from titanrl.rl.rewards import exact_match
 from titanrl.rl.slice_loading import StepSlices
 from titanrl.rollout import RolloutRequest, probe_logprobs
 
@@ -68,9 +67,13 @@ def generate(batch, ctx):
 
 
 def score(batch, ctx):
-    for t in batch.trajectories:
-        t.reward = float(ctx.reward_fn(t.response_text, t.prompt.record))
-        t.extras["correct"] = exact_match(t.response_text, t.prompt.record)
+    """``rl.reward`` on every response, in ``ctx.rewards``' worker processes (``titanrl.rl.reward_runner``): the
+    score is ``t.reward``; the whole result (correct, extras, error) is ``t.extras["reward"]`` for the metrics."""
+    trajs = batch.trajectories
+    results = ctx.rewards.score([(t.response_text, t.prompt.record) for t in trajs])
+    for t, result in zip(trajs, results):
+        t.reward = result.score
+        t.extras["reward"] = result
 
 
 def group_advantages(batch, ctx):

@@ -6,6 +6,7 @@ import torch
 
 from titanrl.distributed import all_gather_objects, all_reduce_max, all_reduce_sum
 from titanrl.rl.grpo import count_uniform_groups
+from titanrl.rl.reward_runner import reward_metrics, reward_sums
 from titanrl.rl.timing import busy_metrics
 
 
@@ -35,7 +36,7 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> dict[str, float]:
     # a prompt's group is generated and scored on one rank, so groups can be counted locally
     uniform, groups = count_uniform_groups([t.reward for t in trajs], [t.group for t in trajs])
     local = torch.tensor([
-        sum(t.reward for t in trajs), sum(t.extras["correct"] for t in trajs), float(len(trajs)),
+        sum(t.reward for t in trajs), 0.0, float(len(trajs)),  # slot 1 unused (reward_metrics)
         float(sum(t.num_response_tokens for t in trajs)), float(sum(t.num_tokens for t in trajs)),
         float(ctx.skips.total()), float(uniform), float(groups),
     ], dtype=torch.float64)
@@ -51,7 +52,8 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> dict[str, float]:
         stats.update(host_metrics(all_gather_objects(dict(media.fetch_counts) if media is not None else {})))
     return {
         "reward/mean": total[0].item() / n,
-        "reward/accuracy": total[1].item() / n,
+        # reward/accuracy (where the reward says what is correct), reward/errors, reward/<extra>
+        **reward_metrics(all_gather_objects(reward_sums(t.extras["reward"] for t in trajs))),
         # groups whose responses all scored the same: no gradient from them this step
         "reward/uniform_group_fraction": total[6].item() / max(total[7].item(), 1.0),
         "response/length_mean": total[3].item() / n,

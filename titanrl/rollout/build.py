@@ -29,15 +29,19 @@ def build_rollout_engine(
     """The rollout engine of ``cfg.rollout.engine`` for this rank, on the checkpoint in
     ``model_dir``. vLLM: every rank must call this at the same point (see vllm_engine).
 
-    ``mm_limits``: most images/videos per prompt (``mm_limits_for(records)``); unset = read
-    ``cfg.data.manifest`` when set, else 1 of each (the synthetic mixtures)."""
+    ``mm_limits``: most images/videos per prompt (``mm_limits_for(records)``; the trainer passes the run's);
+    unset = read ``cfg.data.path`` (or ``cfg.data.manifest``) when it is a titanrl manifest, else 1 of each
+    (the synthetic mixtures)."""
     ro = cfg.rollout
     if mm_limits is None:
         mm_limits = {"image": 1, "video": 1}
-        if cfg.data.manifest:
+        source = cfg.data.path or cfg.data.manifest
+        if source:
             from titanrl.data.manifest import read_manifest
+            from titanrl.data.sources import is_native_manifest
 
-            mm_limits = mm_limits_for(read_manifest(Path(cfg.data.manifest).expanduser(), check_files=False))
+            if is_native_manifest(source, cfg.data.format):
+                mm_limits = mm_limits_for(read_manifest(Path(source).expanduser(), check_files=False))
     seed = ro.seed if ro.seed is not None else cfg.job.seed
     if ro.engine == "vllm":
         from titanrl.rollout.vllm_engine import VLLMEngine

@@ -1,0 +1,169 @@
+"""data.path readers: the same samples as a titanrl manifest, verl Parquet, EasyR1 Parquet, chat-message
+JSONL (columns format, images as base64 data URIs) and a saved Hugging Face dataset prepare to identical
+token ids, vision grids and pixel values; bad rows are named (file, row, key) or counted skips."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from titanrl.assets import _build_once
+from titanrl.data.formats import BadRow, ColumnMap
+from titanrl.data.manifest import read_manifest
+from titanrl.data.preprocess import MediaSettings, prepare_sample
+from titanrl.data.prompt import PromptEncoder, chat_messages
+from titanrl.data.sources import ImportSettings, dataset_manifest, import_dataset, is_native_manifest
+from titanrl.data.synth import generate_dataset
+from titanrl.data.synth_formats import format_rows, write_format
+from titanrl.data.tables import DatasetError
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory) -> Path:
+    return generate_dataset(tmp_path_factory.mktemp("synth"), "image-heavy", 8, seed=5)  # images and videos
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_ckpt):
+    return PromptEncoder.from_pretrained(tiny_ckpt), MediaSettings.from_checkpoint(tiny_ckpt, fps=2.0, max_frames=8)
+
+
+def _chat_jsonl(synth: Path, out: Path) -> Path:
+    lines = []
+    for r in read_manifest(synth):
+        images = [f"data:image/png;base64,{base64.b64encode((synth.parent / m.path).read_bytes()).decode()}"
+                  for m in r.media if m.kind == "image"]
+        videos = [str(Path(synth.parent.name) / m.path) for m in r.media if m.kind == "video"]
+        lines.append(json.dumps({"id": r.id, "messages": chat_messages(r.prompt), "answer": r.answer,
+                                 "pictures": images, "clips": videos}))
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def _hf_saved(synth: Path, out: Path) -> Path:
+    datasets = pytest.importorskip("datasets")
+    rows = format_rows(read_manifest(synth), synth.parent, synth.parent, "easyr1")
+    for row in rows:
+        row["videos"] = [str((synth.parent / v).resolve()) for v in row["videos"]]
+    features = datasets.Features({
+        "id": datasets.Value("string"), "problem": datasets.Value("string"), "answer": datasets.Value("string"),
+        "images": datasets.List(datasets.Image()), "videos": datasets.List(datasets.Value("string")),
+    })
+    datasets.Dataset.from_list(rows, features=features).save_to_disk(str(out))
+    return out
+
+
+def _prepared(manifest: Path, setup) -> dict[str, tuple]:
+    encoder, settings = setup
+    out = {}
+    for record in read_manifest(manifest, check_files=True):
+        p = prepare_sample(record, manifest.parent, encoder, settings)
+        out[record.id] = (p.prompt_ids, [(g.t, g.h, g.w, g.is_video) for g in p.grids], p.pixel_values)
+    return out
+
+
+def test_every_format_prepares_identically(synth, setup, tmp_path):
+    root = synth.parent
+    records = read_manifest(synth)
+    sources = {
+        "verl": (write_format(records, root, tmp_path / "verl" / "train.parquet", "verl"), ImportSettings()),
+        "easyr1": (write_format(records, root, tmp_path / "easyr1" / "part.parquet", "easyr1", row_group_size=3),
+                   ImportSettings()),
+        "chat": (_chat_jsonl(synth, root.parent / f"{root.name}_chat.jsonl"),
+                 ImportSettings(format="columns", columns=ColumnMap("messages", "answer", "pictures", "clips"))),
+        "hf": (_hf_saved(synth, tmp_path / "hf"), ImportSettings()),
+    }
+    assert is_native_manifest(synth, "auto")
+    expected = _prepared(synth, setup)
+    assert {g[3] for v in expected.values() for g in v[1]} == {False, True}  # images and videos covered
+    cache = tmp_path / "cache"
+    for name, (path, settings) in sources.items():
+        manifest, report = dataset_manifest(path, cache, settings, _build_once)
+        assert report is not None and report.samples == len(records) and not report.skipped, name
+        got = _prepared(manifest, setup)
+        assert list(got) == list(expected), name
+        for sid, (ids, grids, pixels) in expected.items():
+            np.testing.assert_array_equal(got[sid][0], ids, err_msg=f"{name} {sid}")
+            assert got[sid][1] == grids, (name, sid)
+            np.testing.assert_array_equal(got[sid][2], pixels, err_msg=f"{name} {sid}")
+    # a second call reuses the import (same folder, nothing rewritten)
+    again, _ = dataset_manifest(sources["verl"][0], cache, ImportSettings(), _build_once)
+    assert again.parent.joinpath(".complete").is_file()
+
+
+def test_system_prompt_and_chat_system_message(tmp_path, setup):
+    encoder, _ = setup
+    (tmp_path / "d.jsonl").write_text(json.dumps({"q": "hi", "a": "1"}) + "\n" + json.dumps(
+        {"q": [{"role": "system", "content": "own"}, {"role": "user", "content": "yo"}], "a": "2"}) + "\n")
+    report = import_dataset(tmp_path / "d.jsonl", tmp_path / "out",
+                            ImportSettings(format="columns", columns=ColumnMap("q", "a", system_prompt="be brief")))
+    first, second = read_manifest(tmp_path / "out" / "manifest.jsonl")
+    assert report.samples == 2 and (first.system, second.system) == ("be brief", "own")
+    assert "be brief" in encoder.render(first.prompt, first.system)
+
+
+def _png() -> str:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 28), (200, 10, 10)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+BAD_ROWS = {
+    "missing key": ({"problem": "<image>x", "images": ["IMG"]}, r"row 1: missing key 'answer'"),
+    "unreadable bytes": ({"problem": "<image>x", "answer": "1", "images": ["data:image/png;base64,bm90IGFuIGltYWdl"]},
+                         r"row 1: key 'images\[0\]': image bytes \(12 B\) are not a readable image"),
+    "placeholder count": ({"problem": "<image><image>x", "answer": "1", "images": ["IMG"]},
+                          r"row 1: key 'problem' has 2 <image> placeholder\(s\) but key 'images' has 1 image\(s\)"),
+    "non-string answer": ({"problem": "<image>x", "answer": 42, "images": ["IMG"]},
+                          r"row 1: key 'answer' must be a str, got int"),
+    "missing file": ({"problem": "<image>x", "answer": "1", "images": ["nope.png"]},
+                     r"row 1: key 'images\[0\]' names a missing file .*nope.png"),
+}
+
+
+def _write_rows(path: Path, bad: list[dict]) -> Path:
+    good = {"problem": "<image>How many?", "answer": "1", "images": ["IMG"]}
+    rows = [good, *bad, good]
+    path.write_text("".join(json.dumps({**r, "images": [_png() if i == "IMG" else i for i in r.get("images", [])]})
+                            + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("kind", list(BAD_ROWS))
+def test_bad_row_is_named(kind, tmp_path):
+    row, message = BAD_ROWS[kind]
+    path = _write_rows(tmp_path / "easy.jsonl", [row])
+    with pytest.raises(BadRow, match=f"easy.jsonl: {message}"):
+        import_dataset(path, tmp_path / "out", ImportSettings(on_bad_sample="error"))
+
+
+def test_bad_rows_are_counted_skips(tmp_path):
+    path = _write_rows(tmp_path / "easy.jsonl", [row for row, _ in BAD_ROWS.values()])
+    report = import_dataset(path, tmp_path / "out", ImportSettings(on_bad_sample="skip"))
+    assert (report.rows, report.samples) == (2 + len(BAD_ROWS), 2)
+    assert [s["row"] for s in report.skipped] == list(range(1, 1 + len(BAD_ROWS)))
+    assert json.loads((tmp_path / "out" / "import.json").read_text())["skipped"] == report.skipped
+    [a, b] = read_manifest(tmp_path / "out" / "manifest.jsonl", check_files=True)
+    assert (a.id, b.id) == ("easy-0", f"easy-{1 + len(BAD_ROWS)}")
+
+
+def test_unknown_schema_names_the_keys(tmp_path):
+    (tmp_path / "x.jsonl").write_text(json.dumps({"question": "q", "label": "a"}) + "\n")
+    with pytest.raises(DatasetError, match=r"x.jsonl: row 0: cannot tell the dataset format.*'label', 'question'"):
+        import_dataset(tmp_path / "x.jsonl", tmp_path / "out", ImportSettings())
+
+
+def test_data_config_path_checks():
+    from titanrl.config.job_config import DataConfig
+
+    assert any("set only data.path" in p for p in DataConfig(path="a.parquet", manifest="b.jsonl").problems())
+    assert any("data.prompt_key must not be empty" in p for p in DataConfig(format="columns", prompt_key="").problems())
+    assert not DataConfig(manifest="b.jsonl").problems()

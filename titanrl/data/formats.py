@@ -1,0 +1,262 @@
+"""Dataset schemas: how one row of a titanrl, verl, EasyR1 or column-mapped dataset becomes a sample.
+
+- titanrl: ``prompt``, ``answer``, ``media`` [{path, kind}], ``source``, optional ``answer_choices``, ``system``;
+- verl: ``prompt`` (a chat list), ``reward_model.ground_truth``, ``images``, ``videos``, ``data_source``;
+- easyr1: ``problem``, ``answer``, ``images``, ``videos`` (source: the file name);
+- columns: ``data.prompt_key``, ``data.answer_key``, ``data.image_key``, ``data.video_key``, and
+  ``data.system_prompt`` for rows without a system message (source: a ``source`` column or the file name).
+
+A prompt is a string with ``<image>`` / ``<video>`` placeholders, or a chat list
+(``[{"role": "system"|"user", "content": str | [parts]}]``, parts ``{"type": "text", "text": ...}``,
+``{"type": "image"}``, ``{"type": "video"}``); its placeholders must match the media one for one, in
+order per kind. An image is a path (relative to the data file, or absolute; ``file://`` allowed), raw
+bytes, a base64 ``data:`` URI, or ``{"bytes": ..., "path": ...}`` (Hugging Face's Image feature, verl's
+entries; bytes win when both are set). A video is a path (or ``{"path"|"video": path}``). The id is the
+row's ``id`` when it has one, else ``<file stem>-<row>``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from titanrl.data.manifest import PLACEHOLDER_BY_KIND, prompt_placeholders
+from titanrl.data.tables import DatasetError, Row
+
+FORMATS: tuple[str, ...] = ("titanrl", "verl", "easyr1", "columns")
+
+
+class BadRow(DatasetError):
+    """One row that cannot become a sample; the message names the file, row and key."""
+
+
+@dataclass(frozen=True)
+class ColumnMap:
+    """The columns of a ``columns`` dataset (DataConfig's prompt_key, answer_key, ...)."""
+
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    image_key: str = "images"
+    video_key: str = "videos"
+    system_prompt: str = ""
+
+
+@dataclass
+class MediaRef:
+    kind: str  # "image" | "video"
+    key: str  # where it came from in the row, for errors: "images[0]"
+    path: Path | None = None  # a file (absolute)
+    data: bytes | None = None  # embedded bytes
+
+
+@dataclass
+class Draft:
+    """A row read into SampleRecord's fields, its media not yet written anywhere."""
+
+    id: str
+    source: str
+    prompt: str
+    media: list[MediaRef]
+    answer: str
+    answer_choices: list[str] = field(default_factory=list)
+    system: str | None = None
+
+
+def detect_format(row: Row) -> str:
+    """The schema of a row by its keys (used by data.format = "auto" on a dataset's first row)."""
+    keys = set(row.data)
+    if {"prompt", "media", "answer"} <= keys:
+        return "titanrl"
+    if "reward_model" in keys and "prompt" in keys:
+        return "verl"
+    if {"problem", "answer"} <= keys:
+        return "easyr1"
+    raise BadRow(
+        f"{row.where}cannot tell the dataset format from its keys {sorted(keys)}: titanrl has prompt/media/answer, "
+        "verl prompt/reward_model, EasyR1 problem/answer; set data.format = 'columns' with data.prompt_key, "
+        "data.answer_key, data.image_key and data.video_key"
+    )
+
+
+def parse_row(row: Row, fmt: str, columns: ColumnMap = ColumnMap()) -> Draft:
+    if fmt == "titanrl":
+        return _titanrl(row)
+    if fmt == "verl":
+        reward_model = _get(row, "reward_model", dict)
+        answer = _typed(row, "reward_model.ground_truth", reward_model.get("ground_truth", _MISSING), str)
+        source = row.data.get("data_source") or row.file.stem
+        return _assemble(row, "prompt", answer, "images", "videos", str(source), None)
+    if fmt == "easyr1":
+        answer = _get(row, "answer", str)
+        return _assemble(row, "problem", answer, "images", "videos", row.file.stem, None)
+    if fmt == "columns":
+        answer = _get(row, columns.answer_key, str)
+        source = row.data.get("source") or row.file.stem
+        return _assemble(row, columns.prompt_key, answer, columns.image_key, columns.video_key, str(source),
+                         columns.system_prompt or None)
+    raise ValueError(f"unknown format {fmt!r}, expected one of {list(FORMATS)}")
+
+
+_MISSING = object()
+
+
+def _typed(row: Row, key: str, value: Any, kind: type) -> Any:
+    if value is _MISSING:
+        raise BadRow(f"{row.where}missing key {key!r}")
+    if not isinstance(value, kind):
+        raise BadRow(f"{row.where}key {key!r} must be a {kind.__name__}, got {type(value).__name__} {value!r:.60}")
+    return value
+
+
+def _get(row: Row, key: str, kind: type) -> Any:
+    return _typed(row, key, row.data.get(key, _MISSING), kind)
+
+
+def _row_id(row: Row) -> str:
+    value = row.data.get("id")
+    if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value):
+        return str(value)
+    return f"{row.file.stem}-{row.index}"
+
+
+def _titanrl(row: Row) -> Draft:
+    media = []
+    for i, raw in enumerate(_get(row, "media", list)):
+        key = f"media[{i}]"
+        if not (isinstance(raw, dict) and isinstance(raw.get("path"), str) and raw.get("kind") in ("image", "video")):
+            raise BadRow(f"{row.where}key {key!r} must be {{'path': str, 'kind': 'image'|'video'}}, got {raw!r:.80}")
+        media.append(MediaRef(raw["kind"], key, path=_resolve(row, key, raw["path"])))
+    choices = row.data.get("answer_choices") or []
+    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+        raise BadRow(f"{row.where}key 'answer_choices' must be a list of strings")
+    system = row.data.get("system")
+    if system is not None and not isinstance(system, str):
+        raise BadRow(f"{row.where}key 'system' must be a str, got {type(system).__name__}")
+    prompt = _get(row, "prompt", str)
+    draft = Draft(_row_id(row), str(row.data.get("source") or row.file.stem), prompt, media, _get(row, "answer", str),
+                  list(choices), system)
+    _check_placeholders(row, "prompt", prompt, [m.kind for m in media])
+    return draft
+
+
+def _assemble(row: Row, prompt_key: str, answer: str, image_key: str, video_key: str, source: str,
+              default_system: str | None) -> Draft:
+    prompt, system = prompt_text(row, prompt_key, row.data.get(prompt_key, _MISSING))
+    images = [_image(row, f"{image_key}[{i}]", v) for i, v in enumerate(_media_list(row, image_key))]
+    videos = [_video(row, f"{video_key}[{i}]", v) for i, v in enumerate(_media_list(row, video_key))]
+    kinds = [m[1:-1] for m in prompt_placeholders(prompt)]
+    counts = {"image": kinds.count("image"), "video": kinds.count("video")}
+    for kind, refs, key in (("image", images, image_key), ("video", videos, video_key)):
+        if counts[kind] != len(refs):
+            raise BadRow(
+                f"{row.where}key {prompt_key!r} has {counts[kind]} {PLACEHOLDER_BY_KIND[kind]} placeholder(s) but "
+                f"key {key!r} has {len(refs)} {kind}(s)"
+            )
+    queues = {"image": iter(images), "video": iter(videos)}
+    media = [next(queues[k]) for k in kinds]  # placeholder order
+    return Draft(_row_id(row), source, prompt, media, answer, [], system if system is not None else default_system)
+
+
+def _check_placeholders(row: Row, key: str, prompt: str, kinds: list[str]) -> None:
+    found = prompt_placeholders(prompt)
+    expected = [PLACEHOLDER_BY_KIND[k] for k in kinds]
+    if found != expected:
+        raise BadRow(f"{row.where}key {key!r} has placeholders {found} but the media are {expected}")
+
+
+def prompt_text(row: Row, key: str, value: Any) -> tuple[str, str | None]:
+    """A string prompt as is; a chat list as (the user message with placeholders, the system message)."""
+    if value is _MISSING:
+        raise BadRow(f"{row.where}missing key {key!r}")
+    if isinstance(value, str):
+        return value, None
+    if not isinstance(value, list):
+        raise BadRow(f"{row.where}key {key!r} must be a str or a list of chat messages, got {type(value).__name__}")
+    user: list[str] = []
+    system: str | None = None
+    for i, message in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise BadRow(f"{row.where}key {where!r} must be a chat message {{'role': ..., 'content': ...}}")
+        text = _content_text(row, f"{where}.content", message["content"])
+        if message["role"] == "system" and system is None and not user:
+            system = text
+        elif message["role"] == "user" and not user:
+            user.append(text)
+        else:
+            raise BadRow(f"{row.where}key {where!r}: role {message['role']!r} not supported here "
+                         "(a prompt is an optional system message, then one user message)")
+    if not user:
+        raise BadRow(f"{row.where}key {key!r} has no user message")
+    return user[0], system
+
+
+def _content_text(row: Row, key: str, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRow(f"{row.where}key {key!r} must be a str or a list of parts, got {type(content).__name__}")
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append(part["text"])
+        elif kind in ("image", "image_url"):
+            out.append("<image>")
+        elif kind in ("video", "video_url"):
+            out.append("<video>")
+        else:
+            raise BadRow(f"{row.where}key '{key}[{j}]' must be a text, image or video part, got {part!r:.80}")
+    return "".join(out)
+
+
+def _media_list(row: Row, key: str) -> list[Any]:
+    value = row.data.get(key)
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
+
+
+_DATA_URI = re.compile(r"^data:[\w.+/-]*;base64,", re.IGNORECASE)
+
+
+def _resolve(row: Row, key: str, text: str) -> Path:
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    path = Path(text).expanduser()
+    path = path if path.is_absolute() else row.file.parent / path
+    if not path.is_file():
+        raise BadRow(f"{row.where}key {key!r} names a missing file {str(path)!r}")
+    return path.resolve()
+
+
+def _image(row: Row, key: str, value: Any) -> MediaRef:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return MediaRef("image", key, data=bytes(value))
+    if isinstance(value, str):
+        match = _DATA_URI.match(value)
+        if match:
+            try:
+                return MediaRef("image", key, data=base64.b64decode(value[match.end():], validate=True))
+            except (binascii.Error, ValueError):
+                raise BadRow(f"{row.where}key {key!r} is a data URI with invalid base64") from None
+        return MediaRef("image", key, path=_resolve(row, key, value))
+    if isinstance(value, dict):
+        if value.get("bytes") is not None:
+            return _image(row, key, value["bytes"])
+        for name in ("path", "image"):
+            if value.get(name):
+                return _image(row, key, value[name])
+    raise BadRow(f"{row.where}key {key!r} must be a path, bytes, a data URI or {{'bytes', 'path'}}, got {value!r:.80}")
+
+
+def _video(row: Row, key: str, value: Any) -> MediaRef:
+    if isinstance(value, dict):
+        value = value.get("path") or value.get("video")
+    if isinstance(value, str):
+        return MediaRef("video", key, path=_resolve(row, key, value))
+    raise BadRow(f"{row.where}key {key!r} must be a video path, got {value!r:.80}")

@@ -73,9 +73,9 @@ def test_load_reward_builtin_module_and_file(tmp_path):
     f.write_text("def score(response, sample):\n    return float(response == sample.answer)\n")
     fn = rewards.load_reward(f"{f}:score")
     assert fn("x", rec("x")) == 1.0
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="no file"):
         rewards.load_reward(f"{tmp_path / 'missing.py'}:score")
-    with pytest.raises(ConfigError, match="has no function 'nope'"):
+    with pytest.raises(ConfigError, match="has no 'nope'"):
         rewards.load_reward(f"{f}:nope")
 
 

@@ -167,3 +167,69 @@ def test_data_config_path_checks():
     assert any("set only data.path" in p for p in DataConfig(path="a.parquet", manifest="b.jsonl").problems())
     assert any("data.prompt_key must not be empty" in p for p in DataConfig(format="columns", prompt_key="").problems())
     assert not DataConfig(manifest="b.jsonl").problems()
+
+
+@pytest.mark.slow
+def test_import_on_four_ranks_reads_own_row_groups_and_matches_one_process(synth, tmp_path):
+    """4 ranks under torchrun import a verl Parquet file of 8 row groups: each rank reads only the row groups
+    it was given (no whole-file read), together all of them once; the manifest, the media files and the
+    header cache equal a one-process import's; a bad row stops every rank with the same named error."""
+    import os
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from titanrl.data.shadow.metadata import cache_path_for
+    from titanrl.data.sources import ImportReport
+
+    records = read_manifest(synth)
+    data = write_format(records, synth.parent, tmp_path / "verl" / "train.parquet", "verl", row_group_size=1)
+    assert pq.ParquetFile(data).num_row_groups == len(records) == 8
+    # the same rows with the 7th's ground truth removed (row group 6: not rank 0's, see below)
+    table = pq.read_table(data).to_pylist()
+    table[6]["reward_model"] = {"style": "rule"}
+    bad = tmp_path / "bad" / "train.parquet"
+    bad.parent.mkdir()
+    pq.write_table(pa.Table.from_pylist(table), bad, row_group_size=1)
+
+    single = tmp_path / "single"
+    import_dataset(data, single, ImportSettings())
+    out = tmp_path / "out"
+    out.mkdir()
+    script = Path(__file__).parent / "dist" / "import_rows.py"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(script), "--data", str(data), "--bad", str(bad), "--cache", str(tmp_path / "cache"),
+                           "--out", str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    target = Path(ranks[0]["manifest"]).parent
+    assert all(r["manifest"] == ranks[0]["manifest"] for r in ranks)
+
+    # each rank read its own row groups, all of them exactly once between them, and nothing else
+    report = ImportReport.read(target)
+    assert [sorted(r["reads"]) for r in ranks] == [
+        sorted(int(u.rsplit(" ", 1)[1]) for u in report.ranks[r]["units"]) for r in range(4)]
+    assert sorted(g for r in ranks for g in r["reads"]) == list(range(8))
+    assert all(r["reads"] for r in ranks) and sum(x["rows"] for x in report.ranks) == 8
+
+    # the same output as one process: manifest, image files, header cache (less the files' mtimes)
+    assert (target / "manifest.jsonl").read_bytes() == (single / "manifest.jsonl").read_bytes()
+    files = sorted(p.name for p in (single / "media").iterdir())
+    assert files and sorted(p.name for p in (target / "media").iterdir()) == files
+    assert all((target / "media" / f).read_bytes() == (single / "media" / f).read_bytes() for f in files)
+
+    def headers(folder: Path) -> list[dict]:
+        lines = cache_path_for(folder / "manifest.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if k != "mtime_ns"} for x in lines[1:]]
+
+    assert headers(target) == headers(single) and len(headers(single)) == sum(len(r.media) for r in records)
+
+    # the bad row: every rank raises the one-process import's error, naming file, row and key
+    with pytest.raises(BadRow) as expected:
+        import_dataset(bad, tmp_path / "bad_single", ImportSettings(on_bad_sample="error"))
+    assert "train.parquet: row 6: key 'reward_model.ground_truth'" in str(expected.value)
+    assert [r["bad_error"] for r in ranks] == [str(expected.value)] * 4
+    assert 6 not in ranks[0]["bad_reads"]

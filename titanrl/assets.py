@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
@@ -81,22 +81,36 @@ def manifest_path(cfg: JobConfig, info: DistInfo) -> Path:
 
 
 def _import(cfg: JobConfig, info: DistInfo, source: str, key: str) -> Path:
+    """``source`` as a titanrl manifest: itself when it is one, else its import into the cache, which every rank
+    takes part in (each reads only its own Parquet row groups; titanrl.data.sources.import_dataset)."""
     from titanrl.console import say
     from titanrl.data.formats import ColumnMap
-    from titanrl.data.sources import ImportSettings, dataset_manifest
+    from titanrl.data.sources import ImportReport, ImportSettings, import_dataset, import_folder, is_native_manifest
+    from titanrl.distributed import all_gather_objects
 
     d = cfg.data
     settings = ImportSettings(
         format=d.format, on_bad_sample=d.on_bad_sample,
         columns=ColumnMap(d.prompt_key, d.answer_key, d.image_key, d.video_key, d.system_prompt),
     )
-    if info.is_main:
-        path, report = dataset_manifest(source, cfg.cache_dir, settings, _build_once)
-        if report is not None:
-            skipped = f", {len(report.skipped)} bad rows skipped (listed in {path.parent / 'import.json'})"
-            say(f"[titanrl] {key} {source!r}: {report.samples} samples from {report.rows} rows"
-                f"{skipped if report.skipped else ''}; imported to {path.parent}")
+    if is_native_manifest(source, d.format):
+        return Path(source).expanduser()
+    target = import_folder(cfg.cache_dir, source, settings)
+    marker = target / ".complete"
+    with _file_lock(target.parent / f".{target.name}.lock") if info.is_main else nullcontext():
+        if all_gather_objects(not marker.is_file())[0]:  # rank 0's view, under its lock
+            if info.is_main and target.exists():
+                shutil.rmtree(target)
+            barrier()
+            import_dataset(source, target, settings, rank=info.rank, world=info.world_size,
+                           gather=all_gather_objects)
+            if info.is_main:
+                marker.write_text("ok\n")
     barrier()
-    if not info.is_main:
-        path, _ = dataset_manifest(source, cfg.cache_dir, settings, lambda target, build: target)
+    path = target / "manifest.jsonl"
+    if info.is_main:
+        report = ImportReport.read(target)
+        skipped = f", {len(report.skipped)} bad rows skipped (listed in {target / 'import.json'})"
+        say(f"[titanrl] {key} {source!r}: {report.samples} samples from {report.rows} rows"
+            f"{skipped if report.skipped else ''}; imported to {target}")
     return path

@@ -5,6 +5,11 @@
 (Arrow structs become dicts, binary columns ``bytes``), ``index`` its 0-based position in ``file``,
 so every error can name the file, the row and the key. A Parquet file is read one row group at a
 time (a large file is never held whole in memory).
+
+``dataset_units(path)`` cuts a dataset into units of reading work for several ranks (DistFlow's
+distributed dataloader): one per Parquet row group (its row count and size come from the file's
+footer, nothing else is read), one per JSONL / JSON / Arrow file. ``iter_unit_rows(unit)`` reads
+one unit's rows only.
 """
 
 from __future__ import annotations
@@ -70,6 +75,61 @@ def _hf_arrow_files(folder: Path) -> list[Path]:
     return files
 
 
+@dataclass(frozen=True)
+class Unit:
+    """A piece of a dataset one rank reads: a Parquet row group, or a whole file of another kind."""
+
+    file_index: int  # position of ``file`` in data_files(path)
+    file: Path
+    group: int | None  # Parquet row group; None: the whole file
+    first_row: int  # index in ``file`` of the unit's first row
+    nbytes: int  # the row group's uncompressed size in the footer, or the file's size: the split's weight
+
+    @property
+    def name(self) -> str:
+        return f"{self.file.name}" + (f" row group {self.group}" if self.group is not None else "")
+
+
+def dataset_units(path: str | Path) -> list[Unit]:
+    """The dataset's units in reading order (a Parquet file's row groups from its footer alone)."""
+    units = []
+    for i, file in enumerate(data_files(path)):
+        if file.suffix != ".parquet":
+            units.append(Unit(i, file, None, 0, file.stat().st_size))
+            continue
+        meta = _parquet_file(file).metadata
+        first = 0
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            units.append(Unit(i, file, g, first, group.total_byte_size))
+            first += group.num_rows
+    return units
+
+
+def iter_unit_rows(unit: Unit) -> Iterator[Row]:
+    """The rows of one unit (a Parquet unit reads its row group and nothing else)."""
+    if unit.group is None:
+        yield from iter_file_rows(unit.file)
+        return
+    table = _parquet_file(unit.file).read_row_group(unit.group)
+    for k, data in enumerate(table.to_pylist()):
+        yield Row(unit.file, unit.first_row + k, data)
+
+
+def parquet_columns(file: Path) -> list[str]:
+    """A Parquet file's top-level column names, from its footer."""
+    return list(_parquet_file(file).schema_arrow.names)
+
+
+def _parquet_file(file: Path):
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(file)
+    except Exception as e:
+        raise DatasetError(f"{file}: not a readable Parquet file ({e})") from None
+
+
 def iter_rows(path: str | Path) -> Iterator[Row]:
     for file in data_files(path):
         yield from iter_file_rows(file)
@@ -122,12 +182,7 @@ def _json_rows(file: Path) -> Iterator[Row]:
 
 
 def _parquet_rows(file: Path) -> Iterator[Row]:
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(file)
-    except Exception as e:
-        raise DatasetError(f"{file}: not a readable Parquet file ({e})") from None
+    pf = _parquet_file(file)
     index = 0
     for group in range(pf.num_row_groups):
         for data in pf.read_row_group(group).to_pylist():

@@ -153,3 +153,21 @@ def test_runner_workers_timeout_exception_and_recovery(tmp_path):
             strict.score([("sleep", rec("a", id="7"))])
     finally:
         strict.close()
+
+
+def test_metrics_per_source():
+    """source/<name>/{responses,reward,accuracy}: summed over ranks; accuracy only where the reward says what is
+    correct; names made safe for metric keys."""
+    from types import SimpleNamespace
+
+    from titanrl.rl.step_metrics import source_metrics, source_sums
+
+    def traj(source, reward, correct):
+        return SimpleNamespace(prompt=SimpleNamespace(record=SimpleNamespace(source=source)), reward=reward,
+                               extras={"reward": RewardResult(reward, correct)})
+
+    rank0 = source_sums([traj("geo3k", 1.0, 1.0), traj("geo3k", 0.0, 0.0), traj("my data/v2", 0.5, None)])
+    rank1 = source_sums([traj("geo3k", 1.0, 1.0)])
+    out = source_metrics([rank0, rank1])
+    assert out == {"source/geo3k/responses": 3.0, "source/geo3k/reward": 2 / 3, "source/geo3k/accuracy": 2 / 3,
+                   "source/my_data_v2/responses": 1.0, "source/my_data_v2/reward": 0.5}

@@ -45,6 +45,15 @@ def plot_reward(records: dict[int, dict[str, float]], out_png: Path, *, title: s
         steps, values = _series(records, key)
         if steps:
             ax.plot(steps, values, label=label)
+    # with several data sources, each one's accuracy (or reward, where the reward does not say what is correct)
+    sources = sorted({k for r in records.values() for k in r if k.startswith("source/") and k.endswith("/responses")})
+    for key in sources if len(sources) > 1 else []:
+        base = key[: -len("/responses")]
+        for metric in ("accuracy", "reward"):
+            steps, values = _series(records, f"{base}/{metric}")
+            if steps:
+                ax.plot(steps, values, lw=0.8, ls="--", label=f"{metric} {base.split('/', 1)[1]}")
+                break
     if chance is not None:
         ax.axhline(chance, color="grey", ls=":", label=f"chance ({chance:g})")
     if target is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from titanrl.distributed import all_gather_objects, all_reduce_max, all_reduce_sum
@@ -26,6 +28,40 @@ def host_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
+def source_sums(trajs) -> dict[str, list[float]]:
+    """Per sample source (the dataset's ``source`` / ``data_source``): [responses, reward sum, correct sum,
+    responses that say what is correct] on this rank."""
+    out: dict[str, list[float]] = {}
+    for t in trajs:
+        acc = out.setdefault(t.prompt.record.source, [0.0, 0.0, 0.0, 0.0])
+        result = t.extras.get("reward")
+        acc[0] += 1
+        acc[1] += t.reward
+        if result is not None and result.correct is not None:
+            acc[2] += result.correct
+            acc[3] += 1
+    return out
+
+
+def source_metrics(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
+    """``source/<name>/responses``, ``source/<name>/reward`` (mean) and, where the reward says what is correct,
+    ``source/<name>/accuracy``, from every rank's ``source_sums``."""
+    total: dict[str, list[float]] = {}
+    for sums in per_rank:
+        for name, values in sums.items():
+            acc = total.setdefault(name, [0.0, 0.0, 0.0, 0.0])
+            for i, v in enumerate(values):
+                acc[i] += v
+    out = {}
+    for name, (n, reward, correct, judged) in sorted(total.items()):
+        key = "source/" + re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+        out[f"{key}/responses"] = n
+        out[f"{key}/reward"] = reward / max(n, 1.0)
+        if judged:
+            out[f"{key}/accuracy"] = correct / judged
+    return out
+
+
 def step_metrics(ctx, buffer, timer, wall_s: float) -> dict[str, float]:
     """``buffer``: the step's node outputs on this rank; ``timer``: its StageTimer; ``wall_s``: the step so far."""
     scored = buffer.outputs["reward"] if "reward" in buffer.outputs else None
@@ -41,6 +77,7 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> dict[str, float]:
         float(ctx.skips.total()), float(uniform), float(groups),
     ], dtype=torch.float64)
     total = all_reduce_sum(local)
+    gathered = all_gather_objects((reward_sums(t.extras["reward"] for t in trajs), source_sums(trajs)))
     n = max(total[2].item(), 1.0)
     step_time = sum(v for k, v in timer.times.items())
     stats.update(ctx.stages.metrics())
@@ -53,7 +90,8 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> dict[str, float]:
     return {
         "reward/mean": total[0].item() / n,
         # reward/accuracy (where the reward says what is correct), reward/errors, reward/<extra>
-        **reward_metrics(all_gather_objects(reward_sums(t.extras["reward"] for t in trajs))),
+        **reward_metrics([r for r, _ in gathered]),
+        **source_metrics([s for _, s in gathered]),
         # groups whose responses all scored the same: no gradient from them this step
         "reward/uniform_group_fraction": total[6].item() / max(total[7].item(), 1.0),
         "response/length_mean": total[3].item() / n,

@@ -105,7 +105,8 @@ class DataConfig:
     """The prompt dataset: a .jsonl / .json / .parquet file, a folder of them, or a folder written by Hugging Face
     datasets' save_to_disk, in data.format; empty (and data.manifest empty) = synthesize one into model.cache_dir.
     A titanrl JSONL manifest is read in place; any other dataset is imported once into
-    <model.cache_dir>/data/imported/ (embedded images extracted to files). docs/data.md"""
+    <model.cache_dir>/data/imported/ (embedded images extracted to files), every rank reading its own Parquet row
+    groups. docs/data.md"""
     manifest: str = ""
     """The older name of data.path (a titanrl JSONL manifest, or any dataset data.path takes); set at most one."""
     format: Literal["auto", "titanrl", "verl", "easyr1", "columns"] = "auto"

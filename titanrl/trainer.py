@@ -24,10 +24,10 @@ from titanrl.data.prompt import PromptEncoder
 from titanrl.data.shadow import SampleMeta, build_loader
 from titanrl.distributed import DistInfo, build_dp_mesh, build_ulysses_groups, new_world_group
 from titanrl.metrics import MetricsLogger, format_summary
-from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights
+from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel
 from titanrl.optim import build_lr_scheduler, build_optimizer
 from titanrl.parallel.balance import karmarkar_karp
-from titanrl.parallel.parallelize import CompileOptions, parallelize_qwen2_5_vl
+from titanrl.parallel.parallelize import CompileOptions, build_parallel_model
 from titanrl.parallel.ulysses import resolve_ulysses
 from titanrl.rl.dump import dump_step
 from titanrl.rl.vision_inputs import VisionBalancing
@@ -195,17 +195,12 @@ class Trainer:
         self.history: list[dict[str, float]] = []  # every step's metrics, for the end-of-run summary
 
     def _build_model(self, mesh, *, trainable: bool, value_head: bool = False, path=None) -> Qwen2_5_VLModel:
+        """Built on the meta device, parallelised, then each rank's shards allocated and read from the checkpoint
+        (``build_parallel_model``)."""
         cfg = self.cfg
-        model = Qwen2_5_VLModel(self.args, value_head=value_head)
-        load_hf_weights(model, path or self.model_dir)
-        model.set_attention_backend(cfg.model.attn_backend)
-        model.to(self.info.device)
-        if not trainable:
-            model.requires_grad_(False)
-            model.eval()
-        return parallelize_qwen2_5_vl(
-            model,
-            dp_mesh=mesh,
+        return build_parallel_model(
+            self.args, path or self.model_dir, device=self.info.device, dp_mesh=mesh, trainable=trainable,
+            value_head=value_head, attn_backend=cfg.model.attn_backend,
             compile_options=CompileOptions(
                 enable=trainable and cfg.compile.enable and "model" in cfg.compile.components,
                 backend=cfg.compile.backend,

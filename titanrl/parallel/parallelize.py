@@ -93,3 +93,33 @@ def parallelize_qwen2_5_vl(
     if dp_mesh is not None:
         apply_fsdp(model, dp_mesh, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def build_parallel_model(
+    args,
+    checkpoint,
+    *,
+    device: torch.device,
+    dp_mesh: DeviceMesh | None,
+    trainable: bool = True,
+    value_head: bool = False,
+    attn_backend: str = "sdpa",
+    **parallel: object,
+) -> Qwen2_5_VLModel:
+    """A Qwen2.5-VL model ready to run: built on the meta device, parallelised (``parallelize_qwen2_5_vl`` with
+    ``parallel``), materialised on ``device`` and filled from the HF ``checkpoint`` folder, each rank allocating
+    and reading only its own FSDP shards (torchtitan's order: meta build, parallelize, ``to_empty``, load).
+    ``trainable=False``: no gradients, eval mode (a reference model)."""
+    from titanrl.models.qwen2_5_vl.state_dict_adapter import load_hf_weights
+
+    with torch.device("meta"):
+        model = Qwen2_5_VLModel(args, value_head=value_head)
+    model.set_attention_backend(attn_backend)
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    model = parallelize_qwen2_5_vl(model, dp_mesh=dp_mesh, **parallel)
+    model.to_empty(device=device)
+    model.reinit_buffers()  # non-persistent buffers (rotary frequencies) are not in the checkpoint
+    load_hf_weights(model, checkpoint)
+    return model

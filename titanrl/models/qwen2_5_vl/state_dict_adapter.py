@@ -10,6 +10,7 @@ original names, which transformers and vLLM both read.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -145,28 +146,107 @@ def read_hf_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def hf_name(name: str) -> str:
+    """The on-disk (original-prefix) HF name of a titanrl parameter."""
+    for regex, hf_tmpl in _TO_HF:
+        m = regex.match(name)
+        if m is not None:
+            d = m.groupdict()
+            return hf_tmpl.format(i=d.get("i"), p=d.get("p"))
+    raise KeyError(f"titanrl parameter {name!r} has no HF name")
+
+
+def hf_tensor_index(path: str | Path) -> dict[str, tuple[str, Path]]:
+    """canonical HF name -> (name in the file, safetensors file) of a model directory; reads headers only."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {canonical_hf_name(k): (k, path / f) for k, f in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            out.update({canonical_hf_name(k): (k, f) for k in handle.keys()})
+    return out
+
+
+def _clean(name: str) -> str:
+    """A parameter's name without the wrappers parallelize adds (activation checkpointing, torch.compile)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
+    """(global offset, local shape, local tensor) of a parameter: its own shard when it is a DTensor."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if isinstance(param, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        return tuple(offset), tuple(shape), param.to_local()
+    return (0,) * param.dim(), tuple(param.shape), param
+
+
 def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Load an HF Qwen2.5-VL checkpoint into an unsharded titanrl model, strictly. A critic (a model with a
-    ``value_head``) takes everything but the vocabulary projection from a policy checkpoint, and its value head
-    from the checkpoint when it has one (``value_head.*``, a saved critic), else zeros (every value 0 at first)."""
-    adapter = Qwen2_5_VLStateDictAdapter(model.args)  # type: ignore[arg-type]
-    raw = read_hf_safetensors(path)
-    head = {k: raw.pop(k) for k in list(raw) if k.startswith("value_head.")}
-    ours = adapter.from_hf(raw)
-    if getattr(model, "value_head", None) is not None:
-        ours.pop("output.weight", None)
-        ours.update(head or {k: torch.zeros_like(v) for k, v in model.value_head.state_dict(prefix="value_head.").items()})
-    expected = dict(model.state_dict())
-    missing = sorted(set(expected) - set(ours))
-    unexpected = sorted(set(ours) - set(expected))
+    """Fill a titanrl model's parameters from an HF Qwen2.5-VL checkpoint, strictly, each from the bytes of its
+    own shard: a model parallelised with FSDP2 (DTensor parameters, e.g. built on the meta device and then
+    ``to_empty``) reads only this rank's rows of every tensor (safetensors slices of the memory-mapped files), a
+    plain model reads everything. A critic (a model with a ``value_head``) takes everything but the vocabulary
+    projection from a policy checkpoint, and its value head from the checkpoint when it has one
+    (``value_head.*``, a saved critic), else zeros (every value 0 at first)."""
+    from safetensors import safe_open
+
+    args = model.args  # type: ignore[attr-defined]
+    on_disk = hf_tensor_index(path)
+    critic = getattr(model, "value_head", None) is not None
+    params = {_clean(n): p for n, p in model.named_parameters()}  # a tied output.weight is listed once
+    expected = set(params)
+    wanted: dict[str, tuple[str, Path] | None] = {}
+    for name in expected:
+        if name.startswith("value_head."):
+            wanted[name] = on_disk.get(name)  # None: zeros
+            continue
+        key = hf_name(name)
+        if key not in on_disk and name == "output.weight" and args.text.tie_word_embeddings:
+            key = "model.embed_tokens.weight"
+        wanted[name] = on_disk.get(key)
+    missing = sorted(n for n, src in wanted.items() if src is None and not n.startswith("value_head."))
+    used = {canonical_hf_name(src[0]) for src in wanted.values() if src is not None}
+    ignored = {"lm_head.weight"} if critic or args.text.tie_word_embeddings else set()
+    unexpected = sorted(set(on_disk) - used - ignored)
     if missing or unexpected:
         raise KeyError(f"checkpoint {path} does not match the model: missing {missing[:10]}, unexpected {unexpected[:10]}")
-    for name, tensor in ours.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ValueError(
-                f"checkpoint {path}: {name} has shape {tuple(tensor.shape)}, model expects {tuple(expected[name].shape)}"
-            )
-    model.load_state_dict({k: t.to(expected[k].dtype) for k, t in ours.items()}, strict=True)
+    handles: dict[Path, Any] = {}
+    try:
+        with torch.no_grad():
+            for name, param in params.items():
+                offset, shape, local = _local_box(param)
+                src = wanted[name]
+                if src is None:  # a new critic's value head
+                    local.zero_()
+                    continue
+                file_key, file = src
+                if file not in handles:
+                    handles[file] = safe_open(str(file), framework="pt")
+                piece = handles[file].get_slice(file_key)
+                full = tuple(piece.get_shape())
+                if name == "vision.patch_embed.weight":  # Conv3d [E, C, T, P, P] -> Linear [E, C*T*P*P]
+                    full = (full[0], math.prod(full[1:]))
+                if full != tuple(param.shape):
+                    raise ValueError(f"checkpoint {path}: {name} has shape {full}, model expects {tuple(param.shape)}")
+                rows = slice(offset[0], offset[0] + shape[0]) if shape else slice(None)
+                tensor = piece[rows] if shape else piece[:]
+                if name == "vision.patch_embed.weight":
+                    tensor = tensor.reshape(shape[0], -1)
+                if len(shape) > 1:  # a shard along another dim too
+                    tensor = tensor[(slice(None),) + tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))]
+                local.copy_(tensor.to(local.dtype))
+    finally:
+        handles.clear()
 
 
 _ASSET_FILES = (

@@ -1,0 +1,35 @@
+"""Meta-device build and sharded checkpoint loading (``build_parallel_model``): on 2 ranks every parameter of the
+policy, the reference model and a critic equals the checkpoint read whole (the critic's new value head zeros),
+each rank holding only its FSDP shard; one process loads the same model unsharded. Runs the per-rank body of
+scripts/bench_load.py (which measures the host memory this saves: benchmarks/load.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_sharded_load_equals_the_checkpoint(tiny_ckpt, tmp_path, world):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+           str(ROOT / "scripts" / "bench_load.py"), "--worker", "--ckpt", str(tiny_ckpt), "--out", str(tmp_path),
+           "--mode", "meta", "--check"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"meta_w{world}_rank{r}.json").read_text()) for r in range(world)]
+    for r in ranks:
+        assert r["max_abs_difference"] == 0.0, r
+        assert r["sharded"] == (world > 1), r
+        assert r["policy_params"] > 0 and r["critic_params"] == r["policy_params"] + 1  # value head w+b, no output
+    if world > 1:  # each rank holds about half of the parameters
+        total = sum(r["local_param_mib"] for r in ranks)
+        assert all(r["local_param_mib"] < 0.75 * total for r in ranks), ranks

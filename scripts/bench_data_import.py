@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_common import git_commit  # noqa: E402
 ROWS = (1000, 10000)
 WORLDS = (1, 2)
 
@@ -79,13 +81,6 @@ def worker(args: argparse.Namespace) -> None:
     loader.close()
     Path(args.out).with_name(Path(args.out).stem + f".rank{info.rank}.json").write_text(json.dumps(out))
     shutdown()
-
-
-def git_commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                           capture_output=True, text=True).stdout.strip()
-    return head + ("+dirty" if dirty else "")
 
 
 def launch(work: Path, data: Path, model: Path, cache: Path, world: int, tag: str) -> list[dict]:

@@ -27,6 +27,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_common import git_commit  # noqa: E402
 WORLDS = (1, 2, 4)
 
 
@@ -110,13 +112,6 @@ def worker(args: argparse.Namespace) -> None:
         out["sharded"] = any(hasattr(p, "to_local") for p in policy.parameters())
     Path(args.out, f"{args.mode}_w{info.world_size}_rank{info.rank}.json").write_text(json.dumps(out))
     shutdown()
-
-
-def git_commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                           capture_output=True, text=True).stdout.strip()
-    return head + ("+dirty" if dirty else "")
 
 
 def launch(ckpt: Path, out: Path, world: int, mode: str, check: bool) -> list[dict]:

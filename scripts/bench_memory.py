@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_common import git_commit  # noqa: E402
 CONFIGS = {"tiny": "configs/tiny_cpu.toml", "small": "configs/small_cpu.toml"}
 
 
@@ -123,13 +125,6 @@ def static_at_init(plan) -> int:
     """Planner terms resident once the Trainer is built, before the first step."""
     names = ("parameters", "reference_model", "engine_weights", "engine_kv_cache")
     return sum(t.bytes for t in plan.terms if t.name in names)
-
-
-def git_commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                           capture_output=True, text=True).stdout.strip()
-    return head + ("+dirty" if dirty else "")
 
 
 def run(args: argparse.Namespace) -> None:

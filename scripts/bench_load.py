@@ -167,7 +167,7 @@ def main() -> None:
         "built as the trainer builds them, torchrun on gloo (CPU). `load MiB`: a rank's peak resident memory during",
         "the build minus its resident memory before it (the largest rank). `meta`: meta-device build, FSDP2",
         "shards, each rank reading its own rows (`build_parallel_model`); `full`: the previous path, the whole",
-        "fp32 model and checkpoint on every rank, then sharded. Every `meta` run first checked its shards",
+        "fp32 model and checkpoint on every rank, then sharded. Every `meta` run also checked its shards",
         "against the whole checkpoint (max abs difference, policy, reference and critic).",
         "",
         "| ranks | full: load MiB | meta: load MiB | meta / full | meta: own parameters MiB | shards = checkpoint |",

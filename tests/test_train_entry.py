@@ -56,6 +56,26 @@ def test_single_process_run_writes_config_and_metrics(tmp_path, run_cache):
     assert "[titanrl] done: steps 1-3" in proc.stdout and f"metrics    {run_dir / 'metrics.jsonl'}" in proc.stdout
 
 
+@pytest.mark.slow
+def test_single_process_bfloat16_computes_in_bfloat16(tmp_path, run_cache):
+    """One process with model.dtype = bfloat16 (no torchrun): FSDP2 on a one-rank mesh applies the mixed-precision
+    rule of many ranks -- float32 master parameters, forward in bfloat16 -- so the trainer's log-probs match the
+    bfloat16 vLLM engine's at step 1 (before the fix the trainer computed in float32: 8e-4 apart here)."""
+    import torch
+
+    from titanrl.rl.dump import load_dumps
+
+    proc = run_train(tmp_path, "--model.dtype=bfloat16", "--metrics.dump_tensors=true", "--checkpoint.enable=false",
+                     cache=run_cache)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "out" / "tiny_cpu"
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert steps[0]["probe/logprob_max_diff"] < 2e-4, steps[0]["probe/logprob_max_diff"]
+    params = load_dumps(run_dir)[2]["params"]["policy"]
+    assert {t.dtype for t in params.values()} == {torch.float32}  # the master weights the optimizer updates
+
+
 @pytest.fixture()
 def corrupt_manifest(tmp_path):
     manifest = generate_dataset(tmp_path / "data", "only-video", 4, seed=1)

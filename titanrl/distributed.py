@@ -33,8 +33,10 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed(timeout_s: float = 600.0) -> DistInfo:
-    """NCCL on CUDA machines, gloo elsewhere; the device follows LOCAL_RANK."""
+def init_distributed(timeout_s: float = 600.0, *, one_rank_group: bool = False) -> DistInfo:
+    """NCCL on CUDA machines, gloo elsewhere; the device follows LOCAL_RANK. ``one_rank_group``: a process that is
+    the whole job (no torchrun, or ``--nproc-per-node 1``) still gets a one-rank process group (an in-memory
+    store), so FSDP2 and its mixed-precision policy can run on a one-rank mesh (``build_dp_mesh(one_rank=True)``)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -47,11 +49,15 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
         backend = "gloo"
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    elif world == 1 and one_rank_group and not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout_s))
     return DistInfo(rank, world, local_rank, device)
 
 
-def build_dp_mesh(info: DistInfo) -> DeviceMesh | None:
-    if not info.distributed:
+def build_dp_mesh(info: DistInfo, *, one_rank: bool = False) -> DeviceMesh | None:
+    """The data-parallel (FSDP2) mesh; None for one process unless ``one_rank`` (and a one-rank group exists)."""
+    if not info.distributed and not (one_rank and dist.is_initialized()):
         return None
     return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))
 

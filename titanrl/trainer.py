@@ -118,7 +118,9 @@ class Trainer:
         self.ulysses = resolve_ulysses(cfg.parallelism, self.args.text, info.world_size)
         if info.is_main and self.ulysses.message:
             say(f"[titanrl] {self.ulysses.message}")
-        mesh = build_dp_mesh(info)
+        # model.dtype below float32 on one process: FSDP2 on a one-rank mesh, the same mixed-precision rule as on
+        # many ranks (float32 parameters and gradients, compute and the weight push in model.dtype)
+        mesh = build_dp_mesh(info, one_rank=self.param_dtype != torch.float32)
         self.model = self._build_model(mesh, trainable=True)
         self.ref_model = self._build_model(mesh, trainable=False) if cfg.rl.kl_coef > 0 else None
         # PPO's critic: the policy's network with a value head, sharded and compiled like it

@@ -82,6 +82,10 @@ def test_ppo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
     assert float(first["value_head.weight"].abs().sum()) > 0
     rec = metrics(tmp_path / "four" / "tiny_cpu")[2]
     assert {"critic/value_loss", "critic/explained_variance", "critic/values_mean"} <= set(rec)
+    # the update's token counts are the policy update's (the critic's pass over the same minibatches is not added)
+    for run_dir in (tmp_path / "one" / "tiny_cpu", tmp_path / "four" / "tiny_cpu"):
+        for r in metrics(run_dir).values():
+            assert r["train/tokens_represented"] == r["rollout/tokens"], r
 
 
 def test_a_node_from_toml_changes_what_the_next_node_sees(run_cache, tmp_path):

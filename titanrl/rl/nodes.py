@@ -292,7 +292,8 @@ def train_critic(batch, ctx):
     for _ in range(rl.ppo_epochs):
         for m in range(rl.minibatches):
             ids = ctx.stages.minibatch_ids(m, rl.minibatches)
-            for res in ctx.stages.train_minibatch(ctx.critic, ids, ("values", "returns"), loss_fn, temperature=1.0):
+            for res in ctx.stages.train_minibatch(ctx.critic, ids, ("values", "returns"), loss_fn, temperature=1.0,
+                                                   account=False):
                 sums += torch.tensor([res.value_loss.item(), res.clip_fraction.item()], dtype=torch.float64)
             norm = torch.nn.utils.clip_grad_norm_(ctx.critic.parameters(), cfg.optimizer.max_grad_norm or float("inf"))
             grad_norm += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)

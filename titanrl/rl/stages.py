@@ -272,16 +272,19 @@ class StageRunner:
             self.stats.exchange_bytes += self.exchange.return_logprobs(
                 plan, units, done, attr, waves=range(len(plan.waves)), collective=plan.moves_data())
 
-    def train_minibatch(self, model, ids: Sequence[int], fields: Sequence[str], loss_fn, *, temperature: float):
+    def train_minibatch(self, model, ids: Sequence[int], fields: Sequence[str], loss_fn, *, temperature: float,
+                        account: bool = True):
         """Forward + backward of every wave of one minibatch; ``loss_fn(out, inputs, global_tokens,
         global_seqs)`` returns the policy-loss output whose ``.loss`` is this rank's contribution
-        to the minibatch mean. Returns the outputs (detached terms are read by the caller)."""
+        to the minibatch mean. Returns the outputs (detached terms are read by the caller).
+        ``account=False`` (a second model trained on the same minibatches: PPO's critic): its busy time counts,
+        but the update's ``train/tokens_*`` and ``balance/*`` statistics stay the policy update's."""
         metas = [self.metas[i] for i in ids]
         global_tokens = float(max(sum(m.response_len for m in metas), 1))
         global_seqs = float(max(len(metas), 1))
         units, plan = self.plan(ids)
         self._time_vision(model)
-        s = self.stats
+        s = self.stats if account else type(self.stats)()
         s.minibatches += 1
         s.tokens_computed += sum(u.num_tokens for u in units)
         s.tokens_represented += sum(m.num_tokens for m in metas)
@@ -314,7 +317,7 @@ class StageRunner:
                 self._dummy(model, backward=True)
         s.reducing_microbatches += 1 if plan.sync == "minibatch" else len(plan.waves)
         busy = self.clock() - t0
-        s.busy_seconds += busy
+        self.stats.busy_seconds += busy
         s.update_busy_seconds += busy
         # ranks wait for each other at every wave under wave sync, only at the minibatch's end otherwise
         s.update_units += unit_seconds if plan.sync == "wave" else [busy]

@@ -95,6 +95,7 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> dict[str, float]:
         # groups whose responses all scored the same: no gradient from them this step
         "reward/uniform_group_fraction": total[6].item() / max(total[7].item(), 1.0),
         "response/length_mean": total[3].item() / n,
+        "rollout/tokens": total[4].item(),  # prompt + response tokens of the step's responses
         **stats,
         "throughput/tokens_per_s": total[4].item() / max(step_time, 1e-9),
         "data/skipped": total[5].item(),

@@ -171,13 +171,13 @@ def worker(opts) -> None:
         runner.logprobs(model, "old_logprobs", temperature=1.0)
         dist.barrier()
         t1 = time.perf_counter()
-        logprob_busy = runner.stats.busy_seconds
+        logprob_busy = runner.stats.busy_seconds.seconds()
         runner.train_minibatch(model, runner.all_ids(), ("old_logprobs",), loss_fn, temperature=1.0)
         dist.barrier()
         t2 = time.perf_counter()
         model.zero_grad(set_to_none=True)
         metrics = runner.metrics()
-        busy = all_gather_objects((logprob_busy, runner.stats.busy_seconds))
+        busy = all_gather_objects((logprob_busy, runner.stats.busy_seconds.seconds()))
         if name == "warmup":
             continue
         _, plan = runner.plan(runner.all_ids())

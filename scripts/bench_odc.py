@@ -137,7 +137,7 @@ def worker(opts) -> None:
         added = memory.stop()
         metrics = runner.metrics()
     _, plan = runner.plan(runner.all_ids())
-    every = all_gather_objects((runner.stats.update_busy_seconds, added))
+    every = all_gather_objects((runner.stats.update_busy_seconds.seconds(), added))
     if rank == 0:
         lengths = sorted((t.num_tokens for t in trajs), reverse=True)
         Path(opts.out).write_text(json.dumps({

@@ -120,7 +120,7 @@ def worker(opts) -> None:
             t2 = time.perf_counter()
             model.zero_grad(set_to_none=True)
             metrics = runner.metrics()
-            busy = all_gather_objects((runner.stats.busy_seconds, runner.stats.vision_seconds))
+            busy = all_gather_objects((runner.stats.busy_seconds.seconds(), runner.stats.vision_seconds.seconds()))
             if warmup:
                 continue
             row = {"stage_s": t2 - t0, "old_logprob_s": t1 - t0, "update_s": t2 - t1,

@@ -36,6 +36,34 @@ def test_stage_timer_adds_busy_seconds_per_stage_from_its_clock():
     assert set(timer.times) == {"time/update", "time/rollout"}
 
 
+def test_busy_spans_of_device_events_are_read_once_when_the_metrics_are():
+    """On CUDA a busy span is a pair of events: nothing waits for the device while spans are added (no
+    synchronise per microbatch); reading the total waits once, for the last event, and sums elapsed times."""
+    from titanrl.rl.timing import Busy
+
+    class Event:  # torch.cuda.Event's timing interface
+        waits = 0
+
+        def __init__(self, t_ms: float) -> None:
+            self.t = t_ms
+
+        def elapsed_time(self, end: "Event") -> float:
+            return end.t - self.t
+
+        def synchronize(self) -> None:
+            Event.waits += 1
+
+    busy = Busy()
+    busy.add(Event(0.0), Event(1500.0))
+    busy.add(Event(2000.0), Event(2250.0))
+    assert Event.waits == 0
+    assert busy.seconds() == 1.75 and Event.waits == 1
+    assert float(busy) == 1.75 and Event.waits == 1  # resolved once
+    cpu = Busy()
+    cpu.add(1.0, 3.5)  # process CPU time: added at once
+    assert cpu.seconds() == 2.5
+
+
 def test_stage_timer_names_only_collective_failures():
     """A collective's own error (plain RuntimeError from gloo) becomes a CollectiveError naming the stage;
     titanrl's own errors pass through unchanged, even when their text says "timeout" (a data fetch's did,

@@ -35,7 +35,7 @@ from titanrl.parallel.stage_plan import BalanceStrategy, StageMethod, StagePlan,
 from titanrl.parallel.ulysses import UlyssesLayout, layout_builder
 from titanrl.rl.batch import Trajectory, dummy_pack
 from titanrl.rl.slice_loading import StepSlices
-from titanrl.rl.timing import busy_clock
+from titanrl.rl.timing import Busy, busy_clock
 from titanrl.rl.assemble import WaveInputs
 from titanrl.rl.exchange import TrajectoryExchange
 from titanrl.rl.units import StageUnit, TrajectoryMeta, gather_metadata, stage_units
@@ -75,11 +75,11 @@ class StepStats:
     planned_peak: float = 0.0
     planned_mean: float = 0.0
     exchange_bytes: int = 0
-    busy_seconds: float = 0.0  # log-prob + update stages
-    update_busy_seconds: float = 0.0
+    busy_seconds: Busy = field(default_factory=Busy)  # log-prob + update stages
+    update_busy_seconds: Busy = field(default_factory=Busy)
     # busy seconds of each update synchronisation unit (a wave under wave sync, a minibatch under
     # minibatch sync), in order: the same units on every rank
-    update_units: list[float] = field(default_factory=list)
+    update_units: list[Busy] = field(default_factory=list)
     update_planned_peak: float = 0.0
     update_planned_mean: float = 0.0
     waves: int = 0
@@ -87,7 +87,7 @@ class StepStats:
     reducing_microbatches: int = 0  # of those, the ones whose backward reduced gradients
     minibatches: int = 0
     layouts: list[UlyssesLayout] = field(default_factory=list)
-    vision_seconds: float = 0.0  # vision-tower forward time (busy clock), every stage
+    vision_seconds: Busy = field(default_factory=Busy)  # vision-tower forward time (busy clock), every stage
     # language-model tokens of the update forwards: computed (a shared prompt once per unit) and
     # represented (every trajectory whole); the same on every rank
     tokens_computed: int = 0
@@ -218,11 +218,11 @@ class StageRunner:
         if id(model) in self._timed_vision:
             return
         self._timed_vision.add(id(model))
-        start: list[float] = []
-        model.vision.register_forward_pre_hook(lambda *_: start.append(self.clock()))
+        start: list = []
+        model.vision.register_forward_pre_hook(lambda *_: start.append(self.clock.mark()))
 
         def done(*_):
-            self.stats.vision_seconds += self.clock() - start.pop()
+            self.stats.vision_seconds.add(start.pop(), self.clock.mark())
 
         model.vision.register_forward_hook(done)
 
@@ -256,13 +256,13 @@ class StageRunner:
         done: list[tuple[int, WaveInputs, torch.Tensor]] = []
         with self._sync(model, plan, train=False):
             for w, inputs in self._inputs(plan, units, (), temperature=temperature, return_entropy=False):
-                t0 = self.clock()
+                t0 = self.clock.mark()
                 if inputs.batch is None:
                     self._dummy(model, backward=False, inputs=inputs)
                     logp = torch.zeros(0)
                 else:
                     logp = getattr(model(inputs.batch, inputs.targets), output)
-                self.stats.busy_seconds += self.clock() - t0
+                self.stats.busy_seconds.add(t0, self.clock.mark())
                 done.append((w, inputs, logp))
                 if plan.sync == "wave":  # results home per wave; under minibatch sync once, below
                     self.stats.exchange_bytes += self.exchange.return_logprobs(
@@ -292,8 +292,8 @@ class StageRunner:
         s.update_planned_peak += peak
         s.update_planned_mean += mean
         results = []
-        t0 = self.clock()
-        unit_seconds: list[float] = []
+        t0 = self.clock.mark()
+        unit_seconds: list[Busy] = []
         with self._sync(model, plan, train=True) as last:
             mine = plan.rank_waves(self.rank)
             # under minibatch sync the rank's final microbatch reduces; it must hold no sharded group
@@ -302,7 +302,7 @@ class StageRunner:
                 if plan.sync == "minibatch" and w == mine[-1] and not trailing_dummy:
                     last()
                 s.microbatches += 1
-                t_wave = self.clock()
+                t_wave = self.clock.mark()
                 if inputs.batch is None:
                     self._dummy(model, backward=True, inputs=inputs)
                 else:
@@ -310,17 +310,22 @@ class StageRunner:
                     res = loss_fn(out, inputs, global_tokens, global_seqs)
                     res.loss.backward()
                     results.append(res)
-                unit_seconds.append(self.clock() - t_wave)
+                unit_seconds.append(Busy())
+                unit_seconds[-1].add(t_wave, self.clock.mark())
             if trailing_dummy:
                 last()
                 s.microbatches += 1
                 self._dummy(model, backward=True)
         s.reducing_microbatches += 1 if plan.sync == "minibatch" else len(plan.waves)
-        busy = self.clock() - t0
-        self.stats.busy_seconds += busy
-        s.update_busy_seconds += busy
+        t1 = self.clock.mark()
+        self.stats.busy_seconds.add(t0, t1)
+        s.update_busy_seconds.add(t0, t1)
         # ranks wait for each other at every wave under wave sync, only at the minibatch's end otherwise
-        s.update_units += unit_seconds if plan.sync == "wave" else [busy]
+        if plan.sync == "wave":
+            s.update_units += unit_seconds
+        else:
+            s.update_units.append(Busy())
+            s.update_units[-1].add(t0, t1)
         return results
 
     # ------------------------------------------------------------------ metrics
@@ -334,8 +339,9 @@ class StageRunner:
         sl = self.exchange.slices.stats if self.exchange is not None and self.exchange.slices is not None else None
         loaded = (0, 0, 0, 0) if sl is None else (sl.frames_fetched, sl.bytes_fetched, sl.frames_decoded,
                                                   sl.frames_local)
-        every = all_gather_objects((s.busy_seconds, a2a, s.exchange_bytes, s.update_units, s.microbatches,
-                                    s.vision_seconds, vision_bytes, loaded))
+        every = all_gather_objects((s.busy_seconds.seconds(), a2a, s.exchange_bytes,
+                                    [u.seconds() for u in s.update_units], s.microbatches, s.vision_seconds.seconds(),
+                                    vision_bytes, loaded))
         loaded_sum = np.asarray([e[7] for e in every], dtype=np.float64).sum(axis=0)
         vision_busy = np.asarray([e[5] for e in every], dtype=np.float64)
         busy = np.asarray([e[0] for e in every], dtype=np.float64)

@@ -3,7 +3,8 @@ times out.
 
 Busy time is what the rank itself computed: the process's CPU time on CPU (a rank blocked in a
 collective, or waiting for the media preprocessors, burns none; its own background threads count),
-wall time after a device synchronise on CUDA. Summed over ranks and divided by their number it is
+on CUDA the device time between CUDA events recorded on the current stream, read only when the step's
+metrics are (``Busy``): no host-device synchronisation is added per microbatch or vision forward. Summed over ranks and divided by their number it is
 the step time of a perfect schedule (no exposed data wait, no idle at synchronisation points):
 ``step/limit_s`` in the trainer's metrics.
 
@@ -45,14 +46,54 @@ def _classify(err: BaseException) -> str | None:
     return None
 
 
-def busy_clock(device: torch.device) -> Callable[[], float]:
-    """Per-rank busy time: process CPU time on CPU; on CUDA, wall time after a synchronise."""
-    if device.type == "cuda":
-        def clock() -> float:
-            torch.cuda.synchronize(device)
-            return time.perf_counter()
-        return clock
-    return time.process_time
+Mark = "float | torch.cuda.Event"
+
+
+class BusyClock:
+    """Marks busy-time points without synchronising: the process's CPU time on CPU; on CUDA an event recorded on
+    the current stream (its time is read later, by ``Busy.seconds``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Mark:
+        if not self.cuda:
+            return time.process_time()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+
+class Busy:
+    """A sum of busy spans (pairs of ``BusyClock`` marks), resolved when read: CPU spans at once, CUDA spans at
+    ``seconds()`` (one wait for the last event; by then the step's metrics have synchronised anyway)."""
+
+    __slots__ = ("_value", "_spans")
+
+    def __init__(self) -> None:
+        self._value = 0.0
+        self._spans: list = []
+
+    def add(self, start: Mark, end: Mark) -> None:
+        if isinstance(start, float):
+            self._value += end - start
+        else:
+            self._spans.append((start, end))
+
+    def seconds(self) -> float:
+        if self._spans:
+            self._spans[-1][1].synchronize()
+            self._value += sum(a.elapsed_time(b) for a, b in self._spans) / 1000.0  # ms
+            self._spans.clear()
+        return self._value
+
+    def __float__(self) -> float:
+        return self.seconds()
+
+
+def busy_clock(device: torch.device) -> BusyClock:
+    """The rank's busy clock (see the module doc)."""
+    return BusyClock(device)
 
 
 class StageTimer:
@@ -60,12 +101,17 @@ class StageTimer:
     ``clock``, its busy seconds to ``busy["update"]``."""
 
     def __init__(self, rank: int = 0, collective_timeout_s: float | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: "BusyClock | Callable[[], float] | None" = None) -> None:
         self.rank = rank
         self.collective_timeout_s = collective_timeout_s
-        self.clock = clock
+        self.clock = clock.mark if isinstance(clock, BusyClock) else clock
         self.times: dict[str, float] = {}
-        self.busy: dict[str, float] = {}
+        self._busy: dict[str, Busy] = {}
+
+    @property
+    def busy(self) -> dict[str, float]:
+        """Busy seconds per stage (CUDA spans resolved here)."""
+        return {name: b.seconds() for name, b in self._busy.items()}
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -86,7 +132,7 @@ class StageTimer:
             ) from err
         self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.perf_counter() - t0
         if self.clock is not None:
-            self.busy[name] = self.busy.get(name, 0.0) + self.clock() - b0
+            self._busy.setdefault(name, Busy()).add(b0, self.clock())
 
 
 def busy_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

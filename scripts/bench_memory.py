@@ -172,30 +172,55 @@ def run(args: argparse.Namespace) -> None:
 
 
 # What the numbers of the last run (2260d85, 2 x 2 CPU cores shared with another job) say; update it with them.
-FINDINGS = """## Findings
+def findings(rows: list[dict]) -> str:
+    """The findings, their figures taken from ``rows`` (the prose says what the figures mean)."""
+    from titanrl.memory import fmt_bytes
+
+    def pick(model=None, ac=None):
+        return [r for r in rows if (model is None or r["model"] == model) and (ac is None or r["activation_checkpoint"] == ac)]
+
+    def pct(values):
+        return ", ".join(f"{100 * v:+.1f}%" for v in values)
+
+    def span(values, scale=100.0, unit="%"):
+        values = [scale * v for v in values]
+        return f"{min(values):+.0f}{unit} to {max(values):+.0f}{unit}" if values else "n/a"
+
+    def gib_span(values):
+        return f"{fmt_bytes(min(values))} to {fmt_bytes(max(values))}" if values else "n/a"
+
+    small_plain, small_ac, tiny = pick("small", "none"), pick("small", "full"), pick("tiny")
+    t_obs = sorted({(r["model"], r["world"], r["observed_tokens_per_microbatch"], r["tokens_per_microbatch"])
+                    for r in rows})
+    observed = "; ".join(f"{m} on {w} rank(s): {o} of {t}" for m, w, o, t in t_obs)
+    within = [r for r in rows if abs(r["error_observed_T"]) <= 0.15]
+    by = {(r["model"], r["world"], r["strategy"], r["activation_checkpoint"]): r for r in rows}
+    ac_saved = [by[k]["measured_bytes"] - by[k[:3] + ("full",)]["measured_bytes"] for k in by
+                if k[0] == "small" and k[3] == "none" and k[:3] + ("full",) in by]
+    ac_predicted = [by[k]["predicted_bytes"] - by[k[:3] + ("full",)]["predicted_bytes"] for k in by
+                    if k[0] == "small" and k[3] == "none" and k[:3] + ("full",) in by]
+    return f"""## Findings
 
 - **The config bound is an upper bound, not a forecast of these data.** It assumes every update microbatch is full
   (T = `balance.max_tokens_per_microbatch`) and made of the longest samples the config allows. The synthetic runs put
-  1720 of 2048 (tiny) and 2184 / 1092 of 4096 (small, 1 / 2 ranks) tokens in a microbatch, mostly text, so without
-  activation checkpointing the bound over-predicts small by 76-129%. That direction is what a start-up fit check needs.
-- **With the observed T, the cases dominated by activations are within 15%:** small without checkpointing
-  +15.7%, +14.1%, +2.3%, -4.6%.
-- **Not within 15% (under-predicted):** tiny (-10% to -18%) and small with checkpointing (-18% to -34% at the observed
-  T). The training steps add 0.21-0.33 GiB on tiny where the planner has 55-118 MiB, and 1.0-1.35 GiB on small with
-  checkpointing where it has 0.76-0.96 GiB at the bound. So on CPU about 0.2-0.4 GiB appears in the first steps that
-  no term models. The candidates were not separated in the time this had: peak RSS keeps glibc arenas' freed chunks
-  from earlier stages (rollout, log-prob passes), the first generate's buffers (vLLM; transformers' activations for the
-  hf engine), the vision tower's no-grad forward of video prompts, and Ray-fetched media mapped into the process. On
-  CUDA the allocator's peak (`measured_peak_bytes`) would not count freed chunks; not measured (no GPU).
-- **Per-token activation formula, checked directly:** autograd's saved tensors (unique storages, parameters
-  left out) of a text-only packed sequence are 0.978 (tiny) and 0.997 (small) of `T (L A_d + o)`, and 0.83 / 0.92 of the
-  kept part with full checkpointing (`tests/test_memory.py` asserts within 20%). The vision-block formula is not checked
-  this way yet.
-- **vLLM's KV cache is resident from start-up on CPU:** `rollout.kv_cache_bytes` 256 MiB -> 1 GiB raised the
-  rank's RSS after building the Trainer by 769 MiB (768 MiB more cache).
-- **The settings change the peak in the predicted direction, by less than predicted:** activation checkpointing
-  saves 0.27-0.72 GiB measured on small (3.3 GiB predicted at the bound), and `lb_mini` -> `lb_micro` is within noise on
-  these models (the full parameters and gradients of a 35M model are 0.27 GiB).
+  fewer tokens in a microbatch ({observed}), mostly text, so without activation checkpointing the bound over-predicts
+  small by {span([r["error"] for r in small_plain])}. That direction is what a start-up fit check needs.
+- **With the observed T:** small without checkpointing {pct([r["error_observed_T"] for r in small_plain])};
+  {len(within)} of {len(rows)} cases within 15%.
+- **Under-predicted:** tiny ({span([r["error_observed_T"] for r in tiny])} at the observed T) and small with
+  checkpointing ({span([r["error_observed_T"] for r in small_ac])}). The training steps add
+  {gib_span([r["step_terms_measured"] for r in tiny])} on tiny where the planner has
+  {gib_span([r["step_terms_predicted"] for r in tiny])}, and {gib_span([r["step_terms_measured"] for r in small_ac])}
+  on small with checkpointing where it has {gib_span([r["step_terms_predicted"] for r in small_ac])} at the bound: on
+  CPU a few hundred MiB appear in the first steps that no term models. The candidates are not separated yet: peak RSS
+  keeps glibc arenas' freed chunks from earlier stages (rollout, log-prob passes), the first generate's buffers
+  (vLLM), the vision tower's no-grad forward of video prompts, and Ray-fetched media mapped into the process. On CUDA
+  the allocator's peak (`measured_peak_bytes`) would not count freed chunks; not measured (no GPU).
+- **Per-token activation formula, checked directly** (`tests/test_memory.py`, within 20%): autograd's saved tensors
+  (unique storages, parameters left out) of a text-only packed sequence against `T (L A_d + o)`, and the kept part
+  with full checkpointing. The vision-block formula is not checked this way yet.
+- **Activation checkpointing on small** saves {gib_span(ac_saved)} measured ({gib_span(ac_predicted)} predicted at
+  the bound); `lb_mini` -> `lb_micro` changes little on these models (table below).
 - Not measured: 4 ranks (2 shared cores), GPUs.
 """
 
@@ -234,7 +259,7 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
             f"| {r['observed_tokens_per_microbatch']} | {fmt_bytes(r['predicted_observed_T_bytes'])} "
             f"| {fmt_bytes(r['measured_bytes'])} | {100 * r['error']:+.1f}% | {100 * r['error_observed_T']:+.1f}% "
             f"| {fmt_bytes(r['step_terms_predicted'])} | {fmt_bytes(r['step_terms_measured'])} |")
-    lines += ["", FINDINGS, *deltas(rows), "", "Per-case terms (bytes) are in `benchmarks/memory.json`.", ""]
+    lines += ["", findings(rows), *deltas(rows), "", "Per-case terms (bytes) are in `benchmarks/memory.json`.", ""]
     (out / "memory.md").write_text("\n".join(lines) + "\n")
 
 

@@ -155,6 +155,28 @@ def test_runner_workers_timeout_exception_and_recovery(tmp_path):
         strict.close()
 
 
+def test_workers_ignore_the_jobs_sigterm_and_a_killed_worker_is_replaced():
+    """torchrun forwards a scheduler's SIGTERM to the whole process group: the reward workers leave it to the
+    trainer (which checkpoints, then closes them). A worker killed while idle is replaced, the call still scored."""
+    import os
+    import signal
+    import time
+
+    runner = RewardRunner("first_word", timeout_s=10.0, workers=1)
+    try:
+        worker = runner._workers[0].process
+        os.kill(worker.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert worker.is_alive()
+        worker.kill()
+        worker.join(5)
+        [result] = runner.score([("blue", rec("blue"))])
+        assert result.error is None and result.correct == 1.0
+        assert runner._workers[0].process.pid != worker.pid
+    finally:
+        runner.close()
+
+
 def test_metrics_per_source():
     """source/<name>/{responses,reward,accuracy}: summed over ranks; accuracy only where the reward says what is
     correct; names made safe for metric keys."""

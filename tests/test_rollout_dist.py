@@ -25,7 +25,8 @@ def rank_main(ckpt: str, out_dir: str, manifest: str) -> None:
     from titanrl.data.prompt import PromptEncoder
     from titanrl.distributed import all_reduce_sum, init_distributed
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights
-    from titanrl.rollout import RolloutRequest, build_rollout_engine, default_sync_dir, push_weights
+    from titanrl.rl.weight_sync import WeightPusher
+    from titanrl.rollout import RolloutRequest, build_rollout_engine
 
     info = init_distributed(timeout_s=120)
     assert dist.is_initialized() and info.world_size == 2
@@ -54,8 +55,10 @@ def rank_main(ckpt: str, out_dir: str, manifest: str) -> None:
     load_hf_weights(model, ckpt)
     with torch.no_grad():
         model.output.weight.mul_(1.5)
-    timings = push_weights(engine, model.state_dict(), args, default_sync_dir(info.rank))
+    pusher = WeightPusher("test_rollout_dist", args, Path(ckpt), info, torch.float32)  # the trainer's push
+    timings = pusher.push(model, engine)
     after = engine.score(request, out[0][0].token_ids)
+    pusher.close()
     engine.close()
     dist.barrier()  # closing the engine left the trainer's process group alone
     result = {
@@ -63,7 +66,7 @@ def rank_main(ckpt: str, out_dir: str, manifest: str) -> None:
         "tokens": [s.token_ids for s in out[0]],
         "total_tokens_over_ranks": total.item(),
         "env_unchanged": env_before == env_after,
-        "sync_s": timings.total_s,
+        "sync_s": timings["sync/export_s"] + timings["sync/load_s"],
         "logprob_change": float(np.abs(np.array(after) - np.array(out[0][0].logprobs)).max()),
         "engine_start_s": engine.start_s,
     }

@@ -2,7 +2,7 @@
 
     engine = build_rollout_engine(cfg, model_dir, rank)           # vLLM (default) or HF generate
     groups = engine.generate(requests, n=4, temperature=1.0, top_p=1.0, max_new_tokens=32, seed=s)
-    push_weights(engine, model.state_dict(), args, default_sync_dir(rank))   # after each update
+    WeightPusher(...).push(model, engine)                         # after each update (titanrl.rl.weight_sync)
     probe_logprobs(engine, requests[0], groups[0][0].token_ids)   # compare with the trainer's
 
 Heavy imports (vllm, transformers) happen inside the engine constructors only.
@@ -21,7 +21,6 @@ from titanrl.rollout.types import (
     probe_logprobs,
     request_seed,
 )
-from titanrl.rollout.weights import SyncTimings, default_sync_dir, push_weights
 
 if TYPE_CHECKING:
     from titanrl.rollout.hf_engine import HFGenerateEngine
@@ -35,14 +34,11 @@ __all__ = [
     "RolloutEngine",
     "RolloutRequest",
     "RolloutSample",
-    "SyncTimings",
     "VLLMEngine",
     "WeightsMismatchError",
     "build_rollout_engine",
-    "default_sync_dir",
     "mm_limits_for",
     "probe_logprobs",
-    "push_weights",
     "request_seed",
 ]
 

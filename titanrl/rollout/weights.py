@@ -1,4 +1,5 @@
-"""Weight files for engine updates: read safetensors headers, check an update, write one.
+"""Weight files for engine updates: read safetensors headers and check an update (the trainer writes them:
+``titanrl.rl.weight_sync.WeightPusher``).
 
 A vLLM reload that fails half-way leaves the engine dead, so every update is checked against the
 names, shapes and dtypes of the checkpoint the engine was started from *before* the engine sees
@@ -8,16 +9,10 @@ it. Only headers are read (no tensor data), so the check costs milliseconds.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import struct
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
-
-import torch
 
 from titanrl.models.qwen2_5_vl.state_dict_adapter import canonical_hf_name
 from titanrl.rollout.types import WeightsMismatchError
@@ -148,56 +143,3 @@ def check_update(
         raise WeightsMismatchError(
             f"{where}: rejected weight update, nothing was loaded: " + "; ".join(problems)
         )
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A plain CPU tensor of a parameter that may be an FSDP2 DTensor shard (a collective)."""
-    if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
-    return t.detach()
-
-
-def default_sync_dir(rank: int) -> Path:
-    """A per-process, per-rank folder in /dev/shm (RAM) when it exists, else the temp dir."""
-    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return root / f"titanrl_rollout_{os.getpid()}_rank{rank}"
-
-
-@dataclass
-class SyncTimings:
-    gather_s: float  # DTensor -> full tensors (0 without FSDP)
-    write_s: float  # HF names + safetensors into sync_dir
-    load_s: float  # engine.load_weights: check + in-place reload + cache resets
-    bytes: int
-
-    @property
-    def total_s(self) -> float:
-        return self.gather_s + self.write_s + self.load_s
-
-
-def push_weights(engine, state_dict: Mapping[str, torch.Tensor], args, sync_dir: str | Path,
-                 dtype: torch.dtype | None = None) -> SyncTimings:
-    """titanrl state dict (FSDP-sharded or not) -> HF safetensors in ``sync_dir`` -> engine.
-
-    Every rank must call it (gathering DTensors is a collective). ``sync_dir`` is emptied and
-    reused; keep it per rank (``default_sync_dir``)."""
-    from titanrl.models.qwen2_5_vl.state_dict_adapter import HFShardWriter
-
-    sync_dir = Path(sync_dir)
-    if sync_dir.exists():
-        shutil.rmtree(sync_dir)
-    # the same writer as the trainer's per-machine push and the HF export: one tensor at a time
-    writer = HFShardWriter(sync_dir, args, dtype=dtype)
-    gather_s = write_s = 0.0
-    for k, v in state_dict.items():
-        t0 = time.perf_counter()
-        full = full_tensor(v)
-        t1 = time.perf_counter()
-        writer.add(k, full)
-        del full
-        gather_s, write_s = gather_s + t1 - t0, write_s + time.perf_counter() - t1
-    t0 = time.perf_counter()
-    writer.close()
-    write_s += time.perf_counter() - t0
-    load_s = engine.load_weights(sync_dir)
-    return SyncTimings(gather_s=gather_s, write_s=write_s, load_s=load_s, bytes=writer.bytes_written)

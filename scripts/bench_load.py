@@ -106,12 +106,15 @@ def worker(args: argparse.Namespace) -> None:
                 pname = pname.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
                 value = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
                 expected = torch.zeros_like(value) if pname.startswith("value_head.") else full[pname].float()
-                worst = max(worst, float((value.float() - expected).abs().max()))
+                worst = max(worst, float((value.detach().float() - expected).abs().max()))
             out[f"{name}_params"] = len(list(model.parameters()))
         out["max_abs_difference"] = worst
         out["sharded"] = any(hasattr(p, "to_local") for p in policy.parameters())
     Path(args.out, f"{args.mode}_w{info.world_size}_rank{info.rank}.json").write_text(json.dumps(out))
     shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's threads may still be joinable at interpreter exit ("terminate called ..." aborts)
 
 
 def launch(ckpt: Path, out: Path, world: int, mode: str, check: bool) -> list[dict]:

@@ -42,9 +42,10 @@ import socket
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from titanrl.data.shadow.comm import Comm
 from titanrl.data.shadow.types import DataUnavailableError
@@ -179,15 +180,39 @@ def _start_local(object_store_bytes: int, namespace: str, num_cpus: int | None) 
     kwargs: dict[str, Any] = {}
     if object_store_bytes:
         kwargs["object_store_memory"] = object_store_bytes
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        namespace=namespace,
-        logging_level="WARNING",
-        log_to_driver=True,
-        **kwargs,
-    )
+    with _daemons_in_own_sessions():
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            namespace=namespace,
+            logging_level="WARNING",
+            log_to_driver=True,
+            **kwargs,
+        )
+
+
+@contextmanager
+def _daemons_in_own_sessions() -> Iterator[None]:
+    """Start Ray's daemons in sessions of their own. torchrun stops a worker with ``killpg``: SIGTERM to every
+    process of the worker's process group, where the daemons rank 0 starts would be; they died at once while the
+    trainer's SIGTERM handler was still finishing the step and its checkpoint, which fetch data through them. In
+    their own sessions they are stopped by the loader's ``close`` (``ray.shutdown``) after the checkpoint, and
+    still die with the trainer if it is killed (Ray's parent-death signal does not depend on the group)."""
+    from ray._private import services
+
+    base = services.ConsolePopen
+
+    class OwnSession(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            kwargs["start_new_session"] = True
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnSession
+    try:
+        yield
+    finally:
+        services.ConsolePopen = base
 
 
 def _ray_initialized() -> bool:

@@ -4,7 +4,7 @@
 
 For the ``small`` random checkpoint (titanrl.models.make_tiny) on 1, 2 and 4 ranks (torchrun, gloo, one
 thread each), every rank builds the policy and the reference model as the trainer does and reports its peak
-resident memory (``ru_maxrss``) minus its resident memory before the build:
+resident memory during the build (sampled every 2 ms) minus its resident memory before it:
 
 - ``meta``: ``titanrl.parallel.parallelize.build_parallel_model`` -- built on the meta device, FSDP2-sharded,
   ``to_empty``, and each rank reads only its own rows of every tensor (safetensors slices);
@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_common import git_commit  # noqa: E402
+from bench_common import PeakRSS, git_commit  # noqa: E402
 WORLDS = (1, 2, 4)
 
 
@@ -38,35 +38,13 @@ def rss_mib() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-class PeakSampler:
-    """The largest resident memory seen while the ``with`` block runs (sampled every 2 ms: ``ru_maxrss`` is the
-    whole process's peak, start-up included)."""
-
-    def __enter__(self) -> "PeakSampler":
-        import threading
-
-        self.peak = rss_mib()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, rss_mib())
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_mib())
-
-
 def worker(args: argparse.Namespace) -> None:
     import torch
 
     from titanrl.distributed import build_dp_mesh, init_distributed, shutdown
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel
-    from titanrl.models.qwen2_5_vl.state_dict_adapter import Qwen2_5_VLStateDictAdapter, read_hf_safetensors
+    from titanrl.models.qwen2_5_vl.state_dict_adapter import (Qwen2_5_VLStateDictAdapter, clean_name,
+                                                              read_hf_safetensors)
     from titanrl.parallel.parallelize import build_parallel_model, parallelize_qwen2_5_vl
 
     torch.set_num_threads(1)
@@ -76,7 +54,8 @@ def worker(args: argparse.Namespace) -> None:
     out: dict = {"rank": info.rank, "world": info.world_size, "mode": args.mode}
     gc.collect()
     out["rss_before_mib"] = rss_mib()
-    with PeakSampler() as sampler:
+    sampler = PeakRSS(interval_s=0.002)  # every 2 ms: ru_maxrss would be the whole process's peak
+    try:
         if args.mode == "meta":
             policy = build_parallel_model(margs, args.ckpt, device=info.device, dp_mesh=mesh)
             ref = build_parallel_model(margs, args.ckpt, device=info.device, dp_mesh=mesh, trainable=False)
@@ -93,7 +72,8 @@ def worker(args: argparse.Namespace) -> None:
                 models.append(parallelize_qwen2_5_vl(model, dp_mesh=mesh))
                 del model
             policy, ref = models
-    out["load_mib"] = sampler.peak - out["rss_before_mib"]
+    finally:
+        out["load_mib"] = sampler.stop() / 2**20
     out["after_mib"] = rss_mib()
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in policy.parameters())
     out["local_param_mib"] = local * 4 / 2**20
@@ -103,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
         worst = 0.0
         for name, model in (("policy", policy), ("reference", ref), ("critic", critic)):
             for pname, p in model.named_parameters():
-                pname = pname.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+                pname = clean_name(pname)
                 value = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
                 expected = torch.zeros_like(value) if pname.startswith("value_head.") else full[pname].float()
                 worst = max(worst, float((value.detach().float() - expected).abs().max()))

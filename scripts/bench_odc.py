@@ -22,12 +22,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+from bench_common import PeakRSS  # noqa: E402
 STRATEGIES = ("native", "lb_micro", "lb_mini")
 
 
@@ -53,30 +53,6 @@ def aime_batch(model_dir: Path, prompts: int, responses: int, seed: int):
             t.advantage = float(rng.normal())
             trajs.append(t)
     return args, trajs
-
-
-class PeakRSS:
-    """Samples this process's resident memory every 20 ms; ``peak - start`` is what a stage added."""
-
-    def __init__(self) -> None:
-        self.start = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, self._rss())
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return max(self.peak, self._rss()) - self.start
 
 
 def worker(opts) -> None:

@@ -42,10 +42,11 @@ def worker(opts) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    from bench_odc import PeakRSS
+    from bench_common import PeakRSS
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, save_hf_checkpoint
     from titanrl.parallel.parallelize import parallelize_qwen2_5_vl
-    from titanrl.rl.weight_sync import SHARD_BYTES, clean_name, write_hf
+    from titanrl.models.qwen2_5_vl.state_dict_adapter import clean_name
+    from titanrl.rl.weight_sync import SHARD_BYTES, write_hf
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -28,14 +28,28 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build_once(target: Path, build) -> Path:
+def _build_once(target: Path, build, info: DistInfo | None = None) -> Path:
+    """``build(target)`` unless a complete build is there. Without ``info`` one process builds under the lock. With
+    ``info`` every rank calls it and ``build`` is collective (each rank builds its part): rank 0 holds the lock,
+    decides for all, clears the folder and marks it complete; every rank returns once it is complete."""
+    from titanrl.distributed import all_gather_objects
+
+    main = info is None or info.is_main
     marker = target / ".complete"
-    with _file_lock(target.parent / f".{target.name}.lock"):
-        if not marker.is_file():
-            if target.exists():
+    with _file_lock(target.parent / f".{target.name}.lock") if main else nullcontext():
+        needed = not marker.is_file()
+        if info is not None:
+            needed = all_gather_objects(needed)[0]  # rank 0's view, under its lock
+        if needed:
+            if main and target.exists():
                 shutil.rmtree(target)
+            if info is not None:
+                barrier()
             build(target)
-            marker.write_text("ok\n")
+            if main:
+                marker.write_text("ok\n")
+    if info is not None:
+        barrier()
     return target
 
 
@@ -85,7 +99,7 @@ def _import(cfg: JobConfig, info: DistInfo, source: str, key: str) -> Path:
     takes part in (each reads only its own Parquet row groups; titanrl.data.sources.import_dataset)."""
     from titanrl.console import say
     from titanrl.data.formats import ColumnMap
-    from titanrl.data.sources import ImportReport, ImportSettings, import_dataset, import_folder, is_native_manifest
+    from titanrl.data.sources import ImportSettings, dataset_manifest
     from titanrl.distributed import all_gather_objects
 
     d = cfg.data
@@ -93,24 +107,10 @@ def _import(cfg: JobConfig, info: DistInfo, source: str, key: str) -> Path:
         format=d.format, on_bad_sample=d.on_bad_sample,
         columns=ColumnMap(d.prompt_key, d.answer_key, d.image_key, d.video_key, d.system_prompt),
     )
-    if is_native_manifest(source, d.format):
-        return Path(source).expanduser()
-    target = import_folder(cfg.cache_dir, source, settings)
-    marker = target / ".complete"
-    with _file_lock(target.parent / f".{target.name}.lock") if info.is_main else nullcontext():
-        if all_gather_objects(not marker.is_file())[0]:  # rank 0's view, under its lock
-            if info.is_main and target.exists():
-                shutil.rmtree(target)
-            barrier()
-            import_dataset(source, target, settings, rank=info.rank, world=info.world_size,
-                           gather=all_gather_objects)
-            if info.is_main:
-                marker.write_text("ok\n")
-    barrier()
-    path = target / "manifest.jsonl"
-    if info.is_main:
-        report = ImportReport.read(target)
-        skipped = f", {len(report.skipped)} bad rows skipped (listed in {target / 'import.json'})"
+    path, report = dataset_manifest(source, cfg.cache_dir, settings, lambda t, build: _build_once(t, build, info),
+                                    rank=info.rank, world=info.world_size, gather=all_gather_objects)
+    if info.is_main and report is not None:
+        skipped = f", {len(report.skipped)} bad rows skipped (listed in {path.parent / 'import.json'})"
         say(f"[titanrl] {key} {source!r}: {report.samples} samples from {report.rows} rows"
-            f"{skipped if report.skipped else ''}; imported to {target}")
+            f"{skipped if report.skipped else ''}; imported to {path.parent}")
     return path

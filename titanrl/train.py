@@ -33,14 +33,10 @@ def _is_user_error(err: BaseException) -> bool:
     return any(name in names for name in _USER_ERRORS)
 
 
-def _shows_cause(info, elsewhere: str) -> bool:
-    """Whether this rank repeats another rank's cause on its console: the first rank of a host (torchrun
-    numbers a host's ranks contiguously) that does not hold the failing rank ("rank N: ...")."""
+def _shows_cause(info, failing: int) -> bool:
+    """Whether this rank repeats another rank's cause on its console: the first rank of a host (torchrun numbers a
+    host's ranks contiguously) that does not hold the failing rank."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    try:
-        failing = int(elsewhere.split(":", 1)[0].removeprefix("rank "))
-    except ValueError:
-        failing = -1
     first = info.rank - info.local_rank
     return info.local_rank == 0 and not first <= failing < first + local_world
 
@@ -87,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             report_exception(err, rank=info.rank, expected=True, verbose=cfg.metrics.verbose, console=False)
             # the failing rank's own console line is on its host's console; a host without it shows the
             # cause once, from its first rank
-            say(f"[titanrl] rank {info.rank} stopped: {elsewhere}", error=True, log_only=not _shows_cause(info, elsewhere))
+            say(f"[titanrl] rank {info.rank} stopped: {elsewhere}", error=True,
+                log_only=not _shows_cause(info, trainer.control.failed_rank))
         else:
             report_exception(err, rank=info.rank, expected=_is_user_error(err), verbose=cfg.metrics.verbose)
         return 1

@@ -35,7 +35,7 @@ from titanrl.rl.grpo import build_policy_loss
 from titanrl.rl.reward_runner import RewardRunner
 from titanrl.rl.stages import StageRunner, build_cost_model
 from titanrl.rl.step_metrics import step_metrics
-from titanrl.rl.timing import StageTimer, busy_clock
+from titanrl.rl.timing import BusyClock, StageTimer
 from titanrl.rl.weight_sync import WeightPusher, remove_stale_push_folders
 from titanrl.rollout import build_rollout_engine, mm_limits_for
 from titanrl.workflow.abort import RunControl
@@ -235,7 +235,7 @@ class Trainer:
     def rl_step(self) -> dict[str, float]:
         """One RL step: the workflow's nodes in order (``titanrl.workflow``), then the step line's metrics."""
         t_step = time.perf_counter()
-        timer = StageTimer(self.info.rank, self.cfg.job.collective_timeout_s, clock=busy_clock(self.info.device))
+        timer = StageTimer(self.info.rank, self.cfg.job.collective_timeout_s, clock=BusyClock(self.info.device))
         buffer = self.executor.run_step(self.step, self, timer)
         self.step += 1
         if self.cfg.metrics.dump_tensors:

@@ -126,7 +126,7 @@ def import_dataset(path: str | Path, target: Path, settings: ImportSettings, *, 
     mine = karmarkar_karp([u.nbytes for u in units], world)[rank] if units else []
     target.mkdir(parents=True, exist_ok=True)
     (target / "media").mkdir(exist_ok=True)
-    probes = HeaderCache(target / f".probes-rank{rank}")  # in memory; rank 0 saves the union
+    probes = HeaderCache(None)  # this rank's probes, in memory; rank 0 saves the union
     part = {"records": [], "skipped": [], "rows": 0, "bytes": 0, "units": [], "error": None}
     for u in (units[i] for i in mine):
         part["units"].append(u.name)
@@ -221,12 +221,13 @@ def _image_suffix(data: bytes, where: str) -> str:
 
 
 def dataset_manifest(path: str | Path, cache_dir: Path, settings: ImportSettings,
-                     build_once: Callable[[Path, Callable[[Path], None]], Path]) -> tuple[Path, ImportReport | None]:
+                     build_once: Callable[[Path, Callable[[Path], None]], Path], *, rank: int = 0, world: int = 1,
+                     gather: Callable[[object], list] | None = None) -> tuple[Path, ImportReport | None]:
     """The manifest for ``data.path``: the file itself when it is a titanrl JSONL manifest, else its
-    import (built with ``build_once(target, build)``, e.g. titanrl.assets' locked build); the
-    import's report, or None for a manifest read in place."""
+    import (built with ``build_once(target, build)``, e.g. titanrl.assets' locked build, by ``world`` ranks
+    with ``gather``: ``import_dataset``); the import's report, or None for a manifest read in place."""
     if is_native_manifest(path, settings.format):
         return Path(path).expanduser(), None
     target = import_folder(cache_dir, path, settings)
-    build_once(target, lambda d: import_dataset(path, d, settings))
+    build_once(target, lambda d: import_dataset(path, d, settings, rank=rank, world=world, gather=gather))
     return target / "manifest.jsonl", ImportReport.read(target)

@@ -35,7 +35,7 @@ from titanrl.parallel.stage_plan import BalanceStrategy, StageMethod, StagePlan,
 from titanrl.parallel.ulysses import UlyssesLayout, layout_builder
 from titanrl.rl.batch import Trajectory, dummy_pack
 from titanrl.rl.slice_loading import StepSlices
-from titanrl.rl.timing import Busy, busy_clock
+from titanrl.rl.timing import Busy, BusyClock
 from titanrl.rl.assemble import WaveInputs
 from titanrl.rl.exchange import TrajectoryExchange
 from titanrl.rl.units import StageUnit, TrajectoryMeta, gather_metadata, stage_units
@@ -117,7 +117,7 @@ class StageRunner:
         self.reshard_after_forward = reshard_after_forward
         self.vision = vision or VisionBalancing(enabled=False, cost_model=cost_model)
         self.shared_prefix = shared_prefix
-        self.clock = busy_clock(device)
+        self.clock = BusyClock(device)
         self._timed_vision: set[int] = set()
         self.metas: list[TrajectoryMeta] = []
         self.exchange: TrajectoryExchange | None = None

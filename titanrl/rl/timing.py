@@ -91,11 +91,6 @@ class Busy:
         return self.seconds()
 
 
-def busy_clock(device: torch.device) -> BusyClock:
-    """The rank's busy clock (see the module doc)."""
-    return BusyClock(device)
-
-
 class StageTimer:
     """``with timer("update"): ...`` adds the block's seconds to ``times["time/update"]`` and, with a
     ``clock``, its busy seconds to ``busy["update"]``."""

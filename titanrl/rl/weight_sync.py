@@ -23,17 +23,9 @@ from torch.distributed.tensor import DTensor
 
 from titanrl.distributed import DistInfo, barrier
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
-from titanrl.models.qwen2_5_vl.state_dict_adapter import HFShardWriter
+from titanrl.models.qwen2_5_vl.state_dict_adapter import HFShardWriter, clean_name
 
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
 SHARD_BYTES = 256 << 20  # what the writer holds before a shard goes to the file (bounds host memory)
-
-
-def clean_name(name: str) -> str:
-    """Strip the module wrappers compile / activation checkpointing add to parameter names."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def stream_full_state(model: torch.nn.Module, dtype: torch.dtype | None, *, keep: bool

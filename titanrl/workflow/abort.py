@@ -47,7 +47,8 @@ class RunControl:
         self.poll_s = poll_s
         self.grace_s = grace_s
         self.stop_requested = False  # SIGTERM seen
-        self.failed_elsewhere: str | None = None  # another rank's cause
+        self.failed_elsewhere: str | None = None  # another rank's cause: "rank F: <message>"
+        self.failed_rank: int | None = None  # F
         self.announced = False
         self._store = _store()
         self._done = threading.Event()
@@ -76,8 +77,9 @@ class RunControl:
         try:
             if self._store.check([KEY]):
                 message = self._store.get(KEY).decode()
-                if not message.startswith(f"rank {self.rank}:"):
-                    self.failed_elsewhere = message
+                failing = int(message.split(":", 1)[0].removeprefix("rank "))  # written by announce
+                if failing != self.rank:
+                    self.failed_elsewhere, self.failed_rank = message, failing
         except Exception:
             pass
         return self.failed_elsewhere

@@ -242,8 +242,8 @@ class HeaderCache:
     so ranks that write the same cache at once leave one complete copy.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path | None) -> None:
+        self.path = path  # None: in memory only (never read or saved)
         self.entries: dict[str, dict[str, Any]] = {}
         self.dirty = False
         self.hits = 0
@@ -251,6 +251,8 @@ class HeaderCache:
         self._load()
 
     def _load(self) -> None:
+        if self.path is None:
+            return
         try:
             lines = self.path.read_text(encoding="utf-8").splitlines()
         except OSError:
@@ -285,7 +287,7 @@ class HeaderCache:
         self.dirty = True
 
     def save(self) -> None:
-        if not self.dirty:
+        if not self.dirty or self.path is None:
             return
         lines = [json.dumps({"titanrl_media_meta": CACHE_VERSION})]
         lines += [json.dumps(self.entries[k], sort_keys=True) for k in sorted(self.entries)]

@@ -111,20 +111,9 @@ class Qwen2_5_VLStateDictAdapter(StateDictAdapter):
         v = self.args.vision
         out: dict[str, Any] = {}
         for name, tensor in state_dict.items():
-            for regex, hf_tmpl in _TO_HF:
-                m = regex.match(name)
-                if m is None:
-                    continue
-                d = m.groupdict()
-                hf_name = hf_tmpl.format(i=d.get("i"), p=d.get("p"))
-                if name == "vision.patch_embed.weight":
-                    tensor = tensor.reshape(
-                        v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size
-                    )
-                out[hf_name] = tensor
-                break
-            else:
-                raise KeyError(f"titanrl parameter {name!r} has no HF name")
+            if name == "vision.patch_embed.weight":
+                tensor = tensor.reshape(v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+            out[hf_name(name)] = tensor
         if self.args.text.tie_word_embeddings:
             out.pop("lm_head.weight", None)
         return out
@@ -175,9 +164,14 @@ def hf_tensor_index(path: str | Path) -> dict[str, tuple[str, Path]]:
     return out
 
 
-def _clean(name: str) -> str:
-    """A parameter's name without the wrappers parallelize adds (activation checkpointing, torch.compile)."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter's name without the module wrappers torch.compile / activation checkpointing add."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
@@ -203,7 +197,7 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
     args = model.args  # type: ignore[attr-defined]
     on_disk = hf_tensor_index(path)
     critic = getattr(model, "value_head", None) is not None
-    params = {_clean(n): p for n, p in model.named_parameters()}  # a tied output.weight is listed once
+    params = {clean_name(n): p for n, p in model.named_parameters()}  # a tied output.weight is listed once
     expected = set(params)
     wanted: dict[str, tuple[str, Path] | None] = {}
     for name in expected:

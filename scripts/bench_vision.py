@@ -73,7 +73,7 @@ def worker(opts) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from titanrl.distributed import DistInfo, all_gather_objects, build_ulysses_groups, new_world_group
+    from titanrl.distributed import all_gather_objects, build_ulysses_groups, new_group
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLModel
     from titanrl.parallel.parallelize import parallelize_qwen2_5_vl
     from titanrl.rl.vision_inputs import VisionBalancing
@@ -83,7 +83,7 @@ def worker(opts) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
-    vision_group = new_world_group(DistInfo(rank=rank, world_size=world, local_rank=rank, device=device))
+    vision_group = new_group(range(world))
     degrees = [p for p in (2, 4) if p <= world]
     groups = build_ulysses_groups(rank, world, degrees, device)
     model = None

@@ -46,7 +46,8 @@ inputs = ["drop_uniform"]
     wf = resolve(cfg)
     ids = [n.id for n in wf.nodes]
     assert ids.index("reward") < ids.index("drop_uniform") < ids.index("advantage")
-    assert wf.node("drop_uniform").type == "compute" and wf.node("drop_uniform").placement == "all"
+    # placed where its input runs (the rollout group: colocated every rank)
+    assert wf.node("drop_uniform").type == "compute" and wf.node("drop_uniform").placement == "rollout"
     assert wf.node("advantage").function == "group_advantages"  # unchanged fields kept
     reloaded = config_from_dict(tomllib.loads(config_to_toml(cfg)))
     assert reloaded == cfg

@@ -100,12 +100,23 @@ class CallbackState(Stateful):
         self._put(state_dict)
 
 
+class _Nothing(Stateful):
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+_NOTHING = _Nothing()
+
+
 def build_checkpoint_manager(
     cfg: JobConfig,
     *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     dataloader: Stateful,
     extra_states: dict[str, Stateful],
 ) -> CheckpointManager:
@@ -121,9 +132,10 @@ def build_checkpoint_manager(
     return CheckpointManager(
         manager_cfg,
         dataloader=dataloader,  # type: ignore[arg-type]
-        model_parts=[model],
-        optimizers=OptimizerState(model, optimizer),  # type: ignore[arg-type]
-        lr_schedulers=SchedulerState(lr_scheduler),  # type: ignore[arg-type]
+        # a rank without the models (the rollout ranks of a disaggregated placement) saves no model state
+        model_parts=[model] if model is not None else [],
+        optimizers=OptimizerState(model, optimizer) if model is not None else _NOTHING,  # type: ignore[arg-type]
+        lr_schedulers=SchedulerState(lr_scheduler) if model is not None else _NOTHING,  # type: ignore[arg-type]
         states=dict(extra_states),
         sd_adapter=None,
         base_folder="",

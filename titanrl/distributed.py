@@ -55,8 +55,11 @@ def init_distributed(timeout_s: float = 600.0, *, one_rank_group: bool = False) 
     return DistInfo(rank, world, local_rank, device)
 
 
-def build_dp_mesh(info: DistInfo, *, one_rank: bool = False) -> DeviceMesh | None:
-    """The data-parallel (FSDP2) mesh; None for one process unless ``one_rank`` (and a one-rank group exists)."""
+def build_dp_mesh(info: DistInfo, *, one_rank: bool = False, ranks: Sequence[int] | None = None) -> DeviceMesh | None:
+    """The data-parallel (FSDP2) mesh; None for one process unless ``one_rank`` (and a one-rank group exists).
+    ``ranks``: the ranks holding the models when they are not all (every rank of the job makes the mesh)."""
+    if ranks is not None and len(ranks) != info.world_size:
+        return DeviceMesh(info.device.type, torch.tensor(list(ranks)), mesh_dim_names=("dp_shard",))
     if not info.distributed and not (one_rank and dist.is_initialized()):
         return None
     return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))
@@ -67,16 +70,17 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(value: torch.Tensor, group=None) -> torch.Tensor:
+    """In place over ``group`` (default: all ranks)."""
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(value)
+        dist.all_reduce(value, group=group)
     return value
 
 
-def all_reduce_max(value: float) -> float:
+def all_reduce_max(value: float, group=None) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64)
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.item()
 
 
@@ -104,13 +108,15 @@ def all_to_all_arrays(
     rank: int,
     device: torch.device,
     collective: bool = True,
+    group=None,
 ) -> tuple[list[list[np.ndarray]], int]:
     """One all-to-all that moves lists of numpy arrays: ``send[d]`` goes to rank ``d`` and
     ``recv_specs[s]`` gives the shapes/dtypes rank ``s`` sends here (both sides know them from
     the plan, so no sizes are exchanged first). Every array of a destination travels in one
     byte buffer; what a rank sends itself is handed over without a copy. ``collective=False``
     (every rank must agree: nothing crosses ranks) skips the collective. Returns the received
-    lists and the bytes this rank sent to others."""
+    lists and the bytes this rank sent to others. ``rank`` and the list positions are ranks of ``group``
+    (default: all ranks)."""
     world = len(send)
     received: list[list[np.ndarray]] = [[] for _ in range(world)]
     received[rank] = list(send[rank])
@@ -126,7 +132,7 @@ def all_to_all_arrays(
                  for s in range(world)]
     inp = torch.from_numpy(np.concatenate(payload)) if sum(in_sizes) else torch.zeros(0, dtype=torch.uint8)
     out = torch.empty(sum(out_sizes), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(out, inp.to(device), out_sizes, in_sizes)
+    dist.all_to_all_single(out, inp.to(device), out_sizes, in_sizes, group=group)
     buf = out.cpu().numpy()
     offset = 0
     for s in range(world):
@@ -139,12 +145,9 @@ def all_to_all_arrays(
     return received, sum(in_sizes)
 
 
-def new_world_group(info: DistInfo, timeout_s: float | None = None):
-    """A process group of every rank, separate from the default one (and so from FSDP's): a
-    collective issued on it never has to be ordered against the others' (vision balancing's
-    embedding route runs inside the model's forward and backward). Every rank must call it.
-    ``timeout_s``: as ``job.collective_timeout_s`` (a new group does not inherit the default group's)."""
-    return dist.new_group(ranks=list(range(info.world_size)), timeout=_timeout(timeout_s))
+def new_group(ranks: Sequence[int], timeout_s: float | None = None):
+    """A process group of ``ranks`` with ``timeout_s`` (``job.collective_timeout_s``); every rank calls it."""
+    return dist.new_group(ranks=list(ranks), timeout=_timeout(timeout_s))
 
 
 def _timeout(timeout_s: float | None) -> timedelta | None:
@@ -152,12 +155,16 @@ def _timeout(timeout_s: float | None) -> timedelta | None:
 
 
 def build_ulysses_groups(rank: int, world: int, degrees: Sequence[int], device: torch.device,
-                         timeout_s: float | None = None) -> dict:
+                         timeout_s: float | None = None, ranks: Sequence[int] | None = None) -> dict:
     """This rank's process group for every Ulysses degree ``p > 1`` in ``degrees``: the aligned blocks of
     ``p`` consecutive ranks (the ``ulysses`` dimension of a ``(world / p, p)`` mesh: FlexRL's nested groups),
     created with ``timeout_s`` (``job.collective_timeout_s``; torch's own default is 30 minutes whatever the
     default group's). Built once at start-up (making a group is a collective every rank joins); keyed by the
-    member ranks. ``p`` must divide ``world``."""
+    member ranks. ``p`` must divide ``world``.
+
+    ``ranks``: the global ranks of the training group whose positions ``rank`` and the blocks count (default:
+    0 .. world-1); every rank of the job calls this, also one outside ``ranks`` (it gets no group)."""
+    ranks = list(range(world)) if ranks is None else list(ranks)
     groups: dict[tuple[int, ...], object] = {}
     for p in sorted(set(degrees)):
         if p <= 1:
@@ -165,6 +172,8 @@ def build_ulysses_groups(rank: int, world: int, degrees: Sequence[int], device: 
         if world % p:
             raise ValueError(f"Ulysses degree {p} does not divide the {world} ranks")
         blocks = torch.arange(world).view(world // p, p).tolist()
-        mine, _ = dist.new_subgroups_by_enumeration(blocks, timeout=_timeout(timeout_s))
-        groups[tuple(next(b for b in blocks if rank in b))] = mine
+        mine, _ = dist.new_subgroups_by_enumeration([[ranks[i] for i in b] for b in blocks],
+                                                    timeout=_timeout(timeout_s))
+        if 0 <= rank < world:
+            groups[tuple(next(b for b in blocks if rank in b))] = mine
     return groups

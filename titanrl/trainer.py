@@ -22,7 +22,7 @@ from titanrl.console import log_path, say
 from titanrl.data.manifest import SampleRecord, read_manifest
 from titanrl.data.prompt import PromptEncoder
 from titanrl.data.shadow import SampleMeta, build_loader
-from titanrl.distributed import DistInfo, build_dp_mesh, build_ulysses_groups, new_world_group
+from titanrl.distributed import DistInfo, build_dp_mesh, build_ulysses_groups, new_group
 from titanrl.metrics import MetricsLogger, format_summary
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel
 from titanrl.optim import build_lr_scheduler, build_optimizer
@@ -39,9 +39,11 @@ from titanrl.rl.timing import BusyClock, StageTimer
 from titanrl.rl.weight_sync import WeightPusher, remove_stale_push_folders
 from titanrl.rollout import build_rollout_engine, mm_limits_for
 from titanrl.workflow.abort import RunControl
+from titanrl.workflow.coordinator import redistribute
 from titanrl.workflow.executor import Executor
 from titanrl.workflow.functions import bind as bind_functions
 from titanrl.workflow.graph import resolve as resolve_workflow
+from titanrl.workflow.placement import plan_placement
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -78,11 +80,20 @@ class Trainer:
         cfg.validate_world_size(info.world_size)
         # the step as a workflow: checked, and its functions found, before anything heavy is built
         self.workflow = resolve_workflow(cfg)
+        self.placement = plan_placement(cfg.workflow.placement, info.world_size, cfg.workflow.rollout_ranks)
         if info.is_main:
-            say(f"[titanrl] workflow ({cfg.rl.algorithm}; node [role/type on ranks] = function(inputs)):\n"
-                + self.workflow.describe())
-        self.executor = Executor(self.workflow, bind_functions(self.workflow), info.rank,
-                                 {"all": frozenset(range(info.world_size))})
+            say(f"[titanrl] workflow ({cfg.rl.algorithm}, {self.placement.describe()}; node [role/type on ranks] = "
+                "function(inputs)):\n" + self.workflow.describe())
+        self.executor = Executor(self.workflow, bind_functions(self.workflow), info.rank, self.placement.groups(),
+                                 move=self._move)
+        # this rank's parts: it generates (engine, rewards) and/or holds the models (everything else)
+        self.generates = info.rank in self.placement.rollout
+        self.trains = info.rank in self.placement.train
+        # the training ranks' own process group (disaggregated; colocated: the default group, None)
+        timeout = cfg.job.collective_timeout_s
+        self.train_group = new_group(self.placement.train, timeout) if self.placement.disaggregated else None
+        self.train_info = DistInfo(self.placement.train_rank(info.rank), len(self.placement.train), info.local_rank,
+                                   info.device)
         self.control = RunControl(info.rank)
         self._resources.callback(self.control.close)
         if info.is_main:
@@ -94,16 +105,18 @@ class Trainer:
         self.manifest = assets.manifest_path(cfg, info)
         self.records: list[SampleRecord] = read_manifest(self.manifest, check_files=False)
         self.encoder = PromptEncoder.from_pretrained(self.model_dir)
-        self.rewards = RewardRunner(cfg.rl.reward, timeout_s=cfg.rl.reward_timeout_s, workers=cfg.rl.reward_workers,
-                                    on_error=cfg.rl.on_reward_error)
-        self._resources.callback(self.rewards.close)
+        self.rewards = (RewardRunner(cfg.rl.reward, timeout_s=cfg.rl.reward_timeout_s, workers=cfg.rl.reward_workers,
+                                     on_error=cfg.rl.on_reward_error) if self.generates else None)
+        if self.rewards is not None:
+            self._resources.callback(self.rewards.close)
 
         self.args = Qwen2_5_VLArgs.from_pretrained(self.model_dir)
         self.param_dtype = _DTYPES[cfg.model.dtype]
         # the memory plan (titanrl.memory), before any model is built: on a GPU a config predicted not to fit is
         # refused, naming the largest term and the fixes; on CPU the prediction (an upper bound: full microbatches
         # of the longest samples, benchmarks/memory.md) only warns
-        self.memory_plan = memory.predict(cfg, self.args, info.world_size, device=info.device.type)
+        tinfo = self.train_info
+        self.memory_plan = memory.predict(cfg, self.args, tinfo.world_size, device=info.device.type)
         capacity = memory.device_capacity_bytes(str(info.device), int(os.environ.get("LOCAL_WORLD_SIZE",
                                                                                      info.world_size)))
         try:
@@ -115,37 +128,42 @@ class Trainer:
                 say(f"[titanrl] warning: {err}")
         # Ulysses degrees against the model's head counts: an impossible one stops the run here,
         # before any model or engine is built.
-        self.ulysses = resolve_ulysses(cfg.parallelism, self.args.text, info.world_size)
+        self.ulysses = resolve_ulysses(cfg.parallelism, self.args.text, tinfo.world_size)
         if info.is_main and self.ulysses.message:
             say(f"[titanrl] {self.ulysses.message}")
         # model.dtype below float32 on one process: FSDP2 on a one-rank mesh, the same mixed-precision rule as on
         # many ranks (float32 parameters and gradients, compute and the weight push in model.dtype)
-        mesh = build_dp_mesh(info, one_rank=self.param_dtype != torch.float32)
-        self.model = self._build_model(mesh, trainable=True)
-        self.ref_model = self._build_model(mesh, trainable=False) if cfg.rl.kl_coef > 0 else None
-        # PPO's critic: the policy's network with a value head, sharded and compiled like it
-        self.critic = (self._build_model(mesh, trainable=True, value_head=True, path=cfg.critic.path or None)
-                       if cfg.rl.algorithm == "ppo" else None)
+        # (disaggregated: a mesh of the training ranks, which every rank makes; the others build no model)
+        mesh = build_dp_mesh(info, one_rank=self.param_dtype != torch.float32, ranks=self.placement.train)
+        self.model = self.ref_model = self.critic = self.stages = None
+        if self.trains:
+            self.model = self._build_model(mesh, trainable=True)
+            self.ref_model = self._build_model(mesh, trainable=False) if cfg.rl.kl_coef > 0 else None
+            # PPO's critic: the policy's network with a value head, sharded and compiled like it
+            self.critic = (self._build_model(mesh, trainable=True, value_head=True, path=cfg.critic.path or None)
+                           if cfg.rl.algorithm == "ppo" else None)
         cost_model = build_cost_model(self.args, cfg.balance.cost_model)
+        # process groups are made by every rank of the job, also those outside the training group
+        ulysses_groups = (build_ulysses_groups(tinfo.rank, tinfo.world_size, self.ulysses.degrees, info.device,
+                                               timeout_s=timeout, ranks=self.placement.train)
+                          if tinfo.world_size > 1 else {})
+        vision_balance = cfg.parallelism.vision_balance and tinfo.world_size > 1
+        vision_group = new_group(self.placement.train, timeout) if vision_balance else None
         self.stages = StageRunner(
-            args=self.args, rank=info.rank, world=info.world_size, device=info.device, dtype=self.param_dtype,
+            args=self.args, rank=tinfo.rank, world=tinfo.world_size, device=info.device, dtype=self.param_dtype,
             method=self.ulysses.method, strategy=cfg.balance.strategy, max_tokens=cfg.balance.max_tokens_per_microbatch,
             reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
             cost_model=cost_model, p_max=self.ulysses.p_max,
             degree=self.ulysses.degree, attn_backend=cfg.model.attn_backend, shared_prefix=cfg.rl.shared_prefix,
-            groups=build_ulysses_groups(info.rank, info.world_size, self.ulysses.degrees, info.device,
-                                        timeout_s=cfg.job.collective_timeout_s) if info.distributed else {},
-            vision=VisionBalancing(
-                enabled=cfg.parallelism.vision_balance and info.distributed, cost_model=cost_model,
-                group=new_world_group(info, cfg.job.collective_timeout_s)
-                if cfg.parallelism.vision_balance and info.distributed else None),
-        )
+            groups=ulysses_groups, process_group=self.train_group,
+            vision=VisionBalancing(enabled=vision_balance, cost_model=cost_model, group=vision_group),
+        ) if self.trains else None
         self.policy_loss = build_policy_loss(cfg.rl)
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.policy_loss = torch.compile(self.policy_loss, backend=cfg.compile.backend, dynamic=cfg.compile.dynamic)
         self.probe_violations = 0
-        self.optimizer = build_optimizer(cfg, self.model.parameters())
-        self.lr_scheduler = build_lr_scheduler(cfg, self.optimizer)
+        self.optimizer = build_optimizer(cfg, self.model.parameters()) if self.trains else None
+        self.lr_scheduler = build_lr_scheduler(cfg, self.optimizer) if self.trains else None
         critic_states = {}
         if self.critic is not None:
             self.critic_optimizer = build_optimizer(cfg, self.critic.parameters(), lr=cfg.critic.lr)
@@ -155,8 +173,13 @@ class Trainer:
                              "critic_optimizer": OptimizerState(self.critic, self.critic_optimizer),
                              "critic_lr_scheduler": SchedulerState(self.critic_lr_scheduler)}
 
-        self.engine = build_rollout_engine(cfg, self.model_dir, info.rank, mm_limits=mm_limits_for(self.records))
-        self._resources.callback(self.engine.close)
+        # disaggregated: vLLM's engine core runs in a child process of the rollout rank, with a torch.distributed
+        # world of its own (in this process it would make groups of the trainer's world, which the training
+        # ranks do not join)
+        self.engine = (build_rollout_engine(cfg, self.model_dir, info.rank, mm_limits=mm_limits_for(self.records),
+                                            own_process=self.placement.disaggregated) if self.generates else None)
+        if self.engine is not None:
+            self._resources.callback(self.engine.close)
         # The loader (ShadowLoader by default, or the centralized baseline) plans every step's global
         # batch from metadata on every rank and materializes only this rank's prompts, ahead of use.
         self.loader = build_loader(cfg, info, self.model_dir, self.manifest, assign=self.assign_prompts,
@@ -164,7 +187,8 @@ class Trainer:
         self._resources.callback(lambda: self.loader.close(collective=self._close_collective))
         if info.local_rank == 0:  # what runs killed on this machine left in shared memory
             remove_stale_push_folders()
-        self.pusher = WeightPusher(cfg.job.name, self.args, self.model_dir, info, self.param_dtype)
+        self.pusher = WeightPusher(cfg.job.name, self.args, self.model_dir, info, self.param_dtype,
+                                   placement=self.placement)
         self._resources.callback(lambda: self.pusher.close(collective=self._close_collective))
         m = cfg.metrics
         self.metrics = MetricsLogger(
@@ -175,6 +199,7 @@ class Trainer:
         self._resources.callback(self.metrics.close)
         self.skips = SkipCounter()
         self.step = 0
+        # a rank without models saves and restores its loader and RNG state only
         self.checkpointer = build_checkpoint_manager(
             cfg,
             model=self.model,
@@ -222,13 +247,23 @@ class Trainer:
     # ------------------------------------------------------------------ data
 
     def assign_prompts(self, metas: list[SampleMeta], world: int) -> list[list[int]]:
-        """Split a global batch across ranks' engines by estimated cost — prompt tokens with
-        every image/video expanded (from file headers) plus the expected responses — with
-        Karmarkar-Karp, so one video-heavy rank does not stall the others. Positions in the
-        global batch (not the split) decide seeds, groups and minibatches."""
+        """Split a global batch across the generating ranks' engines by estimated cost — prompt
+        tokens with every image/video expanded (from file headers) plus the expected responses —
+        with Karmarkar-Karp, so one video-heavy rank does not stall the others (ranks that do not
+        generate get none). Positions in the global batch (not the split) decide seeds, groups
+        and minibatches."""
         expected_response = self.cfg.rollout.n * self.cfg.rollout.max_new_tokens
         costs = [m.num_tokens * self.cfg.rollout.n + expected_response for m in metas]
-        return [sorted(p) for p in karmarkar_karp(costs, world, equal_size=False)]
+        generating = list(self.placement.rollout)
+        out: list[list[int]] = [[] for _ in range(world)]
+        for r, part in zip(generating, karmarkar_karp(costs, len(generating), equal_size=False)):
+            out[r] = sorted(part)
+        return out
+
+    def _move(self, batch, senders, receivers, buffer):
+        """The data coordinator's move between disjoint rank groups (``titanrl.workflow.coordinator``)."""
+        return redistribute(batch, senders, receivers, rank=self.info.rank, step=buffer.step, media=buffer.media,
+                            device=self.info.device, pixels=not self.cfg.data.slice_loading)
 
     # ------------------------------------------------------------------ step
 
@@ -238,10 +273,11 @@ class Trainer:
         timer = StageTimer(self.info.rank, self.cfg.job.collective_timeout_s, clock=BusyClock(self.info.device))
         buffer = self.executor.run_step(self.step, self, timer)
         self.step += 1
-        if self.cfg.metrics.dump_tensors:
+        if self.cfg.metrics.dump_tensors and self.trains:  # the training ranks hold every trajectory once
             trajs = buffer.outputs["reward"].trajectories if "reward" in buffer.outputs else []
             models = {"policy": self.model, **({"critic": self.critic} if self.critic is not None else {})}
-            dump_step(self.cfg.run_dir, self.step, trajs, models, is_main=self.info.is_main)
+            dump_step(self.cfg.run_dir, self.step, trajs, models, is_main=self.train_info.rank == 0,
+                      group=self.train_group)
         out = step_metrics(self, buffer, timer, time.perf_counter() - t_step)
         out["memory/predicted_peak_bytes"] = float(self.memory_plan.total)
         out["memory/measured_peak_bytes"] = float(memory.measured_peak_bytes(self.info.device.type))
@@ -303,7 +339,9 @@ class Trainer:
         that transformers and vLLM load."""
         from titanrl.rl.weight_sync import write_hf
 
-        write_hf(self.model, self.args, outdir, dtype=self.param_dtype, writer_rank=self.info.is_main,
+        if self.model is None:  # a rollout rank of a disaggregated placement
+            return
+        write_hf(self.model, self.args, outdir, dtype=self.param_dtype, writer_rank=self.train_info.rank == 0,
                  assets_from=self.model_dir)
         if self.info.is_main:
             say(f"[titanrl] exported the policy to {outdir}")

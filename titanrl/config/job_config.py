@@ -648,20 +648,40 @@ class NodeConfig:
     inputs: list[str] | None = None
     """Ids of the nodes whose output this node reads (their trajectories, joined); unset keeps the built-in's."""
     placement: str = ""
-    """Named rank group the node runs on: 'all' (every rank; the only group of the colocated placement); empty
-    = 'all' for a new node, the built-in's otherwise."""
+    """Named rank group the node runs on: 'all' (every rank), 'rollout' (the ranks that generate) or 'train' (the
+    ranks that hold the models); under workflow.placement = colocated all three are every rank. Empty: the
+    built-in's, or for a new node the group of its first input ('all' without inputs)."""
 
 
 @dataclass(kw_only=True, slots=True)
 class WorkflowConfig:
     """[workflow] The RL step as a DAG of nodes that every rank runs (docs/workflow.md): the built-in graph of
-    rl.algorithm, colocated on every rank (the disaggregated placement is planned), with nodes added or changed."""
+    rl.algorithm with nodes added or changed, and where its rank groups are."""
 
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """colocated: every node on every rank (the 'rollout' and 'train' groups are all ranks). disaggregated:
+    generation and the reward on the first workflow.rollout_ranks ranks (each with its rollout engine, in a
+    child process of its own), the models and their stages on the others (FSDP over those only); trajectories
+    move between the two groups rank to rank and the weights go from the training ranks' shards to the engines."""
+    rollout_ranks: int = 0
+    """Ranks that generate under workflow.placement = disaggregated (the first ones; at least one rank must be
+    left to train); 0 with colocated."""
     nodes: list[NodeConfig] = field(default_factory=list)
     """Nodes added to the built-in workflow, or changes of its nodes (same id): [[workflow.nodes]] tables."""
 
     def problems(self) -> list[str]:
-        return []  # the graph depends on other sections (rl.kl_coef): JobConfig.problems checks it
+        # the graph depends on other sections (rl.kl_coef): JobConfig.problems checks it
+        if self.placement == "disaggregated" and self.rollout_ranks < 1:
+            return ["workflow.placement = 'disaggregated' needs workflow.rollout_ranks >= 1 (the first ranks "
+                    "generate, the others train)"]
+        if self.placement == "colocated" and self.rollout_ranks:
+            return [f"workflow.rollout_ranks = {self.rollout_ranks} needs workflow.placement = 'disaggregated' "
+                    "(colocated: every rank generates and trains)"]
+        return []
+
+    def training_ranks(self, world_size: int) -> int:
+        """How many ranks hold the models: all, or those after the rollout ranks."""
+        return world_size - self.rollout_ranks if self.placement == "disaggregated" else world_size
 
 
 @dataclass(kw_only=True, slots=True)
@@ -756,8 +776,13 @@ class JobConfig:
         return world_size if degree == -1 else degree
 
     def validate_world_size(self, world_size: int) -> None:
-        """Checks that need the number of ranks, for the trainer to call once it knows it."""
+        """Checks that need the number of ranks, for the trainer to call once it knows it. Under the
+        disaggregated placement the models' ranks are the ones after workflow.rollout_ranks."""
         found = []
+        if self.workflow.placement == "disaggregated" and self.workflow.rollout_ranks >= world_size:
+            _raise_problems([f"workflow.rollout_ranks = {self.workflow.rollout_ranks} leaves none of the "
+                             f"{world_size} ranks to train: at most {world_size - 1}"])
+        world_size = self.workflow.training_ranks(world_size)
         dp = self.data_parallel_degree(world_size)
         if dp != world_size:
             found.append(

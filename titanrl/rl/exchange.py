@@ -33,8 +33,9 @@ class TrajectoryExchange:
 
     def __init__(self, args: Qwen2_5_VLArgs, rank: int, world: int, device: torch.device, dtype: torch.dtype,
                  trajs: Sequence, metas: Sequence[TrajectoryMeta], vision: VisionBalancing | None = None,
-                 slices: StepSlices | None = None) -> None:
+                 slices: StepSlices | None = None, group=None) -> None:
         self.args = args
+        self.group = group  # the process group whose ranks rank / world count (None: all ranks)
         self.rank = rank
         self.world = world
         self.device = device
@@ -101,7 +102,8 @@ class TrajectoryExchange:
         if vplans and self.slices is None:  # pixels move to encoders even where every piece stays home
             collective = collective or any(home(run) != r for vp in vplans.values()
                                            for r, runs in enumerate(vp.encode) for run in runs)
-        received, sent = all_to_all_arrays(send, specs, rank=self.rank, device=self.device, collective=collective)
+        received, sent = all_to_all_arrays(send, specs, rank=self.rank, device=self.device, collective=collective,
+                                           group=self.group)
         fetched: dict[FrameRun, np.ndarray] = {}
         if self.slices is not None:  # every run this rank encodes in these waves, in one round of fetches
             enc = [run for w in waves for run in (vplans[w].encode[self.rank] if vplans
@@ -143,7 +145,8 @@ class TrajectoryExchange:
                         if src != self.rank:
                             k = len(metas[p.seq].scored(p.start, p.end).positions)
                             specs[src].append(((k,), np.dtype(np.float32)))
-        received, sent = all_to_all_arrays(send, specs, rank=self.rank, device=self.device, collective=collective)
+        received, sent = all_to_all_arrays(send, specs, rank=self.rank, device=self.device, collective=collective,
+                                           group=self.group)
         for src in range(self.world):
             for p, chunk in zip(placed[src], received[src]):
                 u = metas[p.seq]

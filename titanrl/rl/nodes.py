@@ -22,7 +22,7 @@ import torch
 
 from titanrl.console import say
 from titanrl.data.shadow import BadSample, Materialized
-from titanrl.distributed import all_reduce_max, all_reduce_sum
+from titanrl.distributed import all_gather_objects, all_reduce_max, all_reduce_sum
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
 from titanrl.rl.grpo import ValueLossOutput, aggregate
 from titanrl.rl.grpo import group_advantages as grpo_advantages
@@ -44,7 +44,8 @@ def load_prompts(batch, ctx):
             ctx.skips.add(item.reason)
             say(f"[titanrl] rank {ctx.info.rank}: skipping sample {item.sample_id!r}: {item.reason}: {item.detail}")
     batch.media = step
-    ctx.model.eval()
+    if ctx.model is not None:
+        ctx.model.eval()
 
 
 def generate(batch, ctx):
@@ -159,7 +160,7 @@ def train_actor(batch, ctx):
             steps += 1
     ctx.lr_scheduler.step()
     reduced = all_reduce_sum(torch.tensor([sums["pg_loss"], sums["kl"], sums["clip_fraction"], sums["entropy"]],
-                                          dtype=torch.float64))
+                                          dtype=torch.float64), group=ctx.train_group)
     ctx.model.eval()
     batch.metrics.update({
         "loss": reduced[0].item() / steps, "kl": reduced[1].item() / steps,
@@ -171,6 +172,7 @@ def train_actor(batch, ctx):
 # ---------------------------------------------------------------------------------- weights
 
 def push_weights(batch, ctx):
+    """Every rank: the trained weights into every engine, then (every ``rollout.probe_every`` steps) the probe."""
     batch.metrics.update(ctx.pusher.push(ctx.model, ctx.engine))
     probe_every = ctx.cfg.rollout.probe_every
     if probe_every and (ctx.step + 1) % probe_every == 0:
@@ -180,19 +182,34 @@ def push_weights(batch, ctx):
 
 
 def probe(trajs, ctx) -> float:
-    """max |engine - trainer| log-prob of a fixed response after the push (-1: nothing to probe). Every rank runs
-    the trainer forward (FSDP collectives); ranks without data run a dummy."""
-    t = trajs[0] if trajs else None
-    with torch.no_grad():
-        if t is None:
-            ctx.model(dummy_pack(ctx.args, ctx.info.device, ctx.param_dtype).batch)
-            return -1.0
-        request = RolloutRequest.from_prepared(t.prompt, ctx.encoder)
-        # engines report untempered log-probs
-        pack = pack_trajectories([t], ctx.args, ctx.info.device, ctx.param_dtype, temperature=1.0)
-        ours = ctx.model(pack.batch, pack.targets).logprobs.float().cpu()
-    theirs = torch.tensor(probe_logprobs(ctx.engine, request, t.response_ids.tolist()))
-    return float((ours - theirs).abs().max()) if len(theirs) else 0.0
+    """max |engine - trainer| log-prob after the push over a fixed response per training rank (its first; -1:
+    nothing to probe). The training ranks run the trainer's forward (FSDP collectives; a rank without data runs
+    a dummy); every rank learns the probes (one all-gather) and the generating ranks score them with their
+    engines, each its share (colocated: its own)."""
+    item = None
+    if ctx.model is not None:
+        t = trajs[0] if trajs else None
+        with torch.no_grad():
+            if t is None:
+                ctx.model(dummy_pack(ctx.args, ctx.info.device, ctx.param_dtype).batch)
+            else:
+                # engines report untempered log-probs
+                pack = pack_trajectories([t], ctx.args, ctx.info.device, ctx.param_dtype, temperature=1.0)
+                ours = ctx.model(pack.batch, pack.targets).logprobs.float().cpu()
+                item = (RolloutRequest.from_prepared(t.prompt, ctx.encoder), t.response_ids.tolist(), ours)
+    if not ctx.placement.disaggregated:
+        items = [item]
+    else:
+        every = all_gather_objects(item)
+        share = ctx.placement.rollout.index(ctx.info.rank) if ctx.engine is not None else -1
+        items = [every[r] for i, r in enumerate(ctx.placement.train) if i % len(ctx.placement.rollout) == share]
+    diffs = []
+    for it in items:
+        if it is not None:
+            request, response_ids, ours = it
+            theirs = torch.tensor(probe_logprobs(ctx.engine, request, response_ids))
+            diffs.append(float((ours - theirs).abs().max()) if len(theirs) else 0.0)
+    return max(diffs, default=-1.0)
 
 
 def check_probe(diff: float, ctx) -> None:
@@ -253,7 +270,7 @@ def gae_advantages(batch, ctx):
     err = returns - values
     sums = all_reduce_sum(torch.stack([
         flat.sum(), (flat ** 2).sum(), torch.tensor(float(flat.numel()), dtype=torch.float64),
-        returns.sum(), (returns ** 2).sum(), err.sum(), (err ** 2).sum(), values.sum()]))
+        returns.sum(), (returns ** 2).sum(), err.sum(), (err ** 2).sum(), values.sum()]), group=ctx.train_group)
     n = max(sums[2].item(), 1.0)
     mean = sums[0] / n
     var = (sums[1] / n - mean ** 2) * n / max(n - 1.0, 1.0)  # unbiased, as the usual masked whitening
@@ -301,7 +318,7 @@ def train_critic(batch, ctx):
             ctx.critic_optimizer.zero_grad(set_to_none=True)
             steps += 1
     ctx.critic_lr_scheduler.step()
-    sums = all_reduce_sum(sums)
+    sums = all_reduce_sum(sums, group=ctx.train_group)
     ctx.critic.eval()
     batch.metrics.update({
         "critic/value_loss": sums[0].item() / steps, "critic/value_clip_fraction": sums[1].item() / steps,

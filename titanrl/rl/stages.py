@@ -99,8 +99,10 @@ class StageRunner:
                  method: StageMethod, max_tokens: int, cost_model: CostModel, strategy: BalanceStrategy | None = None,
                  p_max: int = 1, degree: int = 1, groups: dict | None = None, attn_backend: str = "sdpa",
                  overlap: bool = True, reshard_after_forward: bool = True,
-                 vision: VisionBalancing | None = None, shared_prefix: bool = False) -> None:
+                 vision: VisionBalancing | None = None, shared_prefix: bool = False, process_group=None) -> None:
         self.args = args
+        # the ranks holding the models (``rank`` / ``world`` count in it); None: every rank of the job
+        self.process_group = process_group
         self.rank = rank
         self.world = world
         self.device = device
@@ -130,9 +132,9 @@ class StageRunner:
     def begin_step(self, trajs: Sequence[Trajectory], slices: StepSlices | None = None) -> None:
         """After rewards: every rank learns every trajectory's metadata (one all-gather). With
         ``slices`` every rank fetches the frames it encodes itself (slice-aware loading)."""
-        self.metas = gather_metadata(trajs, self.rank, self.args)
+        self.metas = gather_metadata(trajs, self.rank, self.args, group=self.process_group)
         self.exchange = TrajectoryExchange(self.args, self.rank, self.world, self.device, self.dtype, trajs,
-                                           self.metas, vision=self.vision, slices=slices)
+                                           self.metas, vision=self.vision, slices=slices, group=self.process_group)
         self._plans = {}
         self.stats = StepStats()
 
@@ -341,7 +343,7 @@ class StageRunner:
                                                   sl.frames_local)
         every = all_gather_objects((s.busy_seconds.seconds(), a2a, s.exchange_bytes,
                                     [u.seconds() for u in s.update_units], s.microbatches, s.vision_seconds.seconds(),
-                                    vision_bytes, loaded))
+                                    vision_bytes, loaded), group=self.process_group)
         loaded_sum = np.asarray([e[7] for e in every], dtype=np.float64).sum(axis=0)
         vision_busy = np.asarray([e[5] for e in every], dtype=np.float64)
         busy = np.asarray([e[0] for e in every], dtype=np.float64)

@@ -62,36 +62,53 @@ def source_metrics(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
     return out
 
 
+def merge_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """What the nodes reported, over ranks: a node's numbers are reduced over its own group already, so the first
+    rank (in rank order) that reports a key gives it (colocated: rank 0 has them all)."""
+    out: dict[str, float] = {}
+    for stats in per_rank:
+        for k, v in stats.items():
+            out.setdefault(k, v)
+    return out
+
+
 def step_metrics(ctx, buffer, timer, wall_s: float) -> dict[str, float]:
     """``buffer``: the step's node outputs on this rank; ``timer``: its StageTimer; ``wall_s``: the step so far."""
-    scored = buffer.outputs["reward"] if "reward" in buffer.outputs else None
+    scored = buffer.outputs["reward"] if "reward" in buffer.outputs and ctx.generates else None
     trajs = scored.trajectories if scored is not None else []
     stats: dict[str, float] = {}
     for out in buffer.outputs.values():  # what nodes reported (the same dict object flows through a step)
         stats.update(out.metrics)
+    if ctx.stages is not None:  # collective over the training ranks
+        stats.update(ctx.stages.metrics())
     # a prompt's group is generated and scored on one rank, so groups can be counted locally
     uniform, groups = count_uniform_groups([t.reward for t in trajs], [t.group for t in trajs])
     local = torch.tensor([
-        sum(t.reward for t in trajs), 0.0, float(len(trajs)),  # slot 1 unused (reward_metrics)
+        sum(t.reward for t in trajs), float(buffer.bytes_redistributed), float(len(trajs)),
         float(sum(t.num_response_tokens for t in trajs)), float(sum(t.num_tokens for t in trajs)),
         float(ctx.skips.total()), float(uniform), float(groups),
     ], dtype=torch.float64)
     total = all_reduce_sum(local)
-    gathered = all_gather_objects((reward_sums(t.extras["reward"] for t in trajs), source_sums(trajs)))
+    # one all-gather of what each rank holds: rewards, sources, node numbers, busy and wall-clock seconds
+    media = buffer.media
+    fetches = dict(media.fetch_counts) if media is not None and ctx.cfg.data.loader == "shadow" else {}
+    gathered = all_gather_objects((reward_sums(t.extras["reward"] for t in trajs), source_sums(trajs), stats,
+                                   timer.busy, timer.times, fetches))
     n = max(total[2].item(), 1.0)
-    step_time = sum(v for k, v in timer.times.items())
-    stats.update(ctx.stages.metrics())
+    stats = merge_stats([g[2] for g in gathered])
     # every rank's busy seconds per stage: the step time a perfect schedule would reach
-    stats.update(busy_metrics(all_gather_objects(timer.busy)))
+    stats.update(busy_metrics([g[3] for g in gathered]))
     stats["step/wall_s"] = all_reduce_max(wall_s)
-    media = scored.media if scored is not None else None
     if ctx.cfg.data.loader == "shadow":
-        stats.update(host_metrics(all_gather_objects(dict(media.fetch_counts) if media is not None else {})))
-    return {
+        stats.update(host_metrics([g[5] for g in gathered]))
+    times = {k: max(g[4].get(k, 0.0) for g in gathered) for k in dict.fromkeys(k for g in gathered for k in g[4])}
+    # colocated: this rank's stages one after another; disaggregated: the step's wall clock
+    step_time = stats["step/wall_s"] if ctx.placement.disaggregated else sum(timer.times.values())
+    out = {
         "reward/mean": total[0].item() / n,
         # reward/accuracy (where the reward says what is correct), reward/errors, reward/<extra>
-        **reward_metrics([r for r, _ in gathered]),
-        **source_metrics([s for _, s in gathered]),
+        **reward_metrics([g[0] for g in gathered]),
+        **source_metrics([g[1] for g in gathered]),
         # groups whose responses all scored the same: no gradient from them this step
         "reward/uniform_group_fraction": total[6].item() / max(total[7].item(), 1.0),
         "response/length_mean": total[3].item() / n,
@@ -99,5 +116,8 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> dict[str, float]:
         **stats,
         "throughput/tokens_per_s": total[4].item() / max(step_time, 1e-9),
         "data/skipped": total[5].item(),
-        **{k: all_reduce_max(v) for k, v in timer.times.items()},
+        **times,
+        # trajectory bytes sent between the rank groups of a disaggregated placement (0 colocated)
+        "workflow/bytes_redistributed": total[1].item(),
     }
+    return out

@@ -187,9 +187,9 @@ def media_items(grids: Sequence[VisionGrid], prompt_ids: np.ndarray, args: Qwen2
     return tuple(items)
 
 
-def gather_metadata(trajs: Sequence, rank: int, args: Qwen2_5_VLArgs) -> list[TrajectoryMeta]:
-    """Every trajectory of the step on every rank, sorted by (group, index): the same list on any
-    number of ranks. Media descriptions are built once per prompt."""
+def gather_metadata(trajs: Sequence, rank: int, args: Qwen2_5_VLArgs, group=None) -> list[TrajectoryMeta]:
+    """Every trajectory of the step on every rank (of ``group``: ``rank`` counts in it), sorted by (group,
+    index): the same list on any number of ranks. Media descriptions are built once per prompt."""
     items_of: dict[int, tuple[MediaItem, ...]] = {}
     mine = []
     for i, t in enumerate(trajs):
@@ -198,5 +198,5 @@ def gather_metadata(trajs: Sequence, rank: int, args: Qwen2_5_VLArgs) -> list[Tr
             items_of[key] = media_items(t.prompt.grids, t.prompt.prompt_ids, args)
         mine.append(TrajectoryMeta(rank, i, int(t.group), len(t.prompt.prompt_ids), t.num_response_tokens,
                                    float(t.advantage), items_of[key], str(t.prompt.record.id)))
-    every = [m for part in all_gather_objects(mine) for m in part]
+    every = [m for part in all_gather_objects(mine, group=group) for m in part]
     return sorted(every, key=lambda m: (m.group, m.home, m.index))

@@ -8,20 +8,27 @@ others drop it at once. So the extra host memory of a push is, per machine, the 
 plus one shard, and per non-writing rank one parameter - not a full fp32 copy of the model per rank
 (28 GB per rank at 7B). After a barrier each rank's engine reloads in place from that directory.
 A directory per push (alternating between two) keeps an engine from ever reading a half-written file.
+
+Disaggregated placement (the engines on ranks that hold no model): each training rank sends its own FSDP
+shard of every entry (cast to the parameter dtype) point-to-point to one rollout rank per machine, which
+concatenates the shards into the full tensor and writes it the same way; then every rollout rank's engine
+reloads from its machine's folder. No rank gathers the model before it leaves the training ranks.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
-from titanrl.distributed import DistInfo, barrier
+from titanrl.distributed import DistInfo, all_gather_objects, barrier
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.models.qwen2_5_vl.state_dict_adapter import HFShardWriter, clean_name
 
@@ -55,6 +62,65 @@ def write_hf(model: torch.nn.Module, args: Qwen2_5_VLArgs, outdir: Path, *,
     if writer is not None:
         writer.close(assets_from)
     return writer
+
+
+def _sharded(value: torch.Tensor) -> bool:
+    """Whether every training rank holds a different part of ``value`` (FSDP2: dim 0); otherwise the first
+    training rank's copy is the tensor."""
+    if not isinstance(value, DTensor) or all(p.is_replicate() for p in value.placements):
+        return False
+    if any(not (p.is_replicate() or (isinstance(p, Shard) and p.dim == 0)) for p in value.placements):
+        raise ValueError(f"the weight push sends shards of dim 0 only, not {value.placements}")
+    return True
+
+
+def shard_layout(model: torch.nn.Module, dtype: torch.dtype | None) -> list[tuple[str, tuple, tuple, str, bool]]:
+    """(name, full shape, this rank's shard shape, dtype, sharded) of every state-dict entry."""
+    out = []
+    for name, value in model.state_dict().items():
+        sharded = _sharded(value)
+        local = value.to_local() if isinstance(value, DTensor) else value
+        dt = dtype if dtype is not None and value.is_floating_point() else value.dtype
+        out.append((clean_name(name), tuple(value.shape), tuple(local.shape), str(dt).removeprefix("torch."),
+                    sharded))
+    return out
+
+
+def send_shards(model: torch.nn.Module, dtype: torch.dtype | None, writers: list[int], *, first: bool) -> int:
+    """This training rank's shard of every entry, in state-dict order, to every writer (``first``: this rank
+    also sends the entries that are not sharded). Returns the bytes sent."""
+    sent = 0
+    for value in model.state_dict().values():
+        value = value.detach()
+        if not (_sharded(value) or first):
+            continue
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if dtype is not None and local.is_floating_point():
+            local = local.to(dtype)
+        if local.numel() == 0:
+            continue
+        local = local.contiguous()
+        for r in [dist.isend(local, dst=w) for w in writers]:
+            r.wait()
+        sent += local.numel() * local.element_size() * len(writers)
+    return sent
+
+
+def receive_full_state(layouts: list[list[tuple]], senders: list[int], device: torch.device
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """On a writer: (name, full tensor on the CPU) of every entry, put together from the shards ``senders``
+    send (``layouts[i]``: what ``shard_layout`` gave on ``senders[i]``)."""
+    for e, (name, shape, _, dt, sharded) in enumerate(layouts[0]):
+        dtype = getattr(torch, dt)
+        parts = []
+        for i, src in enumerate(senders if sharded else senders[:1]):
+            local = layouts[i][e][2]
+            if 0 in local:
+                continue
+            buf = torch.empty(local, dtype=dtype, device=device)
+            dist.recv(buf, src=src)
+            parts.append(buf.cpu())
+        yield name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def _shm_base() -> Path:
@@ -99,27 +165,57 @@ def shm_root(job_name: str) -> Path:
 
 
 class WeightPusher:
-    def __init__(self, job_name: str, args: Qwen2_5_VLArgs, model_dir: Path, info: DistInfo, dtype: torch.dtype) -> None:
+    def __init__(self, job_name: str, args: Qwen2_5_VLArgs, model_dir: Path, info: DistInfo, dtype: torch.dtype,
+                 placement=None) -> None:
         self.root = shm_root(job_name)
         self.args, self.model_dir, self.info, self.dtype = args, model_dir, info, dtype
+        self.placement = placement  # titanrl.workflow.placement.Placement; None: colocated
         self.pushes = 0
+        self._layouts: list | None = None
+        self._writers: list[int] | None = None
 
-    def export(self, model: torch.nn.Module) -> Path:
+    def _disaggregated_setup(self, model) -> None:
+        """Once (every rank): the training ranks' shard layouts and the writing rollout rank of each machine."""
+        mine = (socket.gethostname(), shard_layout(model, self.dtype) if model is not None else None)
+        every = all_gather_objects(mine)
+        self._layouts = [every[r][1] for r in self.placement.train]
+        first_on_host: dict[str, int] = {}
+        for r in self.placement.rollout:
+            first_on_host.setdefault(every[r][0], r)
+        self._writers = sorted(first_on_host.values())
+
+    def export(self, model: torch.nn.Module | None) -> Path:
         target = self.root / f"slot{self.pushes % 2}"
-        writer_rank = self.info.local_rank == 0  # one writer per machine; the others wait at the barrier
+        disaggregated = self.placement is not None and self.placement.disaggregated
+        if disaggregated and self._writers is None:
+            self._disaggregated_setup(model)
+        # one writer per machine; the others wait at the barrier
+        writer_rank = self.info.rank in self._writers if disaggregated else self.info.local_rank == 0
         if writer_rank and target.exists():
             shutil.rmtree(target)
-        write_hf(model, self.args, target, dtype=self.dtype, writer_rank=writer_rank,
-                 assets_from=self.model_dir)
+        if not disaggregated:
+            write_hf(model, self.args, target, dtype=self.dtype, writer_rank=writer_rank,
+                     assets_from=self.model_dir)
+        else:
+            if model is not None:
+                send_shards(model, self.dtype, self._writers, first=self.info.rank == self.placement.train[0])
+            if writer_rank:
+                writer = HFShardWriter(target, self.args, dtype=self.dtype, shard_bytes=SHARD_BYTES)
+                for name, tensor in receive_full_state(self._layouts, list(self.placement.train), self.info.device):
+                    writer.add(name, tensor)
+                writer.close(self.model_dir)
         barrier()
         self.pushes += 1
         return target
 
-    def push(self, model: torch.nn.Module, engine) -> dict[str, float]:
+    def push(self, model: torch.nn.Module | None, engine) -> dict[str, float]:
+        """Every rank: the model's new weights into every engine (``model`` / ``engine`` None where a rank of a
+        disaggregated placement holds none)."""
         t0 = time.perf_counter()
         path = self.export(model)
         t1 = time.perf_counter()
-        engine.load_weights(path)
+        if engine is not None:
+            engine.load_weights(path)
         t2 = time.perf_counter()
         return {"sync/export_s": t1 - t0, "sync/load_s": t2 - t1}
 

@@ -91,9 +91,13 @@ class HomeSide:
             out.append(values)
         return out
 
-    def run_pixels(self, run: FrameRun) -> np.ndarray:
+    def run_pixels(self, run: FrameRun) -> np.ndarray | None:
+        """The run's patch rows from the home's prompt (None: the prompt came without pixels - a disaggregated
+        placement with slice-aware loading - and the encoder fetches them)."""
         m = self.by_group[run.group]
         item = m.media[run.item]
         pixels = self.trajs[m.index].prompt.pixel_values
+        if pixels is None:
+            return None
         lo = item.row_start + run.f0 * item.patches_per_frame
         return pixels[lo:lo + (run.f1 - run.f0) * item.patches_per_frame]

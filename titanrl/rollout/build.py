@@ -25,9 +25,13 @@ def build_rollout_engine(
     rank: int,
     *,
     mm_limits: dict[str, int] | None = None,
+    own_process: bool = False,
 ):
     """The rollout engine of ``cfg.rollout.engine`` for this rank, on the checkpoint in
     ``model_dir``. vLLM: every rank must call this at the same point (see vllm_engine).
+
+    ``own_process``: vLLM's engine core in a child process (a torch.distributed world of its own; the
+    disaggregated placement, where only some ranks build an engine); the HF engine runs in-process always.
 
     ``mm_limits``: most images/videos per prompt (``mm_limits_for(records)``; the trainer passes the run's);
     unset = read ``cfg.data.path`` (or ``cfg.data.manifest``) when it is a titanrl manifest, else 1 of each
@@ -57,6 +61,7 @@ def build_rollout_engine(
             max_pixels=cfg.data.max_pixels,
             num_threads=ro.num_threads,
             seed=seed + rank,
+            own_process=own_process,
         )
     if ro.engine == "hf":
         from titanrl.rollout.hf_engine import HFGenerateEngine

@@ -114,6 +114,12 @@ def _contain_global_state(restore_rng: bool = True) -> Iterator[None]:
             random.setstate(rng[2])
 
 
+def _packed_modules(model: Any) -> dict:
+    """The fused modules of vLLM's model (a module-level function: apply_model pickles it to an engine core
+    in a child process)."""
+    return dict(getattr(model, "packed_modules_mapping", {}) or {})
+
+
 def _reload_worker(worker: Any, files: list[str]) -> None:
     """Runs inside vLLM's worker (collective_rpc): stream tensors from safetensors files into the
     model with vLLM's layer-wise in-place reload (plain model.load_weights breaks prepacked
@@ -193,9 +199,15 @@ class VLLMEngine:
         enable_prefix_caching: bool = True,
         max_num_seqs: int | None = None,
         banned_token_ids: Sequence[int] | None = None,
+        own_process: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.num_threads = num_threads
+        if own_process:
+            # the engine core (and its worker) in child processes: vLLM's default mode; spawned, not forked
+            # (this process runs gloo and Ray threads); apply_model's function is pickled to them
+            os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="spawn",
+                              VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         self.env = set_vllm_env()
         self._reference = read_headers(self.model_dir)  # what the engine loaded: names/shapes
         cfg = json.loads((self.model_dir / "config.json").read_text())
@@ -242,7 +254,7 @@ class VLLMEngine:
         self.start_s = time.perf_counter() - t0
         self.weight_version = 0
         # Fused modules of the engine's model: partial updates must cover them whole.
-        packed = self.llm.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {}) or {}))
+        packed = self.llm.apply_model(_packed_modules)
         self.packed_modules = (packed[0] if packed else None) or dict(QWEN2_5_VL_PACKED_MODULES)
 
     # -- helpers ----------------------------------------------------------------------------

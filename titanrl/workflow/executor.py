@@ -5,6 +5,11 @@ node function the batch its inputs produced (``DataBuffer``), times it under the
 (``time/<id>``, ``busy/<id>``), and keeps its output for the nodes that read it. A node function is
 ``fn(batch, ctx) -> StepBatch | None`` (None: the batch it was given, changed in place).
 
+Where a node reads the output of a node placed on a disjoint rank group, the data coordinator's ``move``
+(``titanrl.workflow.coordinator.redistribute``) first moves it there; every rank calls it at the same point of
+the node order. A rank of a node's group that neither produced an input nor received it (a node on ``all``
+reading a ``train`` node's output, on a rollout rank) reads an empty batch.
+
 A node that raises becomes a ``NodeError`` naming the node, the rank and the cause; the trainer reports it
 and ``titanrl.workflow.abort`` stops the other ranks.
 """
@@ -71,28 +76,50 @@ class DataBuffer:
     def __init__(self, step: int) -> None:
         self.step = step
         self.outputs: dict[str, StepBatch] = {}
+        self.media = None  # the loader's view of the step on this rank (a local resource, never moved)
+        self.bytes_redistributed = 0  # sent by this rank this step
+        self.moved: set[tuple[str, str]] = set()  # (producer, destination group) already redistributed
 
     def inputs(self, node: NodeSpec) -> StepBatch:
         if not node.inputs:
-            return StepBatch(self.step)
-        return join([self.outputs[i] for i in node.inputs])
+            return StepBatch(self.step, media=self.media)
+        return join([self.outputs.get(i) or StepBatch(self.step, media=self.media) for i in node.inputs])
 
 
 class Executor:
     def __init__(self, workflow: Workflow, functions: dict[str, Callable], rank: int,
-                 groups: dict[str, frozenset[int]]) -> None:
+                 groups: dict[str, frozenset[int]], move: Callable | None = None) -> None:
         self.workflow = workflow
         self.functions = functions  # node id -> function
         self.rank = rank
         self.groups = groups
+        # move(batch | None, senders, receivers, buffer) -> (received batch | None, bytes sent)
+        self.move = move
 
     def runs(self, node: NodeSpec) -> bool:
         return self.rank in self.groups[node.placement]
+
+    def _route(self, node: NodeSpec, buffer: DataBuffer, timer) -> None:
+        """Move every input of ``node`` produced on a group disjoint from its own (every rank, same order)."""
+        receivers = self.groups[node.placement]
+        for i in node.inputs:
+            senders = self.groups[self.workflow.node(i).placement]
+            if not senders.isdisjoint(receivers) or (i, node.placement) in buffer.moved:
+                continue
+            if self.move is None:
+                raise RuntimeError(f"node {node.id!r} reads {i!r} from other ranks, and no data coordinator is set")
+            buffer.moved.add((i, node.placement))
+            with timer("redistribute"):
+                received, sent = self.move(buffer.outputs.get(i), senders, receivers, buffer)
+            buffer.bytes_redistributed += sent
+            if received is not None:
+                buffer.outputs[i] = received
 
     def run_step(self, step: int, ctx: Any, timer) -> DataBuffer:
         """Run every node of this rank once; ``timer(name)`` times each (a ``StageTimer``)."""
         buffer = DataBuffer(step)
         for node in self.workflow.nodes:
+            self._route(node, buffer, timer)
             if not self.runs(node):
                 continue
             batch = buffer.inputs(node)
@@ -107,4 +134,6 @@ class Executor:
                 raise NodeError(node, self.rank, TypeError(
                     f"a node function returns a StepBatch or None, got {type(out).__name__}"))
             buffer.outputs[node.id] = out if out is not None else batch
+            if buffer.media is None:
+                buffer.media = buffer.outputs[node.id].media
         return buffer

@@ -18,8 +18,9 @@ from typing import Any
 
 ROLES = ("actor", "critic", "reference", "reward", "none")
 TYPES = ("generate", "inference", "train", "compute")
-# Rank groups of the colocated placement (the only one built so far): every node on every rank.
-GROUPS = ("all",)
+# Rank groups (titanrl.workflow.placement): every rank, the generating ranks, the ranks holding the models.
+# Colocated, all three are every rank.
+GROUPS = ("all", "rollout", "train")
 
 # "package.module:function" or "path/to/file.py:function"
 _MODULE_FN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -37,7 +38,7 @@ class NodeSpec:
     type: str
     function: str
     inputs: tuple[str, ...]
-    placement: str = "all"
+    placement: str = "train"
 
     @property
     def builtin(self) -> bool:
@@ -47,9 +48,11 @@ class NodeSpec:
 def _generation() -> list[NodeSpec]:
     """The nodes every built-in workflow starts with: prompts, responses, rewards."""
     return [
-        NodeSpec("data", "none", "compute", "load_prompts", ()),
-        NodeSpec("rollout", "actor", "generate", "generate", ("data",)),
-        NodeSpec("reward", "reward", "compute", "score", ("rollout",)),
+        # every rank plans the step from metadata (the training ranks fetch slices through it); the ranks that
+        # generate materialize their prompts
+        NodeSpec("data", "none", "compute", "load_prompts", (), "all"),
+        NodeSpec("rollout", "actor", "generate", "generate", ("data",), "rollout"),
+        NodeSpec("reward", "reward", "compute", "score", ("rollout",), "rollout"),
     ]
 
 
@@ -69,7 +72,7 @@ def builtin_graph(cfg: Any) -> list[NodeSpec]:
     nodes += [
         NodeSpec("update", "actor", "train", "train_actor",
                  ("old_logprob", "ref_logprob") if reference else ("old_logprob",)),
-        NodeSpec("weight_sync", "actor", "compute", "push_weights", ("update",)),
+        NodeSpec("weight_sync", "actor", "compute", "push_weights", ("update",), "all"),
     ]
     return nodes
 
@@ -89,7 +92,7 @@ def ppo_graph(cfg: Any) -> list[NodeSpec]:
         NodeSpec("update", "actor", "train", "train_actor",
                  ("advantage", "old_logprob", "ref_logprob") if reference else ("advantage", "old_logprob")),
         NodeSpec("critic_update", "critic", "train", "train_critic", ("advantage",)),
-        NodeSpec("weight_sync", "actor", "compute", "push_weights", ("update",)),
+        NodeSpec("weight_sync", "actor", "compute", "push_weights", ("update",), "all"),
     ]
     return nodes
 
@@ -128,8 +131,21 @@ def _merge(base: list[NodeSpec], changes: list[Any]) -> list[NodeSpec]:
             if not c.function:
                 raise WorkflowError(f"workflow node {c.id!r} has no function")
             nodes[c.id] = NodeSpec(c.id, c.role or "none", c.type or "compute", c.function, tuple(c.inputs or ()),
-                                   c.placement or "all")
+                                   c.placement)
             order.append(c.id)
+    # a new node without a placement runs where its first input ran
+    unplaced = [i for i in order if not nodes[i].placement]
+    for _ in range(len(unplaced)):
+        for i in unplaced:
+            if not nodes[i].placement:
+                first = nodes.get(nodes[i].inputs[0]) if nodes[i].inputs else None
+                if first is None:
+                    nodes[i] = replace(nodes[i], placement="all")
+                elif first.placement:
+                    nodes[i] = replace(nodes[i], placement=first.placement)
+    for i in unplaced:  # inputs on a cycle or missing: _check names the problem
+        if not nodes[i].placement:
+            nodes[i] = replace(nodes[i], placement="all")
     return [nodes[i] for i in order]
 
 

@@ -1,0 +1,52 @@
+"""Where the workflow's rank groups are (DistFlow sec. 6): which ranks generate and which hold the models.
+
+``colocated``: every group is every rank (each rank generates, then trains). ``disaggregated``: the first
+``rollout_ranks`` ranks form the ``rollout`` group (engines, rewards), the others the ``train`` group (models,
+FSDP over those ranks only); ``all`` is every rank. Plain data: the trainer makes the process groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Placement:
+    kind: str  # colocated | disaggregated
+    world: int
+    rollout: tuple[int, ...]
+    train: tuple[int, ...]
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.kind == "disaggregated"
+
+    def groups(self) -> dict[str, frozenset[int]]:
+        """The named rank groups nodes are placed on."""
+        return {"all": frozenset(range(self.world)), "rollout": frozenset(self.rollout),
+                "train": frozenset(self.train)}
+
+    def train_rank(self, rank: int) -> int:
+        """``rank``'s position in the training group (-1: it holds no model)."""
+        return self.train.index(rank) if rank in self.train else -1
+
+    def describe(self) -> str:
+        if not self.disaggregated:
+            return f"colocated on {self.world} rank(s)"
+        return (f"disaggregated: rollout on ranks {_span(self.rollout)}, training on ranks {_span(self.train)}")
+
+
+def _span(ranks: tuple[int, ...]) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def plan_placement(kind: str, world: int, rollout_ranks: int = 0) -> Placement:
+    everyone = tuple(range(world))
+    if kind == "colocated":
+        return Placement(kind, world, everyone, everyone)
+    if kind != "disaggregated":
+        raise ValueError(f"unknown workflow.placement {kind!r}")
+    if not 1 <= rollout_ranks < world:
+        raise ValueError(f"workflow.rollout_ranks = {rollout_ranks} must be between 1 and {world - 1} "
+                         f"(the ranks after it train) on {world} ranks")
+    return Placement(kind, world, everyone[:rollout_ranks], everyone[rollout_ranks:])

@@ -23,9 +23,9 @@ from titanrl.distributed import all_reduce_sum
 
 
 def drop_uniform_groups(batch, ctx):
-    """Keep the groups whose rewards differ. Node metrics go on the step line as rank 0 has them, so numbers
-    that differ between ranks are summed over the ranks first (the node runs on every rank: a collective is
-    fine here)."""
+    """Keep the groups whose rewards differ. A node's metrics go on the step line as the first of its ranks has
+    them, so numbers that differ between ranks are summed over the node's ranks first (``batch.group``: every
+    rank of the node's placement reaches this collective; placed where the reward runs, the rollout ranks)."""
     kept, dropped = [], 0
     for group in batch.groups().values():
         if len({t.reward for t in group}) > 1:
@@ -33,7 +33,8 @@ def drop_uniform_groups(batch, ctx):
         else:
             dropped += 1
     out = batch.keep(lambda t: any(t is k for k in kept))
-    totals = all_reduce_sum(torch.tensor([dropped, sum(t.num_tokens for t in kept)], dtype=torch.float64))
+    totals = all_reduce_sum(torch.tensor([dropped, sum(t.num_tokens for t in kept)], dtype=torch.float64),
+                            group=batch.group)
     out.metrics["dapo/dropped_groups"] = totals[0].item()
     out.metrics["dapo/kept_tokens"] = totals[1].item()
     return out

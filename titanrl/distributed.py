@@ -55,11 +55,15 @@ def init_distributed(timeout_s: float = 600.0, *, one_rank_group: bool = False) 
     return DistInfo(rank, world, local_rank, device)
 
 
-def build_dp_mesh(info: DistInfo, *, one_rank: bool = False, ranks: Sequence[int] | None = None) -> DeviceMesh | None:
+def build_dp_mesh(info: DistInfo, *, one_rank: bool = False, ranks: Sequence[int] | None = None,
+                  group=None) -> DeviceMesh | None:
     """The data-parallel (FSDP2) mesh; None for one process unless ``one_rank`` (and a one-rank group exists).
-    ``ranks``: the ranks holding the models when they are not all (every rank of the job makes the mesh)."""
+    ``ranks`` / ``group``: the ranks holding the models and their process group, when they are not all (the
+    mesh is made on those ranks only; None elsewhere)."""
     if ranks is not None and len(ranks) != info.world_size:
-        return DeviceMesh(info.device.type, torch.tensor(list(ranks)), mesh_dim_names=("dp_shard",))
+        if info.rank not in ranks:
+            return None
+        return DeviceMesh.from_group(group, info.device.type, mesh=list(ranks), mesh_dim_names=("dp_shard",))
     if not info.distributed and not (one_rank and dist.is_initialized()):
         return None
     return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))

@@ -84,14 +84,16 @@ class Trainer:
         if info.is_main:
             say(f"[titanrl] workflow ({cfg.rl.algorithm}, {self.placement.describe()}; node [role/type on ranks] = "
                 "function(inputs)):\n" + self.workflow.describe())
-        self.executor = Executor(self.workflow, bind_functions(self.workflow), info.rank, self.placement.groups(),
-                                 move=self._move)
         # this rank's parts: it generates (engine, rewards) and/or holds the models (everything else)
         self.generates = info.rank in self.placement.rollout
         self.trains = info.rank in self.placement.train
-        # the training ranks' own process group (disaggregated; colocated: the default group, None)
+        # the rank groups' own process groups (disaggregated; colocated every group is the default one, None)
         timeout = cfg.job.collective_timeout_s
-        self.train_group = new_group(self.placement.train, timeout) if self.placement.disaggregated else None
+        process_groups = ({"rollout": new_group(self.placement.rollout, timeout),
+                           "train": new_group(self.placement.train, timeout)} if self.placement.disaggregated else {})
+        self.train_group = process_groups.get("train")
+        self.executor = Executor(self.workflow, bind_functions(self.workflow), info.rank, self.placement.groups(),
+                                 move=self._move, process_groups=process_groups)
         self.train_info = DistInfo(self.placement.train_rank(info.rank), len(self.placement.train), info.local_rank,
                                    info.device)
         self.control = RunControl(info.rank)
@@ -133,8 +135,9 @@ class Trainer:
             say(f"[titanrl] {self.ulysses.message}")
         # model.dtype below float32 on one process: FSDP2 on a one-rank mesh, the same mixed-precision rule as on
         # many ranks (float32 parameters and gradients, compute and the weight push in model.dtype)
-        # (disaggregated: a mesh of the training ranks, which every rank makes; the others build no model)
-        mesh = build_dp_mesh(info, one_rank=self.param_dtype != torch.float32, ranks=self.placement.train)
+        # (disaggregated: a mesh of the training ranks over their group; the others build no model)
+        mesh = build_dp_mesh(info, one_rank=self.param_dtype != torch.float32, ranks=self.placement.train,
+                             group=self.train_group)
         self.model = self.ref_model = self.critic = self.stages = None
         if self.trains:
             self.model = self._build_model(mesh, trainable=True)

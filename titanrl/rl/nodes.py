@@ -160,7 +160,7 @@ def train_actor(batch, ctx):
             steps += 1
     ctx.lr_scheduler.step()
     reduced = all_reduce_sum(torch.tensor([sums["pg_loss"], sums["kl"], sums["clip_fraction"], sums["entropy"]],
-                                          dtype=torch.float64), group=ctx.train_group)
+                                          dtype=torch.float64), group=batch.group)
     ctx.model.eval()
     batch.metrics.update({
         "loss": reduced[0].item() / steps, "kl": reduced[1].item() / steps,
@@ -270,7 +270,7 @@ def gae_advantages(batch, ctx):
     err = returns - values
     sums = all_reduce_sum(torch.stack([
         flat.sum(), (flat ** 2).sum(), torch.tensor(float(flat.numel()), dtype=torch.float64),
-        returns.sum(), (returns ** 2).sum(), err.sum(), (err ** 2).sum(), values.sum()]), group=ctx.train_group)
+        returns.sum(), (returns ** 2).sum(), err.sum(), (err ** 2).sum(), values.sum()]), group=batch.group)
     n = max(sums[2].item(), 1.0)
     mean = sums[0] / n
     var = (sums[1] / n - mean ** 2) * n / max(n - 1.0, 1.0)  # unbiased, as the usual masked whitening
@@ -318,7 +318,7 @@ def train_critic(batch, ctx):
             ctx.critic_optimizer.zero_grad(set_to_none=True)
             steps += 1
     ctx.critic_lr_scheduler.step()
-    sums = all_reduce_sum(sums, group=ctx.train_group)
+    sums = all_reduce_sum(sums, group=batch.group)
     ctx.critic.eval()
     batch.metrics.update({
         "critic/value_loss": sums[0].item() / steps, "critic/value_clip_fraction": sums[1].item() / steps,

@@ -217,7 +217,9 @@ class WeightPusher:
         if engine is not None:
             engine.load_weights(path)
         t2 = time.perf_counter()
-        return {"sync/export_s": t1 - t0, "sync/load_s": t2 - t1}
+        # a rank without the model only waits in the export (for the training ranks' update, then their shards)
+        return {**({"sync/export_s": t1 - t0} if model is not None else {}),
+                **({"sync/load_s": t2 - t1} if engine is not None else {})}
 
     def close(self, *, collective: bool = True) -> None:
         """Remove this job's push folder (local rank 0, after the others are done with it; after a failure,

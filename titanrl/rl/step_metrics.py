@@ -98,6 +98,9 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> dict[str, float]:
     stats = merge_stats([g[2] for g in gathered])
     # every rank's busy seconds per stage: the step time a perfect schedule would reach
     stats.update(busy_metrics([g[3] for g in gathered]))
+    if ctx.placement.disaggregated:  # each group's busy seconds (mean over its ranks): what idles by design
+        for name, ranks in (("rollout", ctx.placement.rollout), ("train", ctx.placement.train)):
+            stats[f"busy/{name}_ranks_s"] = sum(sum(gathered[r][3].values()) for r in ranks) / len(ranks)
     stats["step/wall_s"] = all_reduce_max(wall_s)
     if ctx.cfg.data.loader == "shadow":
         stats.update(host_metrics([g[5] for g in gathered]))

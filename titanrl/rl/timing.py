@@ -50,15 +50,17 @@ Mark = "float | torch.cuda.Event"
 
 
 class BusyClock:
-    """Marks busy-time points without synchronising: the process's CPU time on CPU; on CUDA an event recorded on
-    the current stream (its time is read later, by ``Busy.seconds``)."""
+    """Marks busy-time points without synchronising: the process's CPU time on CPU (plus ``extra()``: the CPU
+    seconds of processes working for this rank, a rollout engine in child processes); on CUDA an event recorded
+    on the current stream (its time is read later, by ``Busy.seconds``)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, extra: Callable[[], float] | None = None) -> None:
         self.cuda = device.type == "cuda"
+        self.extra = extra
 
     def mark(self) -> Mark:
         if not self.cuda:
-            return time.process_time()
+            return time.process_time() + (self.extra() if self.extra is not None else 0.0)
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event

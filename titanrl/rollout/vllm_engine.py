@@ -114,6 +114,12 @@ def _contain_global_state(restore_rng: bool = True) -> Iterator[None]:
             random.setstate(rng[2])
 
 
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
 def _packed_modules(model: Any) -> dict:
     """The fused modules of vLLM's model (a module-level function: apply_model pickles it to an engine core
     in a child process)."""
@@ -227,6 +233,7 @@ class VLLMEngine:
         # Whose default process group will vLLM use? Ours to tear down only if vLLM made it.
         self._owns_process_group = not (dist.is_available() and dist.is_initialized())
         t0 = time.perf_counter()
+        before = _child_pids()
         with self._threads(), _contain_global_state():
             from vllm import LLM, SamplingParams
 
@@ -252,10 +259,24 @@ class VLLMEngine:
                 kwargs["max_num_seqs"] = max_num_seqs
             self.llm = LLM(**kwargs)
         self.start_s = time.perf_counter() - t0
+        # own_process: the engine core and its worker, whose CPU time is this rank's rollout work
+        self._processes = {pid: 0.0 for pid in _child_pids() - before} if own_process else {}
         self.weight_version = 0
         # Fused modules of the engine's model: partial updates must cover them whole.
         packed = self.llm.apply_model(_packed_modules)
         self.packed_modules = (packed[0] if packed else None) or dict(QWEN2_5_VL_PACKED_MODULES)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the engine's own processes have used (0 in-process: the rank's CPU time holds them)."""
+        import psutil
+
+        for pid in self._processes:
+            try:
+                t = psutil.Process(pid).cpu_times()
+                self._processes[pid] = t.user + t.system
+            except psutil.Error:
+                pass  # gone: its last reading stands
+        return sum(self._processes.values())
 
     # -- helpers ----------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ weight push, the probe off as in ``bench_e2e``) of the same workload in two plac
 Workloads: the tiny default (``configs/tiny_cpu.toml``, 32 prompts x 8 responses) and the ``small`` model with
 ``bench_e2e``'s batch (4 prompts x 4 responses, 32 new tokens, paper-scale video-heavy media). Launches: 2 ranks
 x 1 thread (1 + 1; wall-clock figures: each rank has a core) and 4 ranks on the 2 cores (2 + 2; wall time is
-time-shared there, so the figures that count are per-rank busy seconds: process CPU time, with a rollout rank's
-engine processes included). Per step (median over steps 2..): the step's wall time, the wall seconds of each
+time-shared there, so the figures that count are per-rank busy seconds: process CPU time, plus on a rollout rank
+the wall time of its calls into the engine, whose core runs in child processes). Per step (median over steps 2..): the step's wall time, the wall seconds of each
 stage (slowest rank), each rank group's busy seconds and, on 2 ranks, its idle share (1 - busy / step), and the
 trajectory bytes moved between the groups.
 """
@@ -99,14 +99,14 @@ def table(results: dict, ranks: str) -> list[str]:
              f"busy: training rank (s){idle} | bytes moved / step |",
              "|---|---|" + "---|" * len(STAGES) + "---|---|---|---|" + ("---|---|" if wall else "") + "---|"]
     for model, runs in results[ranks].items():
-        base = runs["colocated"]["median"]["step/wall_s"]
+        base = runs["colocated"]["median"]["step/wall_s"] if "colocated" in runs else 0.0
         for placement, run in runs.items():
             m = run["median"]
             step = m["step/wall_s"]
             stages = " | ".join(f"{m.get(f'time/{s}', 0.0):.2f}" for s in STAGES)
             busy_r, busy_t = _groups(m, placement)
             idle_cols = (f" | {max(0.0, 1 - busy_r / step):.0%} | {max(0.0, 1 - busy_t / step):.0%}" if wall else "")
-            lines.append(f"| {model} | {placement} | {stages} | {step:.2f} | {ratio(base, step)} | {busy_r:.2f} | "
+            lines.append(f"| {model} | {placement} | {stages} | {step:.2f} | {ratio(base, step) if base else '-'} | {busy_r:.2f} | "
                          f"{busy_t:.2f}{idle_cols} | {m.get('workflow/bytes_redistributed', 0.0) / 1e6:.2f} MB |")
     return lines
 
@@ -115,6 +115,8 @@ def findings(results: dict) -> list[str]:
     out = []
     for ranks, by_model in sorted(results.items()):
         for model, runs in by_model.items():
+            if set(runs) != set(PLACEMENTS):
+                continue
             c, d = runs["colocated"]["median"], runs["disaggregated"]["median"]
             speed = c["step/wall_s"] / d["step/wall_s"]
             verdict = "loses" if speed < 1 else "wins"
@@ -133,7 +135,8 @@ def report(data: dict) -> str:
         f"({data['date']}, commit {data['commit']}); do not edit. Workloads and launches: see the script's "
         "docstring. Stage columns are wall seconds of the slowest rank (a stage a group does not run shows the "
         "other group's wait in `redistribute` and `weight_sync`); *busy* is CPU seconds per step of one rank of "
-        "each group (mean over the group), a rollout rank's engine processes included; medians over steps 2.. .",
+        "each group (mean over the group; a rollout rank's includes the wall time of its calls into its engine, which "
+        "runs in child processes); medians over steps 2.. .",
         "",
     ]
     if "2" in data["results"]:
@@ -148,7 +151,8 @@ def report(data: dict) -> str:
         "colocated step and with half the ranks on each side it pays each side's work on fewer ranks. It is the "
         "baseline an asynchronous rollout (generating step N+1 while step N trains) has to beat. On this machine "
         "the rollout ranks' vLLM engine runs in child processes (the engine core and its worker), which share the "
-        "2 cores with the ranks: their busy seconds include that process's polling.",
+        "2 cores with the ranks, and vLLM's worker busy-polls for a second after each request (`sched_yield`), "
+        "taking CPU from the training rank that colocated in-process engines do not.",
         "",
         "Commands:",
         "",

@@ -273,8 +273,8 @@ class Trainer:
     def rl_step(self) -> dict[str, float]:
         """One RL step: the workflow's nodes in order (``titanrl.workflow``), then the step line's metrics."""
         t_step = time.perf_counter()
-        # busy: this process's CPU time, and its engine's where that runs in child processes
-        clock = BusyClock(self.info.device, extra=getattr(self.engine, "cpu_seconds", None))
+        # busy: this process's CPU time, and its engine's working time where that runs in child processes
+        clock = BusyClock(self.info.device, extra=getattr(self.engine, "busy_outside_s", None))
         timer = StageTimer(self.info.rank, self.cfg.job.collective_timeout_s, clock=clock)
         buffer = self.executor.run_step(self.step, self, timer)
         self.step += 1

@@ -50,9 +50,9 @@ Mark = "float | torch.cuda.Event"
 
 
 class BusyClock:
-    """Marks busy-time points without synchronising: the process's CPU time on CPU (plus ``extra()``: the CPU
-    seconds of processes working for this rank, a rollout engine in child processes); on CUDA an event recorded
-    on the current stream (its time is read later, by ``Busy.seconds``)."""
+    """Marks busy-time points without synchronising: the process's CPU time on CPU (plus ``extra()``: seconds
+    other processes worked for this rank, a rollout engine in child processes); on CUDA an event recorded on the
+    current stream (its time is read later, by ``Busy.seconds``)."""
 
     def __init__(self, device: torch.device, extra: Callable[[], float] | None = None) -> None:
         self.cuda = device.type == "cuda"

@@ -114,12 +114,6 @@ def _contain_global_state(restore_rng: bool = True) -> Iterator[None]:
             random.setstate(rng[2])
 
 
-def _child_pids() -> set[int]:
-    import psutil
-
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
 def _packed_modules(model: Any) -> dict:
     """The fused modules of vLLM's model (a module-level function: apply_model pickles it to an engine core
     in a child process)."""
@@ -233,7 +227,6 @@ class VLLMEngine:
         # Whose default process group will vLLM use? Ours to tear down only if vLLM made it.
         self._owns_process_group = not (dist.is_available() and dist.is_initialized())
         t0 = time.perf_counter()
-        before = _child_pids()
         with self._threads(), _contain_global_state():
             from vllm import LLM, SamplingParams
 
@@ -259,24 +252,18 @@ class VLLMEngine:
                 kwargs["max_num_seqs"] = max_num_seqs
             self.llm = LLM(**kwargs)
         self.start_s = time.perf_counter() - t0
-        # own_process: the engine core and its worker, whose CPU time is this rank's rollout work
-        self._processes = {pid: 0.0 for pid in _child_pids() - before} if own_process else {}
+        self.own_process = own_process
+        self._outside_s = 0.0  # wall seconds of calls into an engine in child processes
         self.weight_version = 0
         # Fused modules of the engine's model: partial updates must cover them whole.
         packed = self.llm.apply_model(_packed_modules)
         self.packed_modules = (packed[0] if packed else None) or dict(QWEN2_5_VL_PACKED_MODULES)
 
-    def cpu_seconds(self) -> float:
-        """CPU seconds the engine's own processes have used (0 in-process: the rank's CPU time holds them)."""
-        import psutil
-
-        for pid in self._processes:
-            try:
-                t = psutil.Process(pid).cpu_times()
-                self._processes[pid] = t.user + t.system
-            except psutil.Error:
-                pass  # gone: its last reading stands
-        return sum(self._processes.values())
+    def busy_outside_s(self) -> float:
+        """Seconds the engine worked for this rank outside this process: the wall time of calls into an engine
+        whose core runs in child processes (0 in-process, where this process's CPU time holds the work). Wall,
+        not the children's CPU time: vLLM's worker busy-polls for a second after every request."""
+        return self._outside_s
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -286,11 +273,14 @@ class VLLMEngine:
     @contextmanager
     def _call(self) -> Iterator[None]:
         rng = torch.get_rng_state()
+        t0 = time.perf_counter()
         try:
             with self._threads():
                 yield
         finally:
             torch.set_rng_state(rng)
+            if self.own_process:
+                self._outside_s += time.perf_counter() - t0
 
     def _prompt(self, request: RolloutRequest, completion_ids: Sequence[int] | None = None) -> dict[str, Any]:
         images = [m.frames[0] for m in request.media if m.kind == "image"]

@@ -265,8 +265,10 @@ class Trainer:
 
     def _move(self, batch, senders, receivers, buffer):
         """The data coordinator's move between disjoint rank groups (``titanrl.workflow.coordinator``)."""
+        every = self.cfg.rollout.probe_every
         return redistribute(batch, senders, receivers, rank=self.info.rank, step=buffer.step, media=buffer.media,
-                            device=self.info.device, pixels=not self.cfg.data.slice_loading)
+                            device=self.info.device, pixels=not self.cfg.data.slice_loading,
+                            probe=bool(every) and (self.step + 1) % every == 0)
 
     # ------------------------------------------------------------------ step
 

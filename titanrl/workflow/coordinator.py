@@ -9,9 +9,9 @@ its groups (pickled trajectories: prompt, response, reward; point-to-point, neve
 A prompt's responses stay together (GRPO's group is computed on one rank).
 
 With slice-aware loading (``pixels=False``) no pixels travel: the receiving ranks fetch the frames they encode
-from the media preprocessors, so a prompt goes without its decoded media and patch rows - except the first
-group each receiver gets (the weight-sync probe runs the trainer's forward on it and hands the engine its
-media).
+from the media preprocessors, so a prompt goes without its decoded media and patch rows - except, on a step the
+weight-sync probe runs (``probe``), the first group each receiver gets (the probe runs the trainer's forward on
+it and hands the engine its media).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def _without_pixels(trajs: Sequence) -> list:
 
 
 def redistribute(batch: StepBatch | None, senders: frozenset[int], receivers: frozenset[int], *, rank: int,
-                 step: int, media=None, device: torch.device = torch.device("cpu"), pixels: bool = True
-                 ) -> tuple[StepBatch | None, int]:
+                 step: int, media=None, device: torch.device = torch.device("cpu"), pixels: bool = True,
+                 probe: bool = True) -> tuple[StepBatch | None, int]:
     """Collective over every rank (messages on ``device``: NCCL moves device tensors only). ``batch``: this rank's output of the producing node (None where it did not run
     it). Returns (the batch this rank receives - None outside ``receivers`` -, bytes this rank sent)."""
     senders_, receivers_ = sorted(senders), sorted(receivers)
@@ -58,7 +58,7 @@ def redistribute(batch: StepBatch | None, senders: frozenset[int], receivers: fr
     # where every group goes is known before anything is pickled: one gather of the costs
     units = [u for part in all_gather_objects([(g, rank, c) for g, c in sorted(costs.items())]) for u in part]
     dest = assign_groups(units, receivers_)
-    first = {min(g for g, d in dest.items() if d == r) for r in set(dest.values())}
+    first = {min(g for g, d in dest.items() if d == r) for r in set(dest.values())} if probe else set()
     payload = {g: pickle.dumps(trajs if pixels or g in first else _without_pixels(trajs),
                                protocol=pickle.HIGHEST_PROTOCOL) for g, trajs in sorted(groups.items())}
     sizes = {g: n for part in all_gather_objects({g: len(b) for g, b in payload.items()}) for g, n in part.items()}

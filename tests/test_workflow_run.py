@@ -137,10 +137,15 @@ def test_a_reward_raising_on_one_rank_ends_every_rank_with_one_named_line(run_ca
     assert elapsed < 240, elapsed
 
 
-def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, tmp_path):
-    """With PPO, so the critic, its optimizer and LR schedule are in the checkpoint too."""
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, tmp_path, placement):
+    """With PPO, so the critic, its optimizer and LR schedule are in the checkpoint too. Disaggregated (1 rollout +
+    1 training rank): the rollout rank checkpoints no model, and its engine (child processes in a session of
+    their own) survives torchrun's SIGTERM to the rank's process group until the step and checkpoint are done."""
     common = ["--rl.algorithm=ppo", "--job.steps=5", "--checkpoint.interval=10", "--metrics.dump_tensors",
               "--rl.old_logprobs=recompute"]
+    if placement == "disaggregated":
+        common += ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=1"]
     straight = run(cmd(tmp_path / "straight", run_cache, *common, nproc=2))
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
 

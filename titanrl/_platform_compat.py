@@ -138,8 +138,25 @@ class _CompatFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
+NEW_SESSION_ENV = "TITANRL_NEW_SESSION"
+
+
+def _new_session() -> None:
+    """A process started with TITANRL_NEW_SESSION=1 leaves its parent's session (the same start-up hook):
+    multiprocessing's spawn has no ``start_new_session``, and a rollout engine that a rank spawns
+    (``VLLMEngine(own_process=True)``) must not be in the rank's process group, which torchrun signals as a
+    whole on SIGTERM - the engine would die while the rank finishes its step and checkpoint. Its children
+    inherit the new session."""
+    if os.environ.pop(NEW_SESSION_ENV, None) == "1":
+        try:
+            os.setsid()
+        except OSError:
+            pass  # already a session / group leader
+
+
 def install() -> None:
     """Idempotent; cheap (no imports). Set TITANRL_NO_PLATFORM_COMPAT=1 to turn it off."""
+    _new_session()
     if os.environ.get(_DISABLE_ENV) == "1":
         return
     if any(isinstance(f, _CompatFinder) for f in sys.meta_path):

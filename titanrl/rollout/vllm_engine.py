@@ -46,6 +46,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from titanrl._platform_compat import NEW_SESSION_ENV
 from titanrl.data.preprocess import DecodedMedia
 from titanrl.rollout.types import (
     PromptMismatchError,
@@ -208,6 +209,10 @@ class VLLMEngine:
             # (this process runs gloo and Ray threads); apply_model's function is pickled to them
             os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="spawn",
                               VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+            # ... in a session of their own (titanrl._platform_compat: the start-up hook), so torchrun's SIGTERM to
+            # the rank's process group reaches the rank only, which finishes its step with the engine and closes
+            # it; if the rank is killed, vLLM's engine core sees its parent die and exits
+            os.environ[NEW_SESSION_ENV] = "1"
         self.env = set_vllm_env()
         self._reference = read_headers(self.model_dir)  # what the engine loaded: names/shapes
         cfg = json.loads((self.model_dir / "config.json").read_text())
@@ -250,7 +255,10 @@ class VLLMEngine:
             )
             if max_num_seqs is not None:
                 kwargs["max_num_seqs"] = max_num_seqs
-            self.llm = LLM(**kwargs)
+            try:
+                self.llm = LLM(**kwargs)
+            finally:
+                os.environ.pop(NEW_SESSION_ENV, None)
         self.start_s = time.perf_counter() - t0
         self.own_process = own_process
         self._outside_s = 0.0  # wall seconds of calls into an engine in child processes

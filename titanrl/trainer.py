@@ -80,7 +80,8 @@ class Trainer:
         cfg.validate_world_size(info.world_size)
         # the step as a workflow: checked, and its functions found, before anything heavy is built
         self.workflow = resolve_workflow(cfg)
-        self.placement = plan_placement(cfg.workflow.placement, info.world_size, cfg.workflow.rollout_ranks)
+        self.placement = plan_placement(cfg.workflow.placement, info.world_size, cfg.workflow.rollout_ranks,
+                                        cfg.rollout.tensor_parallel_size)
         if info.is_main:
             say(f"[titanrl] workflow ({cfg.rl.algorithm}, {self.placement.describe()}; node [role/type on ranks] = "
                 "function(inputs)):\n" + self.workflow.describe())
@@ -180,7 +181,8 @@ class Trainer:
         # world of its own (in this process it would make groups of the trainer's world, which the training
         # ranks do not join)
         self.engine = (build_rollout_engine(cfg, self.model_dir, info.rank, mm_limits=mm_limits_for(self.records),
-                                            own_process=self.placement.disaggregated) if self.generates else None)
+                                            own_process=self.placement.disaggregated)
+                       if info.rank in self.placement.engines else None)
         if self.engine is not None:
             self._resources.callback(self.engine.close)
         # The loader (ShadowLoader by default, or the centralized baseline) plans every step's global
@@ -257,7 +259,7 @@ class Trainer:
         and minibatches."""
         expected_response = self.cfg.rollout.n * self.cfg.rollout.max_new_tokens
         costs = [m.num_tokens * self.cfg.rollout.n + expected_response for m in metas]
-        generating = list(self.placement.rollout)
+        generating = list(self.placement.engines)
         out: list[list[int]] = [[] for _ in range(world)]
         for r, part in zip(generating, karmarkar_karp(costs, len(generating), equal_size=False)):
             out[r] = sorted(part)

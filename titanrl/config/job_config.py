@@ -322,9 +322,16 @@ class RolloutConfig:
     (0 = only warn)."""
     seed: int | None = None
     """Sampling seed of the engine; none = derived from job.seed."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallelism: one engine spans this many rollout ranks (their devices run its workers, vLLM's
+    own processes; the engine's first rank hands its outputs on), so generation runs data-parallel over
+    workflow.rollout_ranks / tensor_parallel_size engines. Needs workflow.placement = 'disaggregated' and
+    rollout.engine = 'vllm'."""
 
     def problems(self) -> list[str]:
         found = []
+        if self.tensor_parallel_size < 1:
+            found.append(f"rollout.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.n < 1:
             found.append(f"rollout.n must be >= 1, got {self.n}")
         if self.temperature < 0:
@@ -749,6 +756,17 @@ class JobConfig:
                 "balance.strategy='lb_mini' lets ranks run different waves at different times (one synchronisation "
                 "per minibatch): use balance.strategy='lb_micro' or 'native', or parallelism.vision_balance=false"
             )
+        tp = self.rollout.tensor_parallel_size
+        if tp > 1 and (self.workflow.placement != "disaggregated" or self.rollout.engine != "vllm"):
+            found.append(
+                f"rollout.tensor_parallel_size={tp} runs one vLLM engine over several ranks with its workers in "
+                "processes of their own, which the disaggregated placement's engines are (colocated, each rank's "
+                "engine lives in the rank's process): set workflow.placement = 'disaggregated' and "
+                "rollout.engine = 'vllm', or rollout.tensor_parallel_size = 1"
+            )
+        elif tp > 1 and self.workflow.rollout_ranks % tp:
+            found.append(f"rollout.tensor_parallel_size={tp} must divide workflow.rollout_ranks="
+                         f"{self.workflow.rollout_ranks} (each engine spans that many rollout ranks)")
         if self.data.slice_loading and self.data.loader != "shadow":
             found.append(
                 f"data.slice_loading=true fetches slices through ShadowLoader's preprocessors, but "

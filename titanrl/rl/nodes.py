@@ -201,8 +201,9 @@ def probe(trajs, ctx) -> float:
         items = [item]
     else:
         every = all_gather_objects(item)
-        share = ctx.placement.rollout.index(ctx.info.rank) if ctx.engine is not None else -1
-        items = [every[r] for i, r in enumerate(ctx.placement.train) if i % len(ctx.placement.rollout) == share]
+        engines = ctx.placement.engines
+        share = engines.index(ctx.info.rank) if ctx.engine is not None else -1
+        items = [every[r] for i, r in enumerate(ctx.placement.train) if i % len(engines) == share]
     diffs = []
     for it in items:
         if it is not None:

@@ -62,6 +62,7 @@ def build_rollout_engine(
             num_threads=ro.num_threads,
             seed=seed + rank,
             own_process=own_process,
+            tensor_parallel_size=ro.tensor_parallel_size,
         )
     if ro.engine == "hf":
         from titanrl.rollout.hf_engine import HFGenerateEngine

@@ -201,6 +201,7 @@ class VLLMEngine:
         max_num_seqs: int | None = None,
         banned_token_ids: Sequence[int] | None = None,
         own_process: bool = False,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.num_threads = num_threads
@@ -252,9 +253,17 @@ class VLLMEngine:
                 # partial request with Generator.set_offset, which CPU generators do not support
                 # ("CPU Generator does not use offset"): schedule whole prompts only.
                 enable_chunked_prefill=False,
+                tensor_parallel_size=tensor_parallel_size,
             )
             if max_num_seqs is not None:
                 kwargs["max_num_seqs"] = max_num_seqs
+            if own_process and torch.cuda.is_available():
+                # the engine's workers take this rank's device and the next tensor_parallel_size - 1 (the ranks it
+                # spans); the variable is read by the spawned processes only (restored on leaving the block)
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+                first = torch.cuda.current_device()
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[first:first + tensor_parallel_size])
             try:
                 self.llm = LLM(**kwargs)
             finally:

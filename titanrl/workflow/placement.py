@@ -2,7 +2,9 @@
 
 ``colocated``: every group is every rank (each rank generates, then trains). ``disaggregated``: the first
 ``rollout_ranks`` ranks form the ``rollout`` group (engines, rewards), the others the ``train`` group (models,
-FSDP over those ranks only); ``all`` is every rank. Plain data: the trainer makes the process groups.
+FSDP over those ranks only); ``all`` is every rank. With vLLM tensor parallelism over ``tp`` ranks, every
+``tp``-th rollout rank holds an engine (``engines``) and generation runs data-parallel over those. Plain data: the
+trainer makes the process groups.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ class Placement:
     world: int
     rollout: tuple[int, ...]
     train: tuple[int, ...]
+    tp: int = 1  # rollout ranks per engine
+
+    @property
+    def engines(self) -> tuple[int, ...]:
+        """The ranks that hold an engine and generate (the first of each ``tp`` rollout ranks)."""
+        return self.rollout[::self.tp]
 
     @property
     def disaggregated(self) -> bool:
@@ -33,20 +41,26 @@ class Placement:
     def describe(self) -> str:
         if not self.disaggregated:
             return f"colocated on {self.world} rank(s)"
-        return (f"disaggregated: rollout on ranks {_span(self.rollout)}, training on ranks {_span(self.train)}")
+        engines = f" ({len(self.engines)} engines of {self.tp} ranks)" if self.tp > 1 else ""
+        return (f"disaggregated: rollout on ranks {_span(self.rollout)}{engines}, training on ranks "
+                f"{_span(self.train)}")
 
 
 def _span(ranks: tuple[int, ...]) -> str:
     return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
 
 
-def plan_placement(kind: str, world: int, rollout_ranks: int = 0) -> Placement:
+def plan_placement(kind: str, world: int, rollout_ranks: int = 0, tp: int = 1) -> Placement:
     everyone = tuple(range(world))
     if kind == "colocated":
+        if tp != 1:
+            raise ValueError("vLLM tensor parallelism over ranks needs the disaggregated placement")
         return Placement(kind, world, everyone, everyone)
     if kind != "disaggregated":
         raise ValueError(f"unknown workflow.placement {kind!r}")
     if not 1 <= rollout_ranks < world:
         raise ValueError(f"workflow.rollout_ranks = {rollout_ranks} must be between 1 and {world - 1} "
                          f"(the ranks after it train) on {world} ranks")
-    return Placement(kind, world, everyone[:rollout_ranks], everyone[rollout_ranks:])
+    if rollout_ranks % tp:
+        raise ValueError(f"rollout.tensor_parallel_size = {tp} must divide workflow.rollout_ranks = {rollout_ranks}")
+    return Placement(kind, world, everyone[:rollout_ranks], everyone[rollout_ranks:], tp)

@@ -50,8 +50,10 @@ def _without_pixels(trajs: Sequence) -> list:
 def redistribute(batch: StepBatch | None, senders: frozenset[int], receivers: frozenset[int], *, rank: int,
                  step: int, media=None, device: torch.device = torch.device("cpu"), pixels: bool = True,
                  probe: bool = True) -> tuple[StepBatch | None, int]:
-    """Collective over every rank (messages on ``device``: NCCL moves device tensors only). ``batch``: this rank's output of the producing node (None where it did not run
-    it). Returns (the batch this rank receives - None outside ``receivers`` -, bytes this rank sent)."""
+    """Collective over every rank (messages on ``device``: NCCL moves device tensors only). ``batch``: this rank's
+    output of the producing node (None where it did not run it). Returns (the batch this rank receives - None
+    outside ``receivers`` -, bytes this rank sent). Two small all-gathers: the groups' costs (where each goes), then
+    their pickled sizes (which depend on where they go: pixels ride with a receiver's first group only)."""
     senders_, receivers_ = sorted(senders), sorted(receivers)
     groups = batch.groups() if rank in senders and batch is not None else {}
     costs = {g: group_cost(ts) for g, ts in groups.items()}

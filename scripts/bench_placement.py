@@ -60,9 +60,15 @@ def common_flags(model: str, steps: int) -> list[str]:
         "--parallelism.ulysses=none", "--rl.shared_prefix=true"]
 
 
-def run_one(ranks: int, placement: str, common: list[str]) -> dict:
-    extra = [] if placement == "colocated" else ["--workflow.placement=disaggregated",
-                                                 f"--workflow.rollout_ranks={ranks // 2}"]
+def placement_flags(ranks: int, placement: str) -> list[str]:
+    return [] if placement == "colocated" else ["--workflow.placement=disaggregated",
+                                                f"--workflow.rollout_ranks={ranks // 2}"]
+
+
+def run_one(ranks: int, placement: str, common: list[str], extra: list[str] | None = None, skip: int = 1) -> dict:
+    """One run; ``extra``: the flags of the variant (default: those of ``placement``); medians over the steps
+    after the first ``skip``."""
+    extra = placement_flags(ranks, placement) if extra is None else extra
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "-m", "titanrl.train", *common, *extra, f"--job.dump_folder={tmp}", "--job.name=run"]
@@ -74,8 +80,9 @@ def run_one(ranks: int, placement: str, common: list[str]) -> dict:
             sys.stderr.write((proc.stdout + proc.stderr)[-4000:] + "\n")
             raise SystemExit(f"run failed ({placement}, {ranks} ranks): {' '.join(cmd)}")
         records = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-    steady = records[1:] or records
-    keys = sorted({k for r in steady for k in r if k.startswith(("time/", "busy/", "step/", "workflow/"))}
+    steady = records[skip:] or records
+    keys = sorted({k for r in steady for k in r if k.startswith(("time/", "busy/", "step/", "workflow/", "idle/",
+                                                                 "async/"))}
                   | {"rollout/tokens"})
     shown = [a for a in cmd[3:] if not a.startswith("--job.dump_folder") and a != "--job.name=run"]
     return {"command": "OMP_NUM_THREADS=1 torchrun " + " ".join(shown), "run_wall_s": wall,

@@ -31,10 +31,17 @@ def summarize(records: dict[int, dict[str, float]]) -> dict[str, float | int | N
     band = [a for s, a in zip(steps, acc) if BAND[0] <= s <= BAND[1]]
     _, kl = _series(records, "kl")
     _, uniform = _series(records, "reward/uniform_group_fraction")  # absent in runs older than the metric
-    return {"uniform_last50": float(np.mean(uniform[-50:])) if uniform else None,
+    wall_steps, wall = _series(records, "step/wall_s")
+    elapsed = dict(zip(wall_steps, np.cumsum(wall).tolist()))
+    return {"reached_0.8_after_s": elapsed.get(reached) if reached is not None else None,
+            "wall_s": elapsed.get(steps[-1]) if elapsed else None,"uniform_last50": float(np.mean(uniform[-50:])) if uniform else None,
             "steps": steps[-1], "reached_0.8_at": reached, "band_min": min(band) if band else None,
             "band_mean": float(np.mean(band)) if band else None, "final_accuracy": acc[-1],
             "kl_max": max(kl) if kl else None, "kl_final": kl[-1] if kl else None}
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.0f}"
 
 
 def main() -> None:
@@ -46,6 +53,8 @@ def main() -> None:
     parser.add_argument("--settings", default="", help="how the runs were launched, for the summary")
     parser.add_argument("--title", default="GRPO on the synthetic colour task, tiny Qwen2.5-VL (CPU, vLLM rollouts)",
                         help="the plot's title")
+    parser.add_argument("--wall", action="store_true",
+                        help="a second panel against the runs' summed step wall time (step/wall_s), and its columns")
     parser.add_argument("--table-only", nargs="*", default=[], metavar="LABEL=METRICS",
                         help="runs listed in the summary table but not drawn (variants of the default)")
     args = parser.parse_args()
@@ -58,9 +67,16 @@ def main() -> None:
     out = Path(args.out)
     labels = args.labels or [f"seed {i}" for i in range(len(args.metrics))]
     runs = [read_metrics(Path(m)) for m in args.metrics]
-    fig, ax = plt.subplots(figsize=(8 if len(runs) <= 4 else 12, 4.2))
+    if args.wall:
+        fig, (ax, wax) = plt.subplots(1, 2, figsize=(14, 4.2))
+    else:
+        fig, ax = plt.subplots(figsize=(8 if len(runs) <= 4 else 12, 4.2))
     for label, records in zip(labels, runs):
         steps, acc = _series(records, "reward/accuracy")
+        if args.wall:
+            wall_steps, wall = _series(records, "step/wall_s")
+            elapsed = dict(zip(wall_steps, np.cumsum(wall).tolist()))
+            wax.plot([elapsed[s] for s in steps], acc, lw=0.9, alpha=0.9, label=label)
         # runs of older code (labelled "before ...") drawn faint, so the current ones stay readable
         old = "before" in label
         ax.plot(steps, acc, lw=0.6 if old else 0.9, alpha=0.35 if old else 0.9, ls="--" if old else "-",
@@ -73,6 +89,12 @@ def main() -> None:
     ax.set_xlabel("RL step")
     ax.set_ylim(0, 1.02)
     ax.set_title(args.title)
+    if args.wall:
+        wax.axhline(TARGET, color="green", ls="--", lw=0.8)
+        wax.set_xlabel("seconds (sum of the steps' wall time)")
+        wax.set_ylim(0, 1.02)
+        wax.set_title("the same runs against wall-clock time")
+        wax.legend(loc="lower right", fontsize=7)
     if len(runs) <= 4:
         ax.legend(loc="lower right", fontsize=7)
     else:
@@ -86,8 +108,9 @@ def main() -> None:
              f"(plot: `{out.name}.png`, first run's metrics: `{out.name}.jsonl`).", "",
              *([args.settings, ""] if args.settings else []),
              "| run | steps | 10-step mean accuracy >= 0.8 from step | accuracy min / mean, steps 150-300 "
-             "| final accuracy | KL max / final | groups with one reward, last 50 steps |",
-             "|---|---|---|---|---|---|---|"]
+             "| final accuracy | KL max / final | groups with one reward, last 50 steps |"
+             + (" reached 0.8 after (s) | steps' wall time (s) |" if args.wall else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if args.wall else "")]
     table_only = [spec.split("=", 1) for spec in args.table_only]
     if any(len(pair) != 2 for pair in table_only):
         parser.error("--table-only takes LABEL=METRICS pairs")
@@ -97,7 +120,7 @@ def main() -> None:
         uniform = "-" if s["uniform_last50"] is None else f"{100 * s['uniform_last50']:.0f}%"
         lines.append(f"| {label} | {s['steps']} | {s['reached_0.8_at'] or 'not reached'} | {band} | "
                      f"{s['final_accuracy']:.3f} | {s['kl_max']:.1f} / {s['kl_final']:.1f} | "
-                     f"{uniform} |")
+                     f"{uniform} |" + (f" {_s(s['reached_0.8_after_s'])} | {_s(s['wall_s'])} |" if args.wall else ""))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     shutil.copyfile(args.metrics[0], out.with_suffix(".jsonl"))
     print(f"wrote {out.with_suffix('.png')} and {out.with_suffix('.md')} ({len(runs)} runs)")

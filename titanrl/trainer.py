@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 
@@ -93,8 +94,10 @@ class Trainer:
         process_groups = ({"rollout": new_group(self.placement.rollout, timeout),
                            "train": new_group(self.placement.train, timeout)} if self.placement.disaggregated else {})
         self.train_group = process_groups.get("train")
+        # asynchronous: the producing nodes (data, rollout, reward) run workflow.max_staleness batches ahead
+        lead = cfg.workflow.max_staleness if cfg.workflow.mode == "async" else 0
         self.executor = Executor(self.workflow, bind_functions(self.workflow), info.rank, self.placement.groups(),
-                                 move=self._move, process_groups=process_groups)
+                                 move=self._move, process_groups=process_groups, lead=lead)
         self.train_info = DistInfo(self.placement.train_rank(info.rank), len(self.placement.train), info.local_rank,
                                    info.device)
         self.control = RunControl(info.rank)
@@ -162,7 +165,9 @@ class Trainer:
             groups=ulysses_groups, process_group=self.train_group,
             vision=VisionBalancing(enabled=vision_balance, cost_model=cost_model, group=vision_group),
         ) if self.trains else None
-        self.policy_loss = build_policy_loss(cfg.rl)
+        # asynchronous: the decoupled objective against the rollout engine's log-probs (rl.behaviour_weight_cap)
+        self.off_policy = cfg.workflow.mode == "async" and cfg.rl.behaviour_weight_cap > 0
+        self.policy_loss = build_policy_loss(cfg.rl, off_policy=self.off_policy)
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.policy_loss = torch.compile(self.policy_loss, backend=cfg.compile.backend, dynamic=cfg.compile.dynamic)
         self.probe_violations = 0
@@ -210,15 +215,19 @@ class Trainer:
             model=self.model,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
-            dataloader=CallbackState(self.loader.state_dict, self.loader.load_state_dict),
+            dataloader=CallbackState(self._loader_state, self.loader.load_state_dict),
             extra_states={
                 "trainer": CallbackState(lambda: {"step": self.step}, self._load_trainer_state),
                 "rng": RNGState(info.rank),
+                # asynchronous: the batches generated ahead and not yet trained, per rank
+                "in_flight": CallbackState(self._in_flight_state, self._load_in_flight),
                 **critic_states,
             },
         )
         self._resources.callback(self.checkpointer.close)
+        self._saved_in_flight: dict = {}
         if cfg.checkpoint.enable and cfg.checkpoint.resume and self.checkpointer.load():
+            self._restore_in_flight()
             # The engine started from the initial checkpoint: give it the resumed weights.
             self.pusher.push(self.model, self.engine)
             if info.is_main:
@@ -248,6 +257,32 @@ class Trainer:
 
     def _load_trainer_state(self, state: dict) -> None:
         self.step = int(state["step"])
+
+    def _loader_state(self) -> dict:
+        """The loader's position after the last step trained: with batches in flight (asynchronous), where the
+        first of them was handed out (a resume hands them out again and takes their trajectories from the
+        checkpoint)."""
+        first = min(self.executor.in_flight, default=None)
+        if first is not None and self.executor.in_flight[first].media is not None:
+            return self.executor.in_flight[first].media.resume_state
+        return self.loader.state_dict()
+
+    def _in_flight_state(self) -> dict:
+        state = self.executor.in_flight_state()
+        return {f"rank{self.info.rank}": pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL) if state else b""}
+
+    def _load_in_flight(self, state: dict) -> None:
+        blob = state.get(f"rank{self.info.rank}", b"")
+        self._saved_in_flight = pickle.loads(blob) if blob else {}
+
+    def _restore_in_flight(self) -> None:
+        """After a checkpoint is loaded: the batches that were in flight (the loader hands each out again, for
+        its media; the trajectories are the checkpoint's). Those past this run's lead are dropped (the loader
+        stays before them: they are generated again with newer weights)."""
+        keep = {s: b for s, b in self._saved_in_flight.items() if s < self.step + self.executor.lead}
+        media = {s: self.loader.next_step() for s in sorted(keep)}
+        self.executor.restore_in_flight(keep, media)
+        self._saved_in_flight = {}
 
     # ------------------------------------------------------------------ data
 
@@ -280,7 +315,7 @@ class Trainer:
         # busy: this process's CPU time, and its engine's working time where that runs in child processes
         clock = BusyClock(self.info.device, extra=getattr(self.engine, "busy_outside_s", None))
         timer = StageTimer(self.info.rank, self.cfg.job.collective_timeout_s, clock=clock)
-        buffer = self.executor.run_step(self.step, self, timer)
+        buffer = self.executor.run_step(self.step, self, timer, last=self.cfg.job.steps)
         self.step += 1
         if self.cfg.metrics.dump_tensors and self.trains:  # the training ranks hold every trajectory once
             trajs = buffer.outputs["reward"].trajectories if "reward" in buffer.outputs else []

@@ -33,6 +33,7 @@ class Trajectory:
     old_logprobs: torch.Tensor | None = None  # [R]
     ref_logprobs: torch.Tensor | None = None  # [R]
     extras: dict = field(default_factory=dict)
+    version: int = 0  # the policy version (updates pushed to the engine) that generated the response
 
     @property
     def num_tokens(self) -> int:

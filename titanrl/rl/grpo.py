@@ -94,6 +94,8 @@ class PolicyLossOutput:
     kl: torch.Tensor  # contribution to the mean KL (detached)
     clip_fraction: torch.Tensor  # contribution to the mean fraction of clipped tokens (detached)
     entropy: torch.Tensor  # contribution to the mean entropy (detached)
+    behaviour_weight: torch.Tensor | None = None  # contribution to the mean importance weight (detached)
+    behaviour_truncated: torch.Tensor | None = None  # contribution to the share of tokens at the cap (detached)
 
 
 @dataclass
@@ -120,16 +122,32 @@ def ppo_clip_loss(
     kl_estimator: KLEstimator = "k3",
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    behaviour_logp: torch.Tensor | None = None,
+    behaviour_cap: float = 0.0,
 ) -> PolicyLossOutput:
     """Clipped surrogate: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) per token, with
     r = pi / pi_old, plus ``kl_coef`` x KL to the reference policy, minus ``entropy_coef`` x entropy.
-    ``advantages`` is per token (a sequence's advantage repeated over its tokens)."""
+    ``advantages`` is per token (a sequence's advantage repeated over its tokens).
+
+    Off-policy (``behaviour_logp``: the log-probs of the policy that sampled the tokens, older than ``old_logp``,
+    the proximal policy): the decoupled objective (AReaL; Hilton et al., "Batch size-invariance for policy
+    optimization"): each token's clipped term is multiplied by w = min(pi_old / pi_behaviour, behaviour_cap)
+    (truncated importance sampling; no gradient through w), so the clip keeps the update near the proximal policy
+    while w corrects for the distribution the tokens came from. When the behaviour policy is the proximal one
+    (no lag), w = 1 and this is the on-policy objective."""
     agg = dict(seq_index=seq_index, seq_lengths=seq_lengths, mode=mode, global_tokens=global_tokens,
                global_seqs=global_seqs)
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     pg_tokens = torch.maximum(unclipped, clipped)
+    weight_mean = truncated = None
+    if behaviour_logp is not None and behaviour_cap > 0:
+        raw = torch.exp((old_logp.detach() - behaviour_logp).clamp(-20.0, 20.0))
+        weight = raw.clamp(max=behaviour_cap)
+        pg_tokens = pg_tokens * weight
+        weight_mean = aggregate(weight, **agg).detach()
+        truncated = aggregate((raw > behaviour_cap).float(), **agg).detach()
     pg_loss = aggregate(pg_tokens, **agg)
     loss = pg_loss
     kl_value = torch.zeros((), device=logp.device)
@@ -147,13 +165,15 @@ def ppo_clip_loss(
         ent_value = ent_term.detach()
     clip_frac = aggregate((clipped > unclipped).float(), **agg).detach()
     return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl_value, clip_fraction=clip_frac,
-                            entropy=ent_value)
+                            entropy=ent_value, behaviour_weight=weight_mean, behaviour_truncated=truncated)
 
 
-def build_policy_loss(rl) -> Callable[..., PolicyLossOutput]:
+def build_policy_loss(rl, *, off_policy: bool = False) -> Callable[..., PolicyLossOutput]:
     """``ppo_clip_loss`` with the run's objective settings (an ``RLConfig``) bound; the caller gives
-    the per-token tensors and the minibatch's global normalisers."""
+    the per-token tensors and the minibatch's global normalisers (and, ``off_policy``: an asynchronous run,
+    ``behaviour_logp``, weighted with ``rl.behaviour_weight_cap``)."""
     return functools.partial(
         ppo_clip_loss, clip_low=rl.clip_low, clip_high=rl.clip_high, mode=rl.loss_agg, kl_coef=rl.kl_coef,
         kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef,
+        behaviour_cap=rl.behaviour_weight_cap if off_policy else 0.0,
     )

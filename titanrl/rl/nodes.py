@@ -50,10 +50,10 @@ def load_prompts(batch, ctx):
 
 def generate(batch, ctx):
     r = ctx.cfg.rollout
-    # Seeds depend on the step and each prompt's global position, never on the rank that samples it: any
-    # world size draws the same responses.
+    # Seeds depend on the batch's step and each prompt's global position, never on the rank that samples it
+    # (any world size draws the same responses) nor on when it is generated (asynchronous runs generate ahead).
     requests = [RolloutRequest.from_prepared(p, ctx.encoder, key=f"{pos}:{p.record.id}") for pos, p in batch.prompts]
-    seed = (r.seed if r.seed is not None else ctx.cfg.job.seed) * 1_000_003 + ctx.step
+    seed = (r.seed if r.seed is not None else ctx.cfg.job.seed) * 1_000_003 + batch.step
     results = ctx.engine.generate(
         requests, n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, seed=seed
     ) if requests else []
@@ -63,7 +63,7 @@ def generate(batch, ctx):
             batch.trajectories.append(Trajectory(
                 prompt=prompt, group=group, response_index=k, response_ids=np.asarray(s.token_ids, dtype=np.int64),
                 rollout_logprobs=np.asarray(s.logprobs, dtype=np.float32), finish_reason=s.finish_reason,
-                response_text=text,
+                response_text=text, version=ctx.step,  # the engine holds the weights of the updates done so far
             ))
 
 
@@ -130,7 +130,7 @@ def _loss(ctx):
         adv = inputs.fields["advantages"] if "advantages" in inputs.fields else inputs.advantages
         return ctx.policy_loss(out.logprobs, old, adv, inputs.seq_index, inputs.seq_lengths,
                                global_tokens=global_tokens, global_seqs=global_seqs, ref_logp=ref,
-                               entropy=out.entropy)
+                               entropy=out.entropy, behaviour_logp=inputs.fields.get("rollout_logprobs"))
     return loss
 
 
@@ -141,7 +141,10 @@ def train_actor(batch, ctx):
     fields = ("old_logprobs", "ref_logprobs") if ctx.ref_model is not None else ("old_logprobs",)
     if rl.algorithm == "ppo":
         fields += ("advantages",)
-    sums = {"pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    if ctx.off_policy:  # the behaviour policy's log-probs (the engine's) for the decoupled objective
+        fields += ("rollout_logprobs",)
+    sums = {"pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "grad_norm": 0.0,
+            "behaviour_weight": 0.0, "behaviour_truncated": 0.0}
     steps = 0
     loss_fn = _loss(ctx)
     for epoch in range(rl.ppo_epochs):
@@ -150,8 +153,9 @@ def train_actor(batch, ctx):
             first = epoch == 0 and m == 0 and old_from_first_forward(cfg)
             use = tuple(f for f in fields if f != "old_logprobs") if first else fields
             for res in ctx.stages.train_minibatch(ctx.model, ids, use, loss_fn, temperature=cfg.rollout.temperature):
-                for k in ("pg_loss", "kl", "clip_fraction", "entropy"):
-                    sums[k] += getattr(res, k).item()
+                for k in ("pg_loss", "kl", "clip_fraction", "entropy", "behaviour_weight", "behaviour_truncated"):
+                    if getattr(res, k) is not None:
+                        sums[k] += getattr(res, k).item()
             max_norm = cfg.optimizer.max_grad_norm or float("inf")
             norm = torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), max_norm)
             sums["grad_norm"] += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -159,7 +163,8 @@ def train_actor(batch, ctx):
             ctx.optimizer.zero_grad(set_to_none=True)
             steps += 1
     ctx.lr_scheduler.step()
-    reduced = all_reduce_sum(torch.tensor([sums["pg_loss"], sums["kl"], sums["clip_fraction"], sums["entropy"]],
+    reduced = all_reduce_sum(torch.tensor([sums["pg_loss"], sums["kl"], sums["clip_fraction"], sums["entropy"],
+                                           sums["behaviour_weight"], sums["behaviour_truncated"]],
                                           dtype=torch.float64), group=batch.group)
     ctx.model.eval()
     batch.metrics.update({
@@ -167,6 +172,9 @@ def train_actor(batch, ctx):
         "clip_fraction": reduced[2].item() / steps, "entropy": reduced[3].item() / steps,
         "grad_norm": sums["grad_norm"] / steps, "lr": ctx.lr_scheduler.get_last_lr()[0],
     })
+    if ctx.off_policy:  # the truncated importance weights' token mean, and the share of tokens at the cap
+        batch.metrics["async/behaviour_weight_mean"] = reduced[4].item() / steps
+        batch.metrics["async/behaviour_weight_truncated"] = reduced[5].item() / steps
 
 
 # ---------------------------------------------------------------------------------- weights

@@ -92,8 +92,10 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> dict[str, float]:
     # one all-gather of what each rank holds: rewards, sources, node numbers, busy and wall-clock seconds
     media = buffer.media
     fetches = dict(media.fetch_counts) if media is not None and ctx.cfg.data.loader == "shadow" else {}
+    # how many policy versions each trained response lags the policy it trains (0 synchronous)
+    lags = [ctx.step - 1 - t.version for t in trajs]
     gathered = all_gather_objects((reward_sums(t.extras["reward"] for t in trajs), source_sums(trajs), stats,
-                                   timer.busy, timer.times, fetches))
+                                   timer.busy, timer.times, fetches, (sum(lags), max(lags, default=0))))
     n = max(total[2].item(), 1.0)
     stats = merge_stats([g[2] for g in gathered])
     # every rank's busy seconds per stage: the step time a perfect schedule would reach
@@ -102,6 +104,12 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> dict[str, float]:
         for name, ranks in (("rollout", ctx.placement.rollout), ("train", ctx.placement.train)):
             stats[f"busy/{name}_ranks_s"] = sum(sum(gathered[r][3].values()) for r in ranks) / len(ranks)
     stats["step/wall_s"] = all_reduce_max(wall_s)
+    if ctx.placement.disaggregated:  # and the seconds each group waits for the other
+        for name in ("rollout", "train"):
+            stats[f"idle/{name}_ranks_s"] = max(stats["step/wall_s"] - stats[f"busy/{name}_ranks_s"], 0.0)
+    if ctx.cfg.workflow.mode == "async":
+        stats["async/staleness_mean"] = sum(g[6][0] for g in gathered) / n
+        stats["async/staleness_max"] = float(max(g[6][1] for g in gathered))
     if ctx.cfg.data.loader == "shadow":
         stats.update(host_metrics([g[5] for g in gathered]))
     times = {k: max(g[4].get(k, 0.0) for g in gathered) for k in dict.fromkeys(k for g in gathered for k in g[4])}

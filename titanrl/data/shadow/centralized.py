@@ -106,7 +106,8 @@ class CentralizedLoader:
         self._fill(self.prefetch_batches)
         self.stats["steps"] += 1
         return StepData(planned.step, planned.metas, planned.assignment, self.rank,
-                        _materialize=lambda: self._materialize(planned))
+                        _materialize=lambda: self._materialize(planned),
+                        resume_state={"version": STATE_VERSION, "proxy": planned.state})
 
     def _decode_batch(
         self, metas: list[SampleMeta], assignment: list[list[int]]

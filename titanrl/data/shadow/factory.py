@@ -89,7 +89,10 @@ def build_shadow_loader(cfg: "JobConfig", table: MetadataTable, settings: MediaS
     except BaseException:
         ray_runtime.shutdown(session, comm)
         raise
-    return ShadowLoader(table, settings, session, comm, prefetch_batches=d.prefetch_batches,
+    # asynchronous: the training ranks fetch frames of a step the rollout ranks handed out max_staleness steps
+    # before, so its samples stay held that long
+    hold = cfg.workflow.max_staleness + 1 if cfg.workflow.mode == "async" else 1
+    return ShadowLoader(table, settings, session, comm, prefetch_batches=d.prefetch_batches, hold_steps=hold,
                         fetch_timeout_s=d.fetch_timeout_s, **loader_kwargs)
 
 

@@ -12,6 +12,9 @@ decode and transfer run while step t computes; ``materialize()`` then just retur
 moves on to step t+1 it releases step t's samples, and a preprocessor drops a sample once every
 consumer has released it.
 
+With ``hold_steps`` = h > 1 a rank keeps its samples of the last h steps handed out (an asynchronous run: the
+training ranks fetch frames of a step the rollout ranks handed out up to h - 1 steps before).
+
 ``state_dict()`` counts only steps handed out by ``next_step()``; ``load_state_dict`` drops the
 planned-ahead steps and replans from the restored position (or keeps them, when the state is the
 position the loader is already at).
@@ -58,6 +61,7 @@ class ShadowLoader:
         prefetch_batches: int = 2,
         on_bad_sample: str = "skip",
         fetch_timeout_s: float = 300.0,
+        hold_steps: int = 1,
     ) -> None:
         self.table = table
         self.settings = settings
@@ -74,7 +78,8 @@ class ShadowLoader:
             here=session.host_of_node(session.node_id))
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shadow-fetch")
         self._plans: collections.OrderedDict[int, StepPlan] = collections.OrderedDict()
-        self._current: StepPlan | None = None
+        self._held: collections.deque[StepPlan] = collections.deque()  # handed out, not yet released
+        self.hold_steps = max(1, hold_steps)
         self._closed = False
         self.stats: dict[str, float] = {"steps": 0, "wait_s": 0.0, "plan_s": 0.0}
 
@@ -142,16 +147,17 @@ class ShadowLoader:
         """The next step's global batch; its decode was started ``prefetch_batches`` steps ago."""
         if self._closed:
             raise RuntimeError("ShadowLoader is closed")
-        if self._current is not None:
-            self._release(self._current)
+        while len(self._held) >= self.hold_steps:
+            self._release(self._held.popleft())
         self._fill(1)
         _, plan = self._plans.popitem(last=False)
-        self._current = plan
+        self._held.append(plan)
         self._fill(self.prefetch_batches)  # steps t+1 .. t+prefetch_batches decode while t computes
         self.stats["steps"] += 1
         return StepData(plan.step, plan.metas, plan.assignment, self.rank, fetch_counts=plan.counts,
                         _materialize=lambda: self._materialize(plan),
-                        _fetch_slices=lambda phs, stats=None: self._fetch_slices(plan, phs, stats))
+                        _fetch_slices=lambda phs, stats=None: self._fetch_slices(plan, phs, stats),
+                        resume_state={"version": STATE_VERSION, "proxy": plan.state})
 
     def _materialize(self, plan: StepPlan) -> list[Materialized | BadSample]:
         t0 = time.perf_counter()
@@ -198,7 +204,7 @@ class ShadowLoader:
         import ray
 
         self._executor.shutdown(wait=False, cancel_futures=True)
-        plans = list(self._plans.values()) + ([self._current] if self._current else [])
+        plans = list(self._plans.values()) + list(self._held)
         running = [p.future for p in plans if p.future is not None and not p.future.done()]
         concurrent.futures.wait(running, timeout=10.0)  # bounded: a stuck fetch must not block tear-down
         refs = [ref for plan in plans for ref in self._release(plan)]

@@ -85,6 +85,9 @@ class StepData:
     # this rank's fetches of the step by origin (ShadowLoader): samples_local / samples_remote (whole
     # samples from this host's preprocessor / another host's), slice_frames_local / slice_frames_remote
     fetch_counts: dict[str, float] = field(default_factory=dict)
+    # the loader's state_dict() positioned at this step (before it was handed out): resuming there hands it
+    # out again (an asynchronous run's checkpoint holds steps already handed out but not yet trained)
+    resume_state: dict | None = None
 
     @property
     def mine(self) -> list[int]:

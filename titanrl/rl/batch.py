@@ -33,7 +33,8 @@ class Trajectory:
     old_logprobs: torch.Tensor | None = None  # [R]
     ref_logprobs: torch.Tensor | None = None  # [R]
     extras: dict = field(default_factory=dict)
-    version: int = 0  # the policy version (updates pushed to the engine) that generated the response
+    version: int = 0  # the policy version (updates pushed to the engine) that generated its first token
+    token_versions: np.ndarray | None = None  # int32 [R]: the version of each token (partial rollouts: rising)
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,8 @@ PER_TOKEN = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "retu
 def trajectory_record(t) -> dict:
     rec = {"response_ids": np.asarray(t.response_ids).copy(), "reward": float(t.reward),
            "advantage": float(t.advantage)}
+    if getattr(t, "token_versions", None) is not None:
+        rec["token_versions"] = np.asarray(t.token_versions).copy()
     for name in PER_TOKEN:
         value = getattr(t, name, None)
         if value is not None:

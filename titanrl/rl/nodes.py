@@ -17,6 +17,8 @@ loader, the stage runner. ``batch`` is this rank's share of the step (``titanrl.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -53,18 +55,66 @@ def generate(batch, ctx):
     # Seeds depend on the batch's step and each prompt's global position, never on the rank that samples it
     # (any world size draws the same responses) nor on when it is generated (asynchronous runs generate ahead).
     requests = [RolloutRequest.from_prepared(p, ctx.encoder, key=f"{pos}:{p.record.id}") for pos, p in batch.prompts]
-    seed = (r.seed if r.seed is not None else ctx.cfg.job.seed) * 1_000_003 + batch.step
-    results = ctx.engine.generate(
-        requests, n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, seed=seed
-    ) if requests else []
+    sampling = dict(temperature=r.temperature, top_p=r.top_p,
+                    seed=(r.seed if r.seed is not None else ctx.cfg.job.seed) * 1_000_003 + batch.step)
+    budget = min(r.tokens_per_update or r.max_new_tokens, r.max_new_tokens)
+    results = ctx.engine.generate(requests, n=r.n, max_new_tokens=budget, **sampling) if requests else []
+    groups = {}
     for (group, prompt), samples in zip(batch.prompts, results):
-        for k, s in enumerate(samples):
-            text = ctx.encoder.tokenizer.decode(s.token_ids, skip_special_tokens=True)
-            batch.trajectories.append(Trajectory(
-                prompt=prompt, group=group, response_index=k, response_ids=np.asarray(s.token_ids, dtype=np.int64),
-                rollout_logprobs=np.asarray(s.logprobs, dtype=np.float32), finish_reason=s.finish_reason,
-                response_text=text, version=ctx.step,  # the engine holds the weights of the updates done so far
-            ))
+        # the engine holds the weights of the updates done so far: that is every token's version
+        groups[group] = [Trajectory(
+            prompt=prompt, group=group, response_index=k, response_ids=np.asarray(s.token_ids, dtype=np.int64),
+            rollout_logprobs=np.asarray(s.logprobs, dtype=np.float32), finish_reason=s.finish_reason,
+            version=ctx.step, token_versions=np.full(len(s.token_ids), ctx.step, dtype=np.int32),
+        ) for k, s in enumerate(samples)]
+    if r.tokens_per_update:
+        groups = continue_partial(groups, batch, ctx, sampling, budget)
+    for trajs in groups.values():
+        for t in trajs:
+            t.response_text = ctx.encoder.tokenizer.decode(t.response_ids.tolist(), skip_special_tokens=True)
+            batch.trajectories.append(t)
+
+
+def _finished(t, max_new_tokens: int) -> bool:
+    return t.finish_reason == "stop" or len(t.response_ids) >= max_new_tokens
+
+
+def continue_partial(fresh: dict, batch, ctx, sampling: dict, budget: int) -> dict:
+    """Partial rollouts: the unfinished responses of the groups earlier steps left (``ctx.partial_rollouts``)
+    continue with the engine's current weights, up to ``budget`` more tokens each; returns the groups whose
+    responses have all finished (trained this step) and keeps the others for the next step. A carried group
+    takes a new id in this step's batch (its id plus the global batch size: the same minibatch, since the batch
+    size is a multiple of the minibatch count)."""
+    max_new = ctx.cfg.rollout.max_new_tokens
+    size = ctx.cfg.rl.global_batch_size
+    carried = {}
+    for group, trajs in sorted(ctx.partial_rollouts.items()):
+        for t in trajs:
+            t.group = group + size
+        carried[group + size] = trajs
+    todo: dict[int, list] = {}
+    for trajs in carried.values():
+        for t in trajs:
+            if not _finished(t, max_new):
+                todo.setdefault(min(budget, max_new - len(t.response_ids)), []).append(t)
+    for tokens, trajs in sorted(todo.items()):
+        requests = [replace(RolloutRequest.from_prepared(t.prompt, ctx.encoder,
+                                                         key=f"c{t.group}:{t.prompt.record.id}:{t.response_index}"),
+                            response_prefix=tuple(int(x) for x in t.response_ids)) for t in trajs]
+        for t, (s,) in zip(trajs, ctx.engine.generate(requests, n=1, max_new_tokens=tokens, **sampling)):
+            t.response_ids = np.concatenate([t.response_ids, np.asarray(s.token_ids, dtype=np.int64)])
+            t.rollout_logprobs = np.concatenate([t.rollout_logprobs, np.asarray(s.logprobs, dtype=np.float32)])
+            t.token_versions = np.concatenate([t.token_versions, np.full(len(s.token_ids), ctx.step, dtype=np.int32)])
+            t.finish_reason = s.finish_reason
+    groups = {**carried, **fresh}
+    ready = {g: ts for g, ts in groups.items() if all(_finished(t, max_new) for t in ts)}
+    ctx.partial_rollouts = {g: ts for g, ts in groups.items() if g not in ready}
+    continued = sum(len(ts) for g, ts in ready.items() if g in carried)
+    totals = all_reduce_sum(torch.tensor([continued, len(ctx.partial_rollouts)], dtype=torch.float64),
+                            group=batch.group)
+    batch.metrics["rollout/continued_responses"] = totals[0].item()  # trained responses begun in earlier steps
+    batch.metrics["rollout/unfinished_groups"] = totals[1].item()  # groups left for the next step
+    return ready
 
 
 def score(batch, ctx):

@@ -139,7 +139,8 @@ class HFGenerateEngine:
 
     def _generate_batch(self, requests: Sequence[RolloutRequest], *, n: int, temperature: float, top_p: float,
                         max_new_tokens: int, seed: int) -> list[list[RolloutSample]]:
-        prompts = [np.asarray(r.prompt_ids, dtype=np.int64) for r in requests]
+        prompts = [np.concatenate([np.asarray(r.prompt_ids, dtype=np.int64), np.asarray(r.response_prefix, dtype=np.int64)])
+                   for r in requests]
         width = max(len(p) for p in prompts)
         ids = np.full((len(prompts), width), self.pad_id, dtype=np.int64)  # left padding
         mask = np.zeros((len(prompts), width), dtype=np.int64)

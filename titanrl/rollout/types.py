@@ -39,6 +39,8 @@ class RolloutRequest:
     grids: list[VisionGrid] = field(default_factory=list)  # one per media item
     pixel_values: np.ndarray | None = None  # [sum of grid patches, patch_dim]; HF engine / checks
     key: str | None = None
+    # partial rollouts: the response so far (token ids); the engine continues it (with the weights it has now)
+    response_prefix: tuple[int, ...] = ()
 
     @classmethod
     def from_prepared(

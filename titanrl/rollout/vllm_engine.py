@@ -343,7 +343,7 @@ class VLLMEngine:
     ) -> list[list[RolloutSample]]:
         if not requests:
             return []
-        prompts = [self._prompt(r) for r in requests]
+        prompts = [self._prompt(r, r.response_prefix or None) for r in requests]
         params = [
             self._SamplingParams(
                 n=n,
@@ -361,7 +361,7 @@ class VLLMEngine:
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
         result = []
         for i, (request, out) in enumerate(zip(requests, outputs)):
-            self._check(request, out.prompt_token_ids, i)
+            self._check(request, out.prompt_token_ids, i, extra=request.response_prefix)
             samples = []
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)

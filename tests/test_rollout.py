@@ -363,3 +363,28 @@ def test_vllm_rejects_bad_weights_and_keeps_working(vllm_engine, tiny_ckpt, requ
         vllm_engine.load_weights(tmp_path)
     after = vllm_engine.generate(reqs, seed=31, **SAMPLING)
     assert [[s.token_ids for s in g] for g in after] == [[s.token_ids for s in g] for g in before]
+
+
+@pytest.mark.slow
+def test_a_response_continued_from_its_prefix_equals_the_whole_generation(vllm_engine, tiny_ckpt, requests_):
+    """Partial rollouts (rollout.tokens_per_update): an engine given the response so far as a prefix continues it;
+    greedy, 3 tokens then the rest from that prefix give the tokens and log-probs of 8 tokens at once (vLLM and
+    the HF engine; image, text and video prompts; the prefix's ids are checked against the trainer's)."""
+    from titanrl.rollout.hf_engine import HFGenerateEngine
+
+    reqs = list(requests_.values())
+    greedy = dict(n=1, temperature=0.0, top_p=1.0, seed=0)
+    for engine in (vllm_engine, HFGenerateEngine(tiny_ckpt, fps=FPS, max_frames=MAX_FRAMES)):
+        whole = [g[0] for g in engine.generate(reqs, max_new_tokens=8, **greedy)]
+        head = [g[0] for g in engine.generate(reqs, max_new_tokens=3, **greedy)]
+        continued = 0
+        for req, w, h in zip(reqs, whole, head):
+            assert h.token_ids == w.token_ids[:3]
+            if h.finish_reason == "stop":
+                continue
+            (tail,) = engine.generate([dataclasses.replace(req, response_prefix=tuple(h.token_ids))],
+                                      max_new_tokens=5, **greedy)[0]
+            assert h.token_ids + tail.token_ids == w.token_ids and tail.finish_reason == w.finish_reason
+            assert np.allclose(h.logprobs + tail.logprobs, w.logprobs, atol=TOL)
+            continued += 1
+        assert continued >= 2, type(engine).__name__

@@ -217,7 +217,7 @@ def test_slice_loading_each_encoder_loads_exactly_its_frames(ray_session, tiny_c
         # from the cache); wait for it here to test the decode path.
         import ray
 
-        ray.get(loader._release(loader._current))
+        ray.get(loader._release(loader._held[-1]))  # the step handed out last
         loader.next_step()
         pos, item = next(k for k, s in shapes.items() if not s.is_image and whole[k[0]].grids[k[1]].t >= 2)
         late = StepSlices(step)

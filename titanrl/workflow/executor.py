@@ -202,8 +202,9 @@ class Executor:
 
     def in_flight_state(self) -> dict[int, dict[str, StepBatch]]:
         """The batches in flight on this rank: the frontier outputs (no media, no process group)."""
+        keep = set(self.frontier())
         return {step: {i: StepBatch(step, b.prompts, b.trajectories, None, dict(b.metrics))
-                       for i, b in buf.outputs.items() if i in self.frontier()}
+                       for i, b in buf.outputs.items() if i in keep}
                 for step, buf in sorted(self.in_flight.items())}
 
     def restore_in_flight(self, state: dict[int, dict[str, StepBatch]], media: dict[int, Any]) -> None:

@@ -27,7 +27,7 @@ from titanrl.distributed import DistInfo, build_dp_mesh, build_ulysses_groups, n
 from titanrl.metrics import MetricsLogger, format_summary
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel
 from titanrl.optim import build_lr_scheduler, build_optimizer
-from titanrl.parallel.balance import karmarkar_karp
+from titanrl.parallel.balance import balance_ranks
 from titanrl.parallel.parallelize import CompileOptions, build_parallel_model
 from titanrl.parallel.ulysses import resolve_ulysses
 from titanrl.rl.dump import dump_step
@@ -83,6 +83,8 @@ class Trainer:
         self.workflow = resolve_workflow(cfg)
         self.placement = plan_placement(cfg.workflow.placement, info.world_size, cfg.workflow.rollout_ranks,
                                         cfg.rollout.tensor_parallel_size)
+        # relative rank speeds (balance.rank_speeds; None: equal): work in proportion on every split across ranks
+        self.rank_speeds = cfg.balance.speeds()
         if info.is_main:
             say(f"[titanrl] workflow ({cfg.rl.algorithm}, {self.placement.describe()}; node [role/type on ranks] = "
                 "function(inputs)):\n" + self.workflow.describe())
@@ -151,6 +153,7 @@ class Trainer:
             self.critic = (self._build_model(mesh, trainable=True, value_head=True, path=cfg.critic.path or None)
                            if cfg.rl.algorithm == "ppo" else None)
         cost_model = build_cost_model(self.args, cfg.balance.cost_model)
+        train_speeds = tuple(self.rank_speeds[r] for r in self.placement.train) if self.rank_speeds else None
         # process groups are made by every rank of the job, also those outside the training group
         ulysses_groups = (build_ulysses_groups(tinfo.rank, tinfo.world_size, self.ulysses.degrees, info.device,
                                                timeout_s=timeout, ranks=self.placement.train)
@@ -163,8 +166,9 @@ class Trainer:
             reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
             cost_model=cost_model, p_max=self.ulysses.p_max,
             degree=self.ulysses.degree, attn_backend=cfg.model.attn_backend, shared_prefix=cfg.rl.shared_prefix,
-            groups=ulysses_groups, process_group=self.train_group,
-            vision=VisionBalancing(enabled=vision_balance, cost_model=cost_model, group=vision_group),
+            groups=ulysses_groups, process_group=self.train_group, speeds=train_speeds,
+            vision=VisionBalancing(enabled=vision_balance, cost_model=cost_model, group=vision_group,
+                                   speeds=train_speeds),
         ) if self.trains else None
         # asynchronous: the decoupled objective against the rollout engine's log-probs (rl.behaviour_weight_cap)
         # (and with partial rollouts, whose earlier tokens come from earlier weights)
@@ -299,12 +303,16 @@ class Trainer:
         tokens with every image/video expanded (from file headers) plus the expected responses —
         with Karmarkar-Karp, so one video-heavy rank does not stall the others (ranks that do not
         generate get none). Positions in the global batch (not the split) decide seeds, groups
-        and minibatches."""
+        and minibatches. Ranks of unequal speed (balance.rank_speeds) get prompts in proportion (an engine
+        over tensor-parallel ranks: their summed speed)."""
         expected_response = self.cfg.rollout.n * self.cfg.rollout.max_new_tokens
         costs = [m.num_tokens * self.cfg.rollout.n + expected_response for m in metas]
         generating = list(self.placement.engines)
+        tp = self.placement.tp
+        speeds = ([sum(self.rank_speeds[e + j] for j in range(tp)) for e in generating]
+                  if self.rank_speeds else None)
         out: list[list[int]] = [[] for _ in range(world)]
-        for r, part in zip(generating, karmarkar_karp(costs, len(generating), equal_size=False)):
+        for r, part in zip(generating, balance_ranks(costs, len(generating), speeds=speeds)):
             out[r] = sorted(part)
         return out
 
@@ -313,7 +321,7 @@ class Trainer:
         every = self.cfg.rollout.probe_every
         return redistribute(batch, senders, receivers, rank=self.info.rank, step=buffer.step, media=buffer.media,
                             device=self.info.device, pixels=not self.cfg.data.slice_loading,
-                            probe=bool(every) and (self.step + 1) % every == 0)
+                            probe=bool(every) and (self.step + 1) % every == 0, speeds=self.rank_speeds)
 
     # ------------------------------------------------------------------ step
 

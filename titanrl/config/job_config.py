@@ -279,6 +279,15 @@ class BalanceConfig:
     cost_model: Literal["flops", "tokens"] = "flops"
     """Per-trajectory cost the balancers and FlexUlysses planner use: this model's FLOPs (attention quadratic in
     the length, linear layers, vision tower per patch) or the token count."""
+    rank_speeds: list[float] = field(default_factory=list)
+    """Relative speed of each rank, one number per rank in rank order (e.g. [1, 1, 0.5, 0.5]); empty = all
+    equal. Unequal speeds give each rank work in proportion to its speed (HetRL sec. 4.2): the rollout prompts
+    per engine (an engine over several ranks: their sum), the coordinator's hand-over to the training ranks,
+    the log-prob and update stages' split across ranks (the latest finish load / speed minimised instead of
+    Karmarkar-Karp; sample counts then differ) and, with parallelism.vision_balance, the vision tower's units.
+    balance.strategy = 'native' keeps trajectories where they were generated (only the rollout split then
+    follows speeds); FlexUlysses and fixed Ulysses place by equal speeds, so unequal ones need
+    parallelism.ulysses = 'none'. `python -m titanrl.schedule` writes them from a profile (docs/hetrl.md)."""
 
     def problems(self) -> list[str]:
         if self.max_tokens_per_microbatch < 1:
@@ -286,7 +295,14 @@ class BalanceConfig:
                 "balance.max_tokens_per_microbatch must be >= 1, "
                 f"got {self.max_tokens_per_microbatch}"
             ]
+        bad = [x for x in self.rank_speeds if not (isinstance(x, (int, float)) and x > 0 and x < float("inf"))]
+        if bad:
+            return [f"balance.rank_speeds must be positive numbers, got {bad[0]!r}"]
         return []
+
+    def speeds(self) -> list[float] | None:
+        """The rank speeds when they differ (None: every rank equally fast)."""
+        return [float(x) for x in self.rank_speeds] if len(set(self.rank_speeds)) > 1 else None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -798,6 +814,12 @@ class JobConfig:
                 f"parallelism.ulysses={self.parallelism.ulysses!r} places trajectories on Ulysses groups: use "
                 "balance.strategy='lb_micro' or 'lb_mini'"
             )
+        if self.balance.speeds() and self.parallelism.ulysses != "none":
+            found.append(
+                f"balance.rank_speeds differ, but parallelism.ulysses = {self.parallelism.ulysses!r} places "
+                "sequences as if every rank were equally fast (its nested groups are planned by equal loads): use "
+                "parallelism.ulysses = 'none' with unequal speeds, or equal speeds"
+            )
         if self.parallelism.vision_balance and self.balance.strategy == "lb_mini":
             found.append(
                 "parallelism.vision_balance=true routes vision embeddings between ranks in every wave, but "
@@ -868,6 +890,9 @@ class JobConfig:
         if self.workflow.placement == "disaggregated" and self.workflow.rollout_ranks >= world_size:
             _raise_problems([f"workflow.rollout_ranks = {self.workflow.rollout_ranks} leaves none of the "
                              f"{world_size} ranks to train: at most {world_size - 1}"])
+        if self.balance.rank_speeds and len(self.balance.rank_speeds) != world_size:
+            found.append(f"balance.rank_speeds names {len(self.balance.rank_speeds)} ranks, but the job has "
+                         f"{world_size}: one speed per rank")
         world_size = self.workflow.training_ranks(world_size)
         dp = self.data_parallel_degree(world_size)
         if dp != world_size:

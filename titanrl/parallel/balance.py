@@ -2,6 +2,9 @@
 
 - :func:`karmarkar_karp`: k-way largest differencing (the LDM of Karmarkar & Karp, as verl and ODC
   use it), optionally with equal subset sizes (verl's ``equal_size``: sizes differ by at most one).
+- :func:`speed_partition`: the same goal over ranks of unequal speed (HetRL sec. 4.2): minimise the
+  latest finish ``load_r / speed_r``; :func:`balance_ranks` is what rank splits call (KK when the
+  speeds are equal, so equal-speed plans are unchanged).
 - :func:`partition_minibatch`: one minibatch over ``world_size`` ranks, per rank a list of
   microbatches (lists of sample indices), every microbatch within ``max_tokens_per_microbatch``:
 
@@ -100,6 +103,76 @@ def karmarkar_karp(costs: Sequence[float], k: int, equal_size: bool = False) -> 
     return [out[j] for j in order]
 
 
+def _uniform(speeds: Sequence[float] | None) -> bool:
+    return speeds is None or len(set(float(s) for s in speeds)) <= 1
+
+
+def speed_partition(costs: Sequence[float], speeds: Sequence[float], max_rounds: int = 1000) -> list[list[int]]:
+    """Partition indices of ``costs`` over ranks of relative ``speeds`` minimising the latest finish
+    ``sum(costs of rank r) / speeds[r]`` (HetRL sec. 4.2: longer work to faster devices).
+
+    Longest-processing-time first (each item, heaviest first, to the rank it would finish earliest
+    on), then local search from the latest-finishing rank: move one of its items, or swap one for a
+    lighter item of another rank, whenever that lowers the later of the two finishes below the current
+    latest; until no such step exists (or ``max_rounds``). Subset ``j`` is rank ``j``'s, indices
+    ascending. Deterministic (ties by index)."""
+    k = len(speeds)
+    if k < 1:
+        raise ValueError("speeds must name at least one rank")
+    sp = [float(s) for s in speeds]
+    if any(not s > 0 for s in sp):
+        raise ValueError(f"every speed must be > 0, got {sp}")
+    values = [float(c) for c in costs]
+    if any(v < 0 for v in values):
+        raise ValueError("costs must be non-negative")
+    parts: list[list[int]] = [[] for _ in range(k)]
+    load = [0.0] * k
+    for i in sorted(range(len(values)), key=lambda i: (-values[i], i)):
+        r = min(range(k), key=lambda r: ((load[r] + values[i]) / sp[r], r))
+        parts[r].append(i)
+        load[r] += values[i]
+    for _ in range(max_rounds):
+        finish = [load[r] / sp[r] for r in range(k)]
+        a = max(range(k), key=lambda r: (finish[r], -r))
+        best = None  # (new worst of the pair, item from a, other rank, item from the other or -1)
+        for b in range(k):
+            if b == a:
+                continue
+            for i in parts[a]:
+                for j in [-1] + parts[b]:
+                    delta = values[i] - (values[j] if j >= 0 else 0.0)
+                    if delta <= 0:
+                        continue
+                    worst = max((load[a] - delta) / sp[a], (load[b] + delta) / sp[b])
+                    if worst < finish[a] * (1 - 1e-12) and (best is None or worst < best[0]):
+                        best = (worst, i, b, j)
+        if best is None:
+            break
+        _, i, b, j = best
+        parts[a].remove(i)
+        parts[b].append(i)
+        delta = values[i]
+        if j >= 0:
+            parts[b].remove(j)
+            parts[a].append(j)
+            delta -= values[j]
+        load[a] -= delta
+        load[b] += delta
+    return [sorted(p) for p in parts]
+
+
+def balance_ranks(costs: Sequence[float], k: int, *, equal_size: bool = False,
+                  speeds: Sequence[float] | None = None) -> list[list[int]]:
+    """Split work over ``k`` ranks: :func:`karmarkar_karp` (``equal_size`` as there) when ``speeds`` is None
+    or uniform, else :func:`speed_partition` (subset ``j`` for rank ``j``; a faster rank takes more
+    items, so ``equal_size`` does not apply)."""
+    if speeds is not None and len(speeds) != k:
+        raise ValueError(f"{len(speeds)} speeds for {k} ranks")
+    if _uniform(speeds):
+        return karmarkar_karp(costs, k, equal_size=equal_size)
+    return speed_partition(costs, speeds)
+
+
 # ------------------------------------------------------------------------------ helpers
 
 
@@ -195,6 +268,7 @@ def partition_minibatch(
     cost_fn: Callable[[np.ndarray], np.ndarray] | None = None,
     equal_size: bool | None = None,
     costs: Sequence[float] | None = None,
+    speeds: Sequence[float] | None = None,
 ) -> MinibatchPlan:
     """Per rank, the microbatches (lists of indices into ``lengths``) of one minibatch.
 
@@ -206,6 +280,10 @@ def partition_minibatch(
     whose heaviest rank is lighter (ODC listing 1 sets ``equal_size = False`` for LB-Mini; keeping
     the better of the two makes LB-Mini never worse than LB-Micro's rank balance). ``native`` always
     deals equal contiguous chunks.
+
+    ``speeds`` (relative, one per rank; ``lb_micro`` / ``lb_mini``): ranks of unequal speed get work in
+    proportion (:func:`speed_partition`, the latest finish minimised, sample counts free); None or equal
+    speeds: the plans above, unchanged.
     """
     lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
     _check(lens, world_size, max_tokens_per_microbatch)
@@ -217,7 +295,11 @@ def partition_minibatch(
         bounds = [(n * r) // world_size for r in range(world_size + 1)]
         ranks = [list(range(int(bounds[r]), int(bounds[r + 1]))) for r in range(world_size)]
         return _pack_ranks(ranks, lens, costs, max_tokens_per_microbatch, same_count=True)
-    if strategy == "lb_mini" and equal_size is None:
+    if not _uniform(speeds):
+        if len(speeds) != world_size:
+            raise ValueError(f"{len(speeds)} speeds for {world_size} ranks")
+        ranks = speed_partition(costs.tolist(), speeds)
+    elif strategy == "lb_mini" and equal_size is None:
         # both KK variants; keep the one with the lighter heaviest rank (ties: equal counts)
         options = [karmarkar_karp(costs.tolist(), world_size, equal_size=eq) for eq in (True, False)]
         heaviest = [max((float(costs[r].sum()) for r in ranks), default=0.0) for ranks in options]

@@ -152,11 +152,22 @@ class StagePlan:
     def planned_times(self) -> tuple[float, float]:
         """(planned stage time, mean per-rank cost), in cost units: per wave the most loaded rank
         when waves synchronise, the most loaded rank's total under minibatch sync."""
+        return self.times_at(None)
+
+    def times_at(self, speeds: Sequence[float] | None) -> tuple[float, float]:
+        """:attr:`planned_times` on ranks of relative ``speeds`` (a rank's cost over its speed; None: equal)."""
         if not self.waves:
             return 0.0, 0.0
-        totals = np.sum([w.planned_cost for w in self.waves], axis=0)
-        peak = float(totals.max()) if self.sync == "minibatch" else sum(max(w.planned_cost) for w in self.waves)
+        cost = np.asarray([w.planned_cost for w in self.waves], dtype=np.float64)
+        if speeds is not None:
+            cost = cost / np.asarray(speeds, dtype=np.float64)
+        totals = cost.sum(axis=0)
+        peak = float(totals.max()) if self.sync == "minibatch" else float(cost.max(axis=1).sum())
         return peak, float(totals.mean())
+
+    def rank_costs(self) -> np.ndarray:
+        """Each rank's planned cost over the stage's waves."""
+        return np.sum([w.planned_cost for w in self.waves], axis=0) if self.waves else np.zeros(self.num_devices)
 
     @property
     def balance_planned(self) -> float:
@@ -262,13 +273,16 @@ def plan_stage(
     p_max: int = 1,
     degree: int = 1,
     costs: Sequence[float] | None = None,
+    speeds: Sequence[float] | None = None,
 ) -> StagePlan:
     """Plan one stage (see the module docstring). ``homes[s]`` is the rank holding sequence ``s``;
     ``strategy`` None = ``native`` for method ``none``, ``lb_micro`` for the others. ``costs``: each
     sequence's cost when it is not ``cost_model.compute(length)`` (a shared-prefix unit attends less:
     ``CostModel.prefix_compute``); it drives the wave partition and the microbatching, while the
     FlexUlysses degree planner prices a unit by its length (overstating the attention a shared
-    prompt saves, never the tokens)."""
+    prompt saves, never the tokens). ``speeds`` (relative, one per rank): method ``none`` under ``lb_micro`` /
+    ``lb_mini`` gives ranks work in proportion (:func:`~titanrl.parallel.balance.speed_partition`); the
+    sequence-parallel methods place by equal speeds and refuse unequal ones."""
     t0 = time.perf_counter()
     if strategy is None:
         strategy = "native" if method == "none" else "lb_micro"
@@ -277,6 +291,9 @@ def plan_stage(
         raise ValueError(f"{len(h)} lengths but {len(homes)} home ranks")
     if strategy == "native" and method != "none":
         raise ValueError(f"balance.strategy='native' keeps sequences where they are; method {method!r} places them")
+    if speeds is not None and len(set(speeds)) > 1 and method != "none":
+        raise ValueError(f"parallelism.ulysses = {method!r} places sequences as if every rank were equally fast; "
+                         "unequal rank speeds need method 'none'")
     top = top_degree(method, num_devices, p_max, degree)
     over = tuple(i for i, length in enumerate(h) if math.ceil(length / top) > max_tokens)
     if costs is None:
@@ -290,7 +307,7 @@ def plan_stage(
             per_rank = _local_microbatches(h, homes, num_devices, max_tokens)
         else:  # lengths capped at the budget: a longer sequence fills a microbatch alone
             per_rank = partition_minibatch([min(x, max_tokens) for x in h], num_devices, strategy=strategy,
-                                           max_tokens_per_microbatch=max_tokens, costs=costs) if h else []
+                                           max_tokens_per_microbatch=max_tokens, costs=costs, speeds=speeds) if h else []
         waves = _waves_of_microbatches(per_rank, h, costs)
         return StagePlan(method, tuple(h), tuple(homes), tuple(waves), time.perf_counter() - t0,
                          tuple(1 for _ in h), over, sync)

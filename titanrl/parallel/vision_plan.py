@@ -103,7 +103,8 @@ def runs_cost(runs: Sequence[FrameRun], shapes: Mapping[ItemKey, ItemShape], cos
 
 
 def plan_wave_vision(needs: Sequence[Sequence[FrameRun]], shapes: Mapping[ItemKey, ItemShape], cost_model: CostModel, *,
-                     eligible: Sequence[bool], tol: float = 0.02) -> WaveVisionPlan:
+                     eligible: Sequence[bool], tol: float = 0.02,
+                     speeds: Sequence[float] | None = None) -> WaveVisionPlan:
     """Balance the vision units of one wave (see the module docstring)."""
     world = len(needs)
     # units: whole images, single temporal patches of videos; preferred = lowest rank needing it
@@ -121,7 +122,7 @@ def plan_wave_vision(needs: Sequence[Sequence[FrameRun]], shapes: Mapping[ItemKe
                 unit_frames.append((f0, f1))
                 preferred.append(r)
                 cost.append(float(cost_model.vision((f1 - f0) * shape.patches_per_frame)))
-    device = assign_units(np.asarray(cost), preferred, world, eligible=eligible, tol=tol)
+    device = assign_units(np.asarray(cost), preferred, world, eligible=eligible, tol=tol, speeds=speeds)
     per_rank: list[dict[ItemKey, list[int]]] = [{} for _ in range(world)]
     encoder_of: dict[tuple[ItemKey, int], int] = {}
     encode_cost = np.zeros(world)

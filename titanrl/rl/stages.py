@@ -74,6 +74,7 @@ class StepStats:
     over_budget: int = 0
     planned_peak: float = 0.0
     planned_mean: float = 0.0
+    planned_rank_cost: np.ndarray | float = 0.0  # each rank's planned cost over the step's stages
     exchange_bytes: int = 0
     busy_seconds: Busy = field(default_factory=Busy)  # log-prob + update stages
     update_busy_seconds: Busy = field(default_factory=Busy)
@@ -99,7 +100,8 @@ class StageRunner:
                  method: StageMethod, max_tokens: int, cost_model: CostModel, strategy: BalanceStrategy | None = None,
                  p_max: int = 1, degree: int = 1, groups: dict | None = None, attn_backend: str = "sdpa",
                  overlap: bool = True, reshard_after_forward: bool = True,
-                 vision: VisionBalancing | None = None, shared_prefix: bool = False, process_group=None) -> None:
+                 vision: VisionBalancing | None = None, shared_prefix: bool = False, process_group=None,
+                 speeds: Sequence[float] | None = None) -> None:
         self.args = args
         # the ranks holding the models (``rank`` / ``world`` count in it); None: every rank of the job
         self.process_group = process_group
@@ -119,6 +121,8 @@ class StageRunner:
         self.reshard_after_forward = reshard_after_forward
         self.vision = vision or VisionBalancing(enabled=False, cost_model=cost_model)
         self.shared_prefix = shared_prefix
+        # relative speed of each rank of the group (balance.rank_speeds); None: all equal
+        self.speeds = tuple(float(x) for x in speeds) if speeds is not None and len(set(speeds)) > 1 else None
         self.clock = BusyClock(device)
         self._timed_vision: set[int] = set()
         self.metas: list[TrajectoryMeta] = []
@@ -159,7 +163,9 @@ class StageRunner:
             for i in ids:
                 m = self.metas[i]
                 groups[(m.group, m.home)] = groups.get((m.group, m.home), m.prompt_len) + m.response_len
-            cap = min(cap, max(math.ceil(sum(groups.values()) / self.world), 1))
+            total = sum(groups.values())  # ranks of unequal speed: the fastest rank's share
+            even = total * max(self.speeds) / sum(self.speeds) if self.speeds else total / self.world
+            cap = min(cap, max(math.ceil(even), 1))
         return stage_units(self.metas, ids, shared_prefix=self.shared_prefix, max_tokens=cap)
 
     def plan(self, ids: Sequence[int]) -> tuple[list[StageUnit], StagePlan]:
@@ -169,7 +175,8 @@ class StageRunner:
             costs = [float(self.cost_model.prefix_compute(u.prompt_len, u.response_lens)) for u in units]
             plan = plan_stage([u.num_tokens for u in units], [u.home for u in units], self.world,
                               method=self.method, strategy=self.strategy, max_tokens=self.max_tokens,
-                              cost_model=self.cost_model, p_max=self.p_max, degree=self.degree, costs=costs)
+                              cost_model=self.cost_model, p_max=self.p_max, degree=self.degree, costs=costs,
+                              speeds=self.speeds)
             self._plans[key] = (units, plan)
             s = self.stats
             s.plan_seconds += plan.plan_seconds
@@ -198,9 +205,10 @@ class StageRunner:
         build = layout_builder(self.groups, rank=self.rank, lengths=[u.num_tokens for u in units],
                                backend=self.attn_backend, device=self.device, overlap=self.overlap,
                                segments=[u.segments for u in units] if self.shared_prefix else None)
-        peak, mean = plan.planned_times
+        peak, mean = plan.times_at(self.speeds)
         s.planned_peak += peak
         s.planned_mean += mean
+        s.planned_rank_cost = s.planned_rank_cost + plan.rank_costs()
         s.waves += len(plan.waves)
         kw = dict(fields=fields, temperature=temperature, return_entropy=return_entropy, layout_builder=build,
                   collective=moves)
@@ -290,9 +298,10 @@ class StageRunner:
         s.minibatches += 1
         s.tokens_computed += sum(u.num_tokens for u in units)
         s.tokens_represented += sum(m.num_tokens for m in metas)
-        peak, mean = plan.planned_times
+        peak, mean = plan.times_at(self.speeds)
         s.update_planned_peak += peak
         s.update_planned_mean += mean
+        s.planned_rank_cost = s.planned_rank_cost + plan.rank_costs()
         results = []
         t0 = self.clock.mark()
         unit_seconds: list[Busy] = []
@@ -383,4 +392,7 @@ class StageRunner:
             "vision/frames_local": float(loaded_sum[3]),
             "train/tokens_computed": float(s.tokens_computed),
             "train/tokens_represented": float(s.tokens_represented),
+            # ranks of unequal speed: each rank's share of the step's planned cost (to compare with its speed)
+            **({f"balance/planned_share/rank{r}": float(c / max(np.sum(s.planned_rank_cost), 1e-30))
+                for r, c in enumerate(np.broadcast_to(s.planned_rank_cost, (self.world,)))} if self.speeds else {}),
         }

@@ -135,13 +135,18 @@ class StageTimer:
 def busy_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """``busy/<stage>`` (mean over ranks), ``busy/<stage>_max``, and the step's two busy-time bounds:
     ``step/limit_s`` = the sum over stages of the mean (every rank equally busy, nothing exposed) and
-    ``step/busy_critical_s`` = the sum over stages of the busiest rank (each stage waits for it)."""
+    ``step/busy_critical_s`` = the sum over stages of the busiest rank (each stage waits for it); and
+    ``balance/busy_ratio/<stage>``: the busiest rank's busy time over the mean of the ranks that ran the stage
+    (1 = balanced; what speed-aware balancing aims at on ranks of unequal speed)."""
     stages = list(dict.fromkeys(k for busy in per_rank for k in busy))
     out: dict[str, float] = {}
     for name in stages:
         values = [busy.get(name, 0.0) for busy in per_rank]
         out[f"busy/{name}"] = sum(values) / len(values)
         out[f"busy/{name}_max"] = max(values)
+        ran = [busy[name] for busy in per_rank if name in busy]
+        if sum(ran) > 0:
+            out[f"balance/busy_ratio/{name}"] = max(ran) * len(ran) / sum(ran)
     out["step/limit_s"] = sum(out[f"busy/{n}"] for n in stages)
     out["step/busy_critical_s"] = sum(out[f"busy/{n}_max"] for n in stages)
     return out

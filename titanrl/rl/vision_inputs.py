@@ -47,6 +47,7 @@ class VisionBalancing:
     cost_model: CostModel
     group: object = None
     tol: float = 0.02
+    speeds: tuple[float, ...] | None = None  # relative rank speeds (balance.rank_speeds); None: equal
 
 
 @dataclass
@@ -64,7 +65,8 @@ def wave_vision_plan(plan: StagePlan, units: Sequence[StageUnit], wave: int, wor
     """Who encodes what in ``wave`` (the same on every rank)."""
     pieces = [plan.pieces(wave, r) for r in range(world)]
     needs = [frame_runs(p, units) for p in pieces]
-    return plan_wave_vision(needs, shapes, vision.cost_model, eligible=[bool(p) for p in pieces], tol=vision.tol)
+    return plan_wave_vision(needs, shapes, vision.cost_model, eligible=[bool(p) for p in pieces], tol=vision.tol,
+                            speeds=vision.speeds)
 
 
 def item_shapes(metas: Sequence[TrajectoryMeta]) -> dict[tuple[int, int], ItemShape]:

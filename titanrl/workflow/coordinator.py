@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from titanrl.distributed import all_gather_objects
-from titanrl.parallel.balance import karmarkar_karp
+from titanrl.parallel.balance import balance_ranks
 from titanrl.workflow.executor import StepBatch
 
 
@@ -34,11 +34,13 @@ def group_cost(trajs: Sequence) -> float:
     return float(len(trajs[0].prompt.prompt_ids) + sum(t.num_response_tokens for t in trajs))
 
 
-def assign_groups(units: Sequence[tuple[int, int, float]], receivers: Sequence[int]) -> dict[int, int]:
+def assign_groups(units: Sequence[tuple[int, int, float]], receivers: Sequence[int],
+                  speeds: Sequence[float] | None = None) -> dict[int, int]:
     """``units``: (group, sending rank, cost) of every prompt group of the step; returns each group's
-    receiving rank (balanced by cost; the same on every rank)."""
+    receiving rank (balanced by cost, in proportion to the receivers' ``speeds`` when given; the same on
+    every rank)."""
     units = sorted(units)
-    parts = karmarkar_karp([u[2] for u in units], len(receivers), equal_size=False)
+    parts = balance_ranks([u[2] for u in units], len(receivers), speeds=speeds)
     return {units[i][0]: receivers[d] for d, part in enumerate(parts) for i in part}
 
 
@@ -49,17 +51,18 @@ def _without_pixels(trajs: Sequence) -> list:
 
 def redistribute(batch: StepBatch | None, senders: frozenset[int], receivers: frozenset[int], *, rank: int,
                  step: int, media=None, device: torch.device = torch.device("cpu"), pixels: bool = True,
-                 probe: bool = True) -> tuple[StepBatch | None, int]:
+                 probe: bool = True, speeds: Sequence[float] | None = None) -> tuple[StepBatch | None, int]:
     """Collective over every rank (messages on ``device``: NCCL moves device tensors only). ``batch``: this rank's
     output of the producing node (None where it did not run it). Returns (the batch this rank receives - None
     outside ``receivers`` -, bytes this rank sent). Two small all-gathers: the groups' costs (where each goes), then
-    their pickled sizes (which depend on where they go: pixels ride with a receiver's first group only)."""
+    their pickled sizes (which depend on where they go: pixels ride with a receiver's first group only).
+    ``speeds``: every rank's relative speed (None: equal)."""
     senders_, receivers_ = sorted(senders), sorted(receivers)
     groups = batch.groups() if rank in senders and batch is not None else {}
     costs = {g: group_cost(ts) for g, ts in groups.items()}
     # where every group goes is known before anything is pickled: one gather of the costs
     units = [u for part in all_gather_objects([(g, rank, c) for g, c in sorted(costs.items())]) for u in part]
-    dest = assign_groups(units, receivers_)
+    dest = assign_groups(units, receivers_, [speeds[r] for r in receivers_] if speeds else None)
     first = {min(g for g, d in dest.items() if d == r) for r in set(dest.values())} if probe else set()
     payload = {g: pickle.dumps(trajs if pixels or g in first else _without_pixels(trajs),
                                protocol=pickle.HIGHEST_PROTOCOL) for g, trajs in sorted(groups.items())}

@@ -101,10 +101,12 @@ def assign_units(
     *,
     eligible: Sequence[bool] | None = None,
     tol: float = 0.02,
+    speeds: Sequence[float] | None = None,
 ) -> np.ndarray:
     """The rank that encodes each unit (steps 1-3 of the module docstring): ``preferred[k]`` is the
     rank holding unit ``k``'s tokens (-1: none), ``eligible[r]`` whether rank ``r`` may encode at all
-    (default: every rank). Deterministic: every rank computes the same answer."""
+    (default: every rank), ``speeds[r]`` its relative speed (default: all equal; a rank's cap and its
+    finish time in step 3 are its load over its speed). Deterministic: every rank computes the same answer."""
     cost = np.asarray(cost, dtype=np.float64).reshape(-1)
     u = cost.size
     ok = np.ones(num_devices, dtype=bool) if eligible is None else np.asarray(eligible, dtype=bool)
@@ -114,11 +116,19 @@ def assign_units(
     if device.size != u:
         raise ValueError(f"{device.size} preferred ranks for {u} units")
     loads = np.zeros(num_devices, dtype=np.float64)
-    cap = (1.0 + tol) * float(cost.sum()) / int(ok.sum()) if u else 0.0
+    speed = np.ones(num_devices) if speeds is None else np.asarray(speeds, dtype=np.float64).reshape(-1)
+    if speed.size != num_devices or not (speed > 0).all():
+        raise ValueError(f"speeds must be {num_devices} positive numbers, got {speeds}")
+    uniform = bool((speed == speed[0]).all())
+    if uniform:
+        cap_of = np.full(num_devices, (1.0 + tol) * float(cost.sum()) / int(ok.sum()) if u else 0.0)
+    else:  # each rank's share of the total in proportion to its speed
+        cap_of = (1.0 + tol) * float(cost.sum()) * speed / float(speed[ok].sum()) if u else np.zeros(num_devices)
     placed = device >= 0
     if placed.any():
         loads = np.bincount(device[placed], weights=cost[placed], minlength=num_devices).astype(np.float64)
         for r in range(num_devices):
+            cap = cap_of[r]
             if loads[r] <= cap:
                 continue
             mine = [int(k) for k in np.nonzero(device == r)[0]]
@@ -131,6 +141,12 @@ def assign_units(
                 loads[r] -= cost[pick]
     todo = [int(k) for k in np.nonzero(device < 0)[0]]
     todo.sort(key=lambda k: (-cost[k], k))
+    if not uniform:  # each unit, heaviest first, to the rank it would finish earliest on
+        for k in todo:
+            r = min((r for r in range(num_devices) if ok[r]), key=lambda r: ((loads[r] + cost[k]) / speed[r], r))
+            device[k] = r
+            loads[r] += cost[k]
+        return device
     heap = [(float(loads[r]), r) for r in range(num_devices) if ok[r]]
     heapq.heapify(heap)
     for k in todo:

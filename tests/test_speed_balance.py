@@ -1,0 +1,161 @@
+"""Speed-aware balancing (HetRL sec. 4.2): work in proportion to rank speed on every split across ranks."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from titanrl.config import ConfigError
+from titanrl.config.loader import load_config
+from titanrl.parallel.balance import balance_ranks, karmarkar_karp, partition_minibatch, speed_partition
+from titanrl.parallel.flex_ulysses.vision import assign_units
+from titanrl.parallel.stage_plan import plan_stage
+from titanrl.parallel.cost_model import CostModel
+from titanrl.rl.timing import busy_metrics
+from titanrl.workflow.coordinator import assign_groups
+
+
+def _finish(parts, costs, speeds):
+    return max(sum(costs[i] for i in p) / s for p, s in zip(parts, speeds))
+
+
+def _optimum(costs, speeds):
+    best = float("inf")
+    for owner in itertools.product(range(len(speeds)), repeat=len(costs)):
+        loads = [0.0] * len(speeds)
+        for i, r in enumerate(owner):
+            loads[r] += costs[i]
+        best = min(best, max(l / s for l, s in zip(loads, speeds)))
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 100), min_size=1, max_size=8),
+       st.lists(st.sampled_from([0.25, 0.5, 1.0, 2.0]), min_size=2, max_size=3))
+def test_speed_partition_is_a_partition_near_the_optimum(costs, speeds):
+    parts = speed_partition(costs, speeds)
+    assert len(parts) == len(speeds)
+    assert sorted(i for p in parts for i in p) == list(range(len(costs)))
+    # LPT + moves/swaps: within 4/3 of the exact optimum (found by enumeration)
+    assert _finish(parts, costs, speeds) <= 4 / 3 * _optimum(costs, speeds) + 1e-9
+
+
+def test_slow_rank_gets_work_in_proportion():
+    rng = np.random.default_rng(0)
+    costs = rng.integers(50, 500, size=64).tolist()
+    parts = speed_partition(costs, [1.0, 0.5])
+    loads = [sum(costs[i] for i in p) for p in parts]
+    assert loads[1] == pytest.approx(loads[0] / 2, rel=0.02)
+    # the oblivious split leaves the slow rank finishing ~1.33x later than the mean finish time
+    even = karmarkar_karp(costs, 2)
+    assert _finish(parts, costs, [1, 0.5]) < 0.8 * _finish(even, costs, [1, 0.5])
+
+
+def test_equal_speeds_are_karmarkar_karp_unchanged():
+    costs = [5, 9, 1, 7, 3, 3, 8]
+    assert balance_ranks(costs, 3, speeds=[2.0, 2.0, 2.0]) == karmarkar_karp(costs, 3)
+    assert balance_ranks(costs, 3, equal_size=True) == karmarkar_karp(costs, 3, equal_size=True)
+    with pytest.raises(ValueError, match="2 speeds for 3 ranks"):
+        balance_ranks(costs, 3, speeds=[1, 2])
+    with pytest.raises(ValueError, match="> 0"):
+        speed_partition(costs, [1, 0])
+
+
+@pytest.mark.parametrize("strategy", ["lb_micro", "lb_mini"])
+def test_partition_minibatch_with_speeds(strategy):
+    lengths = [100, 300, 250, 80, 400, 120, 90, 330, 60, 210, 150, 40]
+    plan = partition_minibatch(lengths, 2, strategy=strategy, max_tokens_per_microbatch=512, costs=lengths,
+                               speeds=[2.0, 1.0])
+    load = [sum(lengths[i] for mb in rank for i in mb) for rank in plan]
+    assert sorted(i for rank in plan for mb in rank for i in mb) == list(range(len(lengths)))
+    assert load[0] == pytest.approx(2 * load[1], rel=0.05)
+    assert all(sum(lengths[i] for i in mb) <= 512 for rank in plan for mb in rank)
+    same = partition_minibatch(lengths, 2, strategy=strategy, max_tokens_per_microbatch=512, costs=lengths)
+    assert partition_minibatch(lengths, 2, strategy=strategy, max_tokens_per_microbatch=512, costs=lengths,
+                               speeds=[1.0, 1.0]) == same
+
+
+def test_plan_stage_speeds_only_without_sequence_parallelism():
+    lengths = [100, 300, 250, 80, 400, 120]
+    plan = plan_stage(lengths, [0, 0, 0, 1, 1, 1], 2, method="none", strategy="lb_mini", max_tokens=1024,
+                      cost_model=CostModel.attention_only(), costs=lengths, speeds=[1.0, 3.0])
+    load = [sum(lengths[s] for w in plan.waves for s in w.ranks[r].local) for r in range(2)]
+    assert load[1] > 2 * load[0]
+    with pytest.raises(ValueError, match="equally fast"):
+        plan_stage(lengths, [0] * 6, 2, method="flex", strategy="lb_micro", max_tokens=1024, p_max=2,
+                   cost_model=CostModel.attention_only(), speeds=[1.0, 3.0])
+
+
+def test_vision_units_follow_speeds():
+    cost = [10.0] * 30
+    even = assign_units(cost, [0] * 30, 3)
+    assert np.bincount(even, minlength=3).tolist() == [10, 10, 10]
+    fast_first = assign_units(cost, [0] * 30, 3, speeds=[3.0, 1.0, 1.0])
+    assert np.bincount(fast_first, minlength=3).tolist() == [18, 6, 6]
+    assert (assign_units(cost, [0] * 30, 3, speeds=[2.0, 2.0, 2.0]) == even).all()
+
+
+def test_coordinator_hand_over_follows_speeds():
+    units = [(g, 0, 10.0) for g in range(12)]
+    dest = assign_groups(units, [2, 3], speeds=[1.0, 2.0])
+    assert sum(1 for d in dest.values() if d == 3) == 8
+
+
+def test_busy_ratio_per_stage():
+    out = busy_metrics([{"rollout": 3.0, "update": 1.0}, {"update": 3.0}])
+    assert out["balance/busy_ratio/update"] == pytest.approx(1.5)
+    assert out["balance/busy_ratio/rollout"] == pytest.approx(1.0)  # only the rank that ran it
+
+
+def test_config_rank_speeds(tmp_path):
+    cfg = load_config("configs/tiny_cpu.toml", ["--balance.rank_speeds=[1.0, 0.5]"])
+    assert cfg.balance.speeds() == [1.0, 0.5]
+    cfg.validate_world_size(2)
+    with pytest.raises(ConfigError, match="names 2 ranks, but the job has 4"):
+        cfg.validate_world_size(4)
+    assert load_config("configs/tiny_cpu.toml", ["--balance.rank_speeds=[2, 2]"]).balance.speeds() is None
+    with pytest.raises(ConfigError, match="positive numbers"):
+        load_config("configs/tiny_cpu.toml", ["--balance.rank_speeds=[1, -1]"])
+    with pytest.raises(ConfigError, match="parallelism.ulysses = 'none' with unequal speeds"):
+        load_config("configs/tiny_cpu.toml", ["--balance.rank_speeds=[1, 0.5]", "--parallelism.ulysses=flex"])
+
+
+@pytest.mark.slow
+def test_two_ranks_of_unequal_speed_equal_one_rank(run_cache, tmp_path):
+    """balance.rank_speeds = [1, 0.25]: the slow rank is given about a fifth of the log-prob and update work
+    and of the prompts, and the per-token log-probs and parameters equal the single process (the split
+    decides where tokens run, never what they compute)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from titanrl.rl.dump import load_dumps, max_differences
+
+    root = Path(__file__).resolve().parents[1]
+    common = ["--config", "configs/tiny_cpu.toml", f"--model.cache_dir={run_cache}", "--job.steps=2",
+              "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.old_logprobs=recompute",
+              "--rl.minibatches=2"]
+    for name, launch, extra in (
+            ("one", [sys.executable, "-m", "titanrl.train"], []),
+            ("two", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                     "titanrl.train"], ["--balance.rank_speeds=[1, 0.25]"])):
+        proc = subprocess.run(launch + common + [f"--job.dump_folder={tmp_path / name}", *extra], cwd=root,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one, two = load_dumps(tmp_path / "one" / "tiny_cpu"), load_dumps(tmp_path / "two" / "tiny_cpu")
+    assert sorted(one) == sorted(two) == [1, 2]
+    for step in one:
+        diff = max_differences(one[step], two[step])
+        assert {"rollout_logprobs", "old_logprobs", "params/policy"} <= set(diff)
+        assert all(v <= 1e-5 for v in diff.values()), (step, diff)
+    records = [json.loads(line) for line in (tmp_path / "two" / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
+    for rec in records:
+        assert 0.1 < rec["balance/planned_share/rank1"] < 0.3 < 0.7 < rec["balance/planned_share/rank0"]
+        assert rec["balance/busy_ratio/update"] >= 1.0

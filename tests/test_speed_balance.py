@@ -159,3 +159,32 @@ def test_two_ranks_of_unequal_speed_equal_one_rank(run_cache, tmp_path):
     for rec in records:
         assert 0.1 < rec["balance/planned_share/rank1"] < 0.3 < 0.7 < rec["balance/planned_share/rank0"]
         assert rec["balance/busy_ratio/update"] >= 1.0
+
+
+def test_runnable_clock_charges_a_rank_sharing_its_core():
+    """metrics.busy_clock = 'runnable': CPU time plus the time waiting for a core (schedstat); a process sharing
+    its core with a spinning one is charged about the wall time of its work, its CPU time about half."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from titanrl.rl.timing import runnable_seconds
+
+    core = sorted(os.sched_getaffinity(0))[-1]
+    before = os.sched_getaffinity(0)
+    spinner = subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(0, {core})
+        time.sleep(0.3)
+        r0, c0, w0 = runnable_seconds(), time.process_time(), time.perf_counter()
+        x = 0
+        while time.process_time() - c0 < 0.3:
+            x += 1
+        r, c, w = runnable_seconds() - r0, time.process_time() - c0, time.perf_counter() - w0
+    finally:
+        os.sched_setaffinity(0, before)
+        spinner.kill()
+        spinner.wait()
+    assert w > 1.5 * c  # it really shared the core
+    assert r == pytest.approx(w, rel=0.15)

@@ -167,6 +167,7 @@ class Trainer:
             cost_model=cost_model, p_max=self.ulysses.p_max,
             degree=self.ulysses.degree, attn_backend=cfg.model.attn_backend, shared_prefix=cfg.rl.shared_prefix,
             groups=ulysses_groups, process_group=self.train_group, speeds=train_speeds,
+            busy_clock=cfg.metrics.busy_clock,
             vision=VisionBalancing(enabled=vision_balance, cost_model=cost_model, group=vision_group,
                                    speeds=train_speeds),
         ) if self.trains else None
@@ -329,7 +330,8 @@ class Trainer:
         """One RL step: the workflow's nodes in order (``titanrl.workflow``), then the step line's metrics."""
         t_step = time.perf_counter()
         # busy: this process's CPU time, and its engine's working time where that runs in child processes
-        clock = BusyClock(self.info.device, extra=getattr(self.engine, "busy_outside_s", None))
+        clock = BusyClock(self.info.device, extra=getattr(self.engine, "busy_outside_s", None),
+                          kind=self.cfg.metrics.busy_clock)
         timer = StageTimer(self.info.rank, self.cfg.job.collective_timeout_s, clock=clock)
         buffer = self.executor.run_step(self.step, self, timer, last=self.cfg.job.steps)
         self.step += 1

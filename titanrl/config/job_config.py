@@ -603,6 +603,12 @@ class MetricsConfig:
     """W&B project name."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """W&B mode; offline needs no network (sync later with `wandb sync`)."""
+    busy_clock: Literal["cpu", "runnable"] = "cpu"
+    """What a rank's busy seconds (busy/*, balance/busy_ratio/*, step/limit_s) count on CPU: cpu = its process's
+    CPU time (ranks time-sharing cores are each charged only their own work); runnable = CPU time plus the time
+    its threads waited for a core (Linux schedstat), so a rank slowed by sharing its core with other work is
+    charged the time its work took, as a slower device would be (docs/hetrl.md). Time blocked in collectives
+    counts in neither. On CUDA busy time is device time either way."""
     progress: Literal["bar", "line", "none"] = "bar"
     """Console progress: one line per logged step with a progress bar in front, the line alone, or nothing."""
     dump_tensors: bool = False

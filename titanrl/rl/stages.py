@@ -101,7 +101,7 @@ class StageRunner:
                  p_max: int = 1, degree: int = 1, groups: dict | None = None, attn_backend: str = "sdpa",
                  overlap: bool = True, reshard_after_forward: bool = True,
                  vision: VisionBalancing | None = None, shared_prefix: bool = False, process_group=None,
-                 speeds: Sequence[float] | None = None) -> None:
+                 speeds: Sequence[float] | None = None, busy_clock: str = "cpu") -> None:
         self.args = args
         # the ranks holding the models (``rank`` / ``world`` count in it); None: every rank of the job
         self.process_group = process_group
@@ -123,7 +123,7 @@ class StageRunner:
         self.shared_prefix = shared_prefix
         # relative speed of each rank of the group (balance.rank_speeds); None: all equal
         self.speeds = tuple(float(x) for x in speeds) if speeds is not None and len(set(speeds)) > 1 else None
-        self.clock = BusyClock(device)
+        self.clock = BusyClock(device, kind=busy_clock)
         self._timed_vision: set[int] = set()
         self.metas: list[TrajectoryMeta] = []
         self.exchange: TrajectoryExchange | None = None

@@ -18,6 +18,7 @@ naming the collective.)
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -49,18 +50,36 @@ def _classify(err: BaseException) -> str | None:
 Mark = "float | torch.cuda.Event"
 
 
+def runnable_seconds() -> float:
+    """This process's CPU time (all threads) plus the time its main thread - where the model runs - was ready to
+    run but waited for a core (Linux ``/proc/thread-self/schedstat``: time on a CPU, time on a run queue): how
+    long its work took on the cores it had. A rank sharing its core with another busy process is charged the
+    time its work took - the busy time of a slower device - while time blocked (a collective, I/O) still counts
+    nothing. (Other threads' waits are left out: several threads waiting at once would count that time twice.)"""
+    with open(_MAIN_SCHEDSTAT) as f:
+        waiting = int(f.read().split()[1])
+    return time.process_time() + waiting / 1e9
+
+
+_MAIN_SCHEDSTAT = f"/proc/self/task/{os.getpid()}/schedstat"
+
+
 class BusyClock:
-    """Marks busy-time points without synchronising: the process's CPU time on CPU (plus ``extra()``: seconds
-    other processes worked for this rank, a rollout engine in child processes); on CUDA an event recorded on the
+    """Marks busy-time points without synchronising: on CPU the process's CPU time (``kind = "cpu"``), or
+    :func:`runnable_seconds` (``kind = "runnable"``, ``metrics.busy_clock``), plus ``extra()``: seconds other
+    processes worked for this rank (a rollout engine in child processes); on CUDA an event recorded on the
     current stream (its time is read later, by ``Busy.seconds``)."""
 
-    def __init__(self, device: torch.device, extra: Callable[[], float] | None = None) -> None:
+    def __init__(self, device: torch.device, extra: Callable[[], float] | None = None, kind: str = "cpu") -> None:
         self.cuda = device.type == "cuda"
         self.extra = extra
+        if kind not in ("cpu", "runnable"):
+            raise ValueError(f"busy clock {kind!r}: expected 'cpu' or 'runnable'")
+        self.read = runnable_seconds if kind == "runnable" else time.process_time
 
     def mark(self) -> Mark:
         if not self.cuda:
-            return time.process_time() + (self.extra() if self.extra is not None else 0.0)
+            return self.read() + (self.extra() if self.extra is not None else 0.0)
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event

@@ -1,0 +1,143 @@
+"""Measured heterogeneity on this machine (issue 28): two ranks of unequal speed, speed-aware vs speed-oblivious.
+
+Rank 0 runs alone on core 0; rank 1 shares core 1 with ``--spinners`` busy processes (each pinned with taskset,
+so rank 1 gets about 1 / (1 + spinners) of its core: a slower device). Two ranks x one thread each, so wall-clock
+figures mean something here. Steps:
+
+1. ``python -m titanrl.profile`` under the same pinning: each rank's matmul throughput -> relative speeds.
+2. The tiny GRPO job, colocated, speed-oblivious (``balance.rank_speeds`` empty) and speed-aware (the profile's
+   speeds), with ``metrics.busy_clock = runnable`` (busy = CPU time + time waiting for the core), medians over the
+   steps after the first: per-stage ``balance/busy_ratio`` and the step's wall time.
+3. Every placement two ranks allow, each measured: colocated (speed-aware), and disaggregated with the rollout on
+   the fast rank or on the slow one (the slow rank first: the pinning swapped). ``python -m titanrl.schedule`` on
+   the profile picks one; the report says where the pick lands among the measured.
+
+    python scripts/bench_hetrl_measured.py            # writes benchmarks/hetrl_measured.md (+ .json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import REPO, git_commit  # noqa: E402
+
+STAGES = ("rollout", "old_logprob", "ref_logprob", "update", "weight_sync")
+PIN = """#!/bin/bash
+var="PIN_${LOCAL_RANK}"
+exec taskset -c "${!var}" "$@"
+"""
+
+
+class Spinners:
+    """``n`` busy processes pinned to ``core`` for the duration of a ``with`` block."""
+
+    def __init__(self, n: int, core: int) -> None:
+        self.n, self.core, self.procs = n, core, []
+
+    def __enter__(self) -> "Spinners":
+        self.procs = [subprocess.Popen(["taskset", "-c", str(self.core), sys.executable, "-c", "while True: pass"])
+                      for _ in range(self.n)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+def torchrun(work: Path, pins: tuple[int, int], module_args: list[str], timeout: float = 900) -> str:
+    wrapper = work / "pin.sh"
+    wrapper.write_text(PIN)
+    wrapper.chmod(0o755)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PIN_0": str(pins[0]), "PIN_1": str(pins[1])}
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "--no-python", str(wrapper), sys.executable, "-m",
+           *module_args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(module_args[:3])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def train(work: Path, name: str, pins: tuple[int, int], steps: int, extra: list[str]) -> dict:
+    out = work / name
+    torchrun(work, pins, ["titanrl.train", "--config", "configs/tiny_cpu.toml", f"--job.steps={steps}",
+                          "--checkpoint.enable=false", f"--job.dump_folder={out}", "--metrics.busy_clock=runnable",
+                          "--metrics.progress=none", *extra])
+    recs = [json.loads(line) for line in (out / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()][1:]
+    med = lambda key: statistics.median(r[key] for r in recs if key in r) if any(key in r for r in recs) else None
+    return {"wall_s": med("step/wall_s"), "busy_ratio": {s: med(f"balance/busy_ratio/{s}") for s in STAGES},
+            "share": [med(f"balance/planned_share/rank{r}") for r in (0, 1)], "steps": len(recs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spinners", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "hetrl_measured.md"))
+    args = ap.parse_args()
+    commit = git_commit()
+    data: dict = {"commit": commit, "spinners": args.spinners, "steps": args.steps, "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp, Spinners(args.spinners, core=1):
+        work = Path(tmp)
+        time.sleep(1.0)
+        torchrun(work, (0, 1), ["titanrl.profile", "--out", str(work / "profile.json"), "--no-links", "--quiet"])
+        profile = json.loads((work / "profile.json").read_text())
+        tflops = [r["matmul_tflops"] for r in profile["ranks"]]
+        speeds = [round(t / max(tflops), 3) for t in tflops]
+        data["profile_tflops"], data["speeds"] = tflops, speeds
+        runs = data["runs"]
+        runs["colocated, speed-oblivious"] = train(work, "oblivious", (0, 1), args.steps, [])
+        runs["colocated, speed-aware"] = train(work, "aware", (0, 1), args.steps,
+                                               [f"--balance.rank_speeds=[{speeds[0]},{speeds[1]}]"])
+        disagg = ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=1"]
+        runs["disaggregated, rollout on the fast rank"] = train(work, "dis_fast", (0, 1), args.steps, disagg)
+        runs["disaggregated, rollout on the slow rank"] = train(work, "dis_slow", (1, 0), args.steps, disagg)
+        sched = subprocess.run([sys.executable, "-m", "titanrl.schedule", "--config", "configs/tiny_cpu.toml",
+                                "--profile", str(work / "profile.json"), "--out", str(work / "plan.toml")],
+                               cwd=REPO, capture_output=True, text=True, timeout=600)
+        data["schedule"] = {"rc": sched.returncode, "stdout": sched.stdout[-3000:], "stderr": sched.stderr[-2000:],
+                            "plan": (work / "plan.toml").read_text() if (work / "plan.toml").exists() else ""}
+    Path(args.out).with_suffix(".json").write_text(json.dumps(data, indent=1))
+    Path(args.out).write_text(report(data))
+    print(Path(args.out).read_text())
+
+
+def report(data: dict) -> str:
+    runs = data["runs"]
+    lines = [
+        "# Heterogeneous ranks on this machine, measured (issue 28)",
+        "",
+        f"Generated by `scripts/bench_hetrl_measured.py` at commit `{data['commit']}`; not hand-edited. Tiny GRPO job "
+        f"(configs/tiny_cpu.toml), {data['steps']} steps, medians over steps 2-{data['steps']}. Two ranks x one thread: "
+        f"rank 0 alone on core 0, rank 1 on core 1 beside {data['spinners']} spinning processes (a slower device). "
+        "Busy time is `metrics.busy_clock = runnable` (CPU time plus the time the rank waited for its core).",
+        "",
+        f"Profile (`python -m titanrl.profile`, same pinning): matmul {data['profile_tflops'][0]:.3f} vs "
+        f"{data['profile_tflops'][1]:.3f} TFLOP/s -> speeds {data['speeds']}.",
+        "",
+        "| run | step wall s | vs oblivious | " + " | ".join(f"busy ratio {s}" for s in STAGES) + " | planned share rank 1 |",
+        "|---|---|---|" + "---|" * len(STAGES) + "---|",
+    ]
+    base = runs["colocated, speed-oblivious"]["wall_s"]
+    for name, r in runs.items():
+        ratios = " | ".join("-" if r["busy_ratio"][s] is None else f"{r['busy_ratio'][s]:.2f}" for s in STAGES)
+        share = "-" if r["share"][1] is None else f"{r['share'][1]:.2f}"
+        lines.append(f"| {name} | {r['wall_s']:.2f} | {base / r['wall_s']:.2f}x | {ratios} | {share} |")
+    best = min(runs, key=lambda n: runs[n]["wall_s"])
+    lines += ["", f"Fastest measured: **{best}** ({runs[best]['wall_s']:.2f} s/step).", "",
+              "## The scheduler's pick on this profile", "",
+              "```", data["schedule"]["stdout"].strip() or data["schedule"]["stderr"].strip(), "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

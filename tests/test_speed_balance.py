@@ -128,7 +128,8 @@ def test_config_rank_speeds(tmp_path):
 def test_two_ranks_of_unequal_speed_equal_one_rank(run_cache, tmp_path):
     """balance.rank_speeds = [1, 0.25]: the slow rank is given about a fifth of the log-prob and update work
     and of the prompts, and the per-token log-probs and parameters equal the single process (the split
-    decides where tokens run, never what they compute)."""
+    decides where tokens run, never what they compute) - also once balance.calibrate has refitted the cost
+    model the plans use to the measured times (from step 3), and then predicts them (step 4)."""
     import json
     import os
     import subprocess
@@ -138,19 +139,19 @@ def test_two_ranks_of_unequal_speed_equal_one_rank(run_cache, tmp_path):
     from titanrl.rl.dump import load_dumps, max_differences
 
     root = Path(__file__).resolve().parents[1]
-    common = ["--config", "configs/tiny_cpu.toml", f"--model.cache_dir={run_cache}", "--job.steps=2",
+    common = ["--config", "configs/tiny_cpu.toml", f"--model.cache_dir={run_cache}", "--job.steps=4",
               "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.old_logprobs=recompute",
               "--rl.minibatches=2"]
     for name, launch, extra in (
             ("one", [sys.executable, "-m", "titanrl.train"], []),
             ("two", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                     "titanrl.train"], ["--balance.rank_speeds=[1, 0.25]"])):
+                     "titanrl.train"], ["--balance.rank_speeds=[1, 0.25]", "--balance.calibrate=true"])):
         proc = subprocess.run(launch + common + [f"--job.dump_folder={tmp_path / name}", *extra], cwd=root,
                               env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                               timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one, two = load_dumps(tmp_path / "one" / "tiny_cpu"), load_dumps(tmp_path / "two" / "tiny_cpu")
-    assert sorted(one) == sorted(two) == [1, 2]
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     for step in one:
         diff = max_differences(one[step], two[step])
         assert {"rollout_logprobs", "old_logprobs", "params/policy"} <= set(diff)
@@ -159,6 +160,21 @@ def test_two_ranks_of_unequal_speed_equal_one_rank(run_cache, tmp_path):
     for rec in records:
         assert 0.1 < rec["balance/planned_share/rank1"] < 0.3 < 0.7 < rec["balance/planned_share/rank0"]
         assert rec["balance/busy_ratio/update"] >= 1.0
+    assert records[2]["cost/linear_coef"] > 0 and "cost/predicted_s" not in records[1]
+    assert records[3]["cost/predicted_s"] > 0 and records[3]["cost/measured_s"] > 0
+
+
+def test_rank_sums_count_a_sharded_sequence_by_its_degree():
+    from titanrl.parallel.stage_plan import rank_sums
+
+    lengths = [400, 40, 30, 20]
+    plan = plan_stage(lengths, [0, 1, 0, 1], 2, method="fixed", degree=2, strategy="lb_micro", max_tokens=1024,
+                      cost_model=CostModel.attention_only())
+    sums = rank_sums(plan, [1.0, 1.0, 1.0, 1.0])
+    assert sums.sum() == pytest.approx(4.0) and sums[0] == pytest.approx(sums[1])
+    sums = rank_sums(plan_stage(lengths, [0, 1, 0, 1], 2, method="none", strategy="lb_mini", max_tokens=1024,
+                                cost_model=CostModel.attention_only(), costs=lengths), lengths)
+    assert sorted(sums.tolist()) == [90.0, 400.0]
 
 
 def test_runnable_clock_charges_a_rank_sharing_its_core():
@@ -188,3 +204,51 @@ def test_runnable_clock_charges_a_rank_sharing_its_core():
         spinner.wait()
     assert w > 1.5 * c  # it really shared the core
     assert r == pytest.approx(w, rel=0.15)
+
+
+def test_profile_speeds_refusals():
+    with pytest.raises(ConfigError, match="use one"):
+        load_config("configs/tiny_cpu.toml", ["--balance.profile_speeds=true", "--balance.rank_speeds=[1, 0.5]"])
+    with pytest.raises(ConfigError, match="cannot use"):
+        load_config("configs/tiny_cpu.toml", ["--balance.profile_speeds=true", "--parallelism.ulysses=fixed",
+                                              "--parallelism.ulysses_degree=2"])
+
+
+@pytest.mark.slow
+def test_profile_speeds_at_start_up_give_a_slowed_rank_less_work(run_cache, tmp_path):
+    """balance.profile_speeds: rank 1 pinned to a core shared with three spinning processes measures slower at
+    start-up and is given less of the log-prob and update work."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores")
+    core0, core1 = sorted(os.sched_getaffinity(0))[:2]
+    root = Path(__file__).resolve().parents[1]
+    wrapper = tmp_path / "pin.sh"
+    wrapper.write_text('#!/bin/bash\nvar="PIN_${LOCAL_RANK}"\nexec taskset -c "${!var}" "$@"\n')
+    wrapper.chmod(0o755)
+    spinners = [subprocess.Popen(["taskset", "-c", str(core1), sys.executable, "-c", "while True: pass"])
+                for _ in range(3)]
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
+             str(wrapper), sys.executable, "-m", "titanrl.train", "--config", "configs/tiny_cpu.toml",
+             f"--model.cache_dir={run_cache}", "--job.steps=2", "--checkpoint.enable=false",
+             f"--job.dump_folder={tmp_path / 'out'}", "--balance.profile_speeds=true"],
+            cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1", "PIN_0": str(core0), "PIN_1": str(core1)},
+            capture_output=True, text=True, timeout=900)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = tmp_path / "out" / "tiny_cpu"
+    profile = json.loads((run_dir / "profile.json").read_text())
+    assert profile["ranks"][1]["matmul_tflops"] < 0.75 * profile["ranks"][0]["matmul_tflops"]
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        assert rec["balance/planned_share/rank1"] < 0.45 < rec["balance/planned_share/rank0"]

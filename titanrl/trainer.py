@@ -108,6 +108,8 @@ class Trainer:
         if info.is_main:
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
             save_resolved(cfg, cfg.run_dir / "config.toml")
+        if cfg.balance.profile_speeds and info.world_size > 1:
+            self.rank_speeds = self._profile_speeds(cfg, info)
         torch.manual_seed(cfg.job.seed)
 
         self.model_dir = assets.model_dir(cfg, info)
@@ -167,7 +169,7 @@ class Trainer:
             cost_model=cost_model, p_max=self.ulysses.p_max,
             degree=self.ulysses.degree, attn_backend=cfg.model.attn_backend, shared_prefix=cfg.rl.shared_prefix,
             groups=ulysses_groups, process_group=self.train_group, speeds=train_speeds,
-            busy_clock=cfg.metrics.busy_clock,
+            busy_clock=cfg.metrics.busy_clock, calibrate=cfg.balance.calibrate,
             vision=VisionBalancing(enabled=vision_balance, cost_model=cost_model, group=vision_group,
                                    speeds=train_speeds),
         ) if self.trains else None
@@ -296,6 +298,21 @@ class Trainer:
         media = {s: self.loader.next_step() for s in sorted(keep)}
         self.executor.restore_in_flight(keep, media)
         self._saved_in_flight = {}
+
+    @staticmethod
+    def _profile_speeds(cfg: JobConfig, info: DistInfo) -> list[float] | None:
+        """balance.profile_speeds: every rank's matmul throughput in the run's dtype, measured on all ranks at once
+        (``titanrl.profile``), as relative speeds; None when they are within 10% of each other (equal)."""
+        from titanrl.profile import profile_ranks, write_profile
+
+        profile = profile_ranks(dtype=cfg.model.dtype, device=info.device, seconds=0.5, links=False)
+        tflops = [r["matmul_tflops"] for r in profile["ranks"]]
+        speeds = [round(t / max(tflops), 3) for t in tflops]
+        if info.is_main:
+            write_profile(profile, cfg.run_dir / "profile.json")
+            say(f"[titanrl] measured rank speeds {speeds} (matmul TFLOP/s {tflops}; {cfg.run_dir / 'profile.json'})"
+                + ("; within 10%: balanced as equal" if min(speeds) > 0.9 else ""))
+        return speeds if min(speeds) <= 0.9 else None
 
     # ------------------------------------------------------------------ data
 

@@ -288,6 +288,20 @@ class BalanceConfig:
     balance.strategy = 'native' keeps trajectories where they were generated (only the rollout split then
     follows speeds); FlexUlysses and fixed Ulysses place by equal speeds, so unequal ones need
     parallelism.ulysses = 'none'. `python -m titanrl.schedule` writes them from a profile (docs/hetrl.md)."""
+    calibrate: bool = False
+    """Fit the cost model to this run: after every step, each training rank's measured busy seconds of the
+    log-prob and update stages against the attention and linear work the plan gave it (last 8 steps, non-negative
+    least squares: CostModel.fit; ranks of unequal speed normalised by balance.rank_speeds) refit the model's two
+    LLM coefficients, and the Karmarkar-Karp and FlexUlysses planners use the fitted model from the next step (the
+    vision tower's balancing keeps balance.cost_model's vision term). Metrics cost/predicted_s and
+    cost/measured_s (the busiest rank's seconds as the fitted model predicted them before the step, and as
+    measured), cost/error (mean relative error per rank), cost/attention_coef, cost/linear_coef. The plans then
+    depend on measured times: runs are not bit-reproducible."""
+    profile_speeds: bool = False
+    """Measure the ranks at start-up instead (titanrl.profile: each rank's matmul throughput in model.dtype, all
+    ranks timed at once, ~2 s) and balance by the measured speeds as balance.rank_speeds does; speeds within 10%
+    of each other count as equal. Written to <run dir>/profile.json. The plans then depend on a measurement:
+    two runs are not bit-identical unless the speeds come out the same (set balance.rank_speeds for that)."""
 
     def problems(self) -> list[str]:
         if self.max_tokens_per_microbatch < 1:
@@ -820,6 +834,12 @@ class JobConfig:
                 f"parallelism.ulysses={self.parallelism.ulysses!r} places trajectories on Ulysses groups: use "
                 "balance.strategy='lb_micro' or 'lb_mini'"
             )
+        if self.balance.profile_speeds and self.balance.rank_speeds:
+            found.append("balance.profile_speeds = true measures the speeds that balance.rank_speeds sets: use one")
+        if self.balance.profile_speeds and self.parallelism.ulysses != "none":
+            found.append(f"balance.profile_speeds = true may find unequal speeds, which parallelism.ulysses = "
+                         f"{self.parallelism.ulysses!r} cannot use (its groups are planned by equal loads): use "
+                         "parallelism.ulysses = 'none'")
         if self.balance.speeds() and self.parallelism.ulysses != "none":
             found.append(
                 f"balance.rank_speeds differ, but parallelism.ulysses = {self.parallelism.ulysses!r} places "

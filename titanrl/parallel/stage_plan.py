@@ -182,6 +182,18 @@ class StagePlan:
         return 1.0 - mean / peak if peak > 0 else 0.0
 
 
+def rank_sums(plan: StagePlan, values: Sequence[float]) -> np.ndarray:
+    """Per rank, the sum over the stage's waves of ``values[s]`` of the sequences it computes, a sequence
+    sharded ``p`` ways counting ``1/p`` on each member (how the planned costs are built; used to fit the cost
+    model to measured times)."""
+    out = np.zeros(plan.num_devices)
+    for wave in plan.waves:
+        for r, rw in enumerate(wave.ranks):
+            out[r] += sum(float(values[s]) for s in rw.local)
+            out[r] += sum(float(values[s]) / step.degree for step in rw.sharded for s in step.seqs)
+    return out
+
+
 class PlanError(ValueError):
     pass
 

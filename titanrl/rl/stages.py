@@ -18,7 +18,9 @@ Synchronisation (``StagePlan.sync``):
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -31,7 +33,7 @@ from titanrl.distributed import all_gather_objects
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.parallel.cost_model import CostModel
 from titanrl.parallel.odc import minibatch_sync
-from titanrl.parallel.stage_plan import BalanceStrategy, StageMethod, StagePlan, plan_stage, top_degree
+from titanrl.parallel.stage_plan import BalanceStrategy, StageMethod, StagePlan, plan_stage, rank_sums, top_degree
 from titanrl.parallel.ulysses import UlyssesLayout, layout_builder
 from titanrl.rl.batch import Trajectory, dummy_pack
 from titanrl.rl.slice_loading import StepSlices
@@ -40,6 +42,9 @@ from titanrl.rl.assemble import WaveInputs
 from titanrl.rl.exchange import TrajectoryExchange
 from titanrl.rl.units import StageUnit, TrajectoryMeta, gather_metadata, stage_units
 from titanrl.rl.vision_inputs import VisionBalancing
+
+
+_ATTENTION = CostModel.attention_only()  # attention_coef 1, no linear term: a unit's attention feature
 
 
 def build_cost_model(args: Qwen2_5_VLArgs, kind: str) -> CostModel:
@@ -75,6 +80,9 @@ class StepStats:
     planned_peak: float = 0.0
     planned_mean: float = 0.0
     planned_rank_cost: np.ndarray | float = 0.0  # each rank's planned cost over the step's stages
+    # per rank (attention, linear) features of the work behind busy_seconds (forward-only stages count 1/3):
+    # the rows balance.calibrate fits the cost model to
+    features: np.ndarray | float = 0.0
     exchange_bytes: int = 0
     busy_seconds: Busy = field(default_factory=Busy)  # log-prob + update stages
     update_busy_seconds: Busy = field(default_factory=Busy)
@@ -101,7 +109,7 @@ class StageRunner:
                  p_max: int = 1, degree: int = 1, groups: dict | None = None, attn_backend: str = "sdpa",
                  overlap: bool = True, reshard_after_forward: bool = True,
                  vision: VisionBalancing | None = None, shared_prefix: bool = False, process_group=None,
-                 speeds: Sequence[float] | None = None, busy_clock: str = "cpu") -> None:
+                 speeds: Sequence[float] | None = None, busy_clock: str = "cpu", calibrate: bool = False) -> None:
         self.args = args
         # the ranks holding the models (``rank`` / ``world`` count in it); None: every rank of the job
         self.process_group = process_group
@@ -124,6 +132,10 @@ class StageRunner:
         # relative speed of each rank of the group (balance.rank_speeds); None: all equal
         self.speeds = tuple(float(x) for x in speeds) if speeds is not None and len(set(speeds)) > 1 else None
         self.clock = BusyClock(device, kind=busy_clock)
+        # balance.calibrate: the cost model refitted to the measured busy seconds of the last steps
+        self.calibrate = calibrate
+        self._fit_rows: deque[tuple[float, float, float]] = deque(maxlen=8 * world)
+        self._steps_seen = 0
         self._timed_vision: set[int] = set()
         self.metas: list[TrajectoryMeta] = []
         self.exchange: TrajectoryExchange | None = None
@@ -261,6 +273,7 @@ class StageRunner:
         if not ids:
             return
         units, plan = self.plan(ids)
+        self.stats.features = self.stats.features + self._features(plan, units) / 3.0  # forward only
         self._time_vision(model)
         self.exchange.begin_results(attr)
         done: list[tuple[int, WaveInputs, torch.Tensor]] = []
@@ -293,6 +306,7 @@ class StageRunner:
         global_tokens = float(max(sum(m.response_len for m in metas), 1))
         global_seqs = float(max(len(metas), 1))
         units, plan = self.plan(ids)
+        self.stats.features = self.stats.features + self._features(plan, units)  # busy_seconds counts it either way
         self._time_vision(model)
         s = self.stats if account else type(self.stats)()
         s.minibatches += 1
@@ -339,6 +353,43 @@ class StageRunner:
             s.update_units[-1].add(t0, t1)
         return results
 
+    def _features(self, plan: StagePlan, units: Sequence[StageUnit]) -> np.ndarray:
+        """[rank, (attention, linear)]: what the cost model's two LLM coefficients multiply on every rank."""
+        attention = [float(_ATTENTION.prefix_compute(u.prompt_len, u.response_lens)) for u in units]
+        return np.stack([rank_sums(plan, attention), rank_sums(plan, [u.num_tokens for u in units])], axis=1)
+
+    def _calibration(self, busy: np.ndarray) -> dict[str, float]:
+        """balance.calibrate: the step's predicted (by the model that planned it, once fitted) and measured
+        busiest-rank seconds of the log-prob and update stages, then a refit on the last 8 steps' rows (CostModel.fit,
+        non-negative least squares; ranks of unequal speed normalised by their speed). Every rank fits the same rows,
+        and all take rank 0's coefficients, so the plans stay identical everywhere."""
+        s, out = self.stats, {}
+        features = np.broadcast_to(np.asarray(s.features, dtype=np.float64), (self.world, 2))
+        speeds = np.asarray(self.speeds if self.speeds else [1.0] * self.world)
+        if self.cost_model.units == "seconds":
+            predicted = features @ np.array([self.cost_model.attention_coef, self.cost_model.linear_coef]) / speeds
+            out["cost/predicted_s"] = float(predicted.max())
+            out["cost/measured_s"] = float(busy.max())
+            worked = busy > 0
+            out["cost/error"] = float(np.mean(np.abs(predicted[worked] - busy[worked]) / busy[worked])) if worked.any() else 0.0
+        self._steps_seen += 1
+        for r in range(self.world if self._steps_seen > 1 else 0):  # the first step's times include warm-up
+            if features[r].any() and busy[r] > 0:
+                self._fit_rows.append((float(features[r, 0]), float(features[r, 1]), float(busy[r] * speeds[r])))
+        if len(self._fit_rows) >= 4:
+            rows = np.asarray(self._fit_rows)
+            try:
+                fitted = CostModel.fit(rows[:, 0], rows[:, 1], rows[:, 2], base=self.cost_model)
+                coef = (fitted.attention_coef, fitted.linear_coef)
+            except ValueError:  # nothing positive to fit yet: keep the model
+                coef = None
+            coef = all_gather_objects(coef, group=self.process_group)[0]
+            if coef is not None:
+                self.cost_model = dataclasses.replace(
+                    self.cost_model, attention_coef=coef[0], linear_coef=coef[1], flops_per_second=1.0, units="seconds")
+                out["cost/attention_coef"], out["cost/linear_coef"] = coef
+        return out
+
     # ------------------------------------------------------------------ metrics
 
     def metrics(self) -> dict[str, float]:
@@ -359,7 +410,9 @@ class StageRunner:
         units = np.asarray([e[3] for e in every], dtype=np.float64)  # [rank, synchronisation unit]
         micro = [e[4] for e in every]
         unit_peak = float(units.max(axis=0).sum()) if units.size else 0.0
+        calibration = self._calibration(busy) if self.calibrate else {}
         return {
+            **calibration,
             "parallel/degree_max": float(s.degree_max),
             "parallel/sharded_sequences": float(s.sharded_sequences),
             "parallel/a2a_bytes": float(sum(e[1] for e in every)),

@@ -464,3 +464,37 @@ def test_plan_from_config_inverts_apply_plan():
     assert m.predict_stage_times(again) == m.predict_stage_times(plan)
     colocated = load_config("configs/tiny_cpu.toml")
     assert schedule.plan_from_config(colocated, 2).groups == (GroupPlan(("rollout", "reference", "update"), (0, 1)),)
+
+
+@pytest.mark.slow
+def test_profile_schedule_train_end_to_end(run_cache, tmp_path):
+    """The whole path on this machine: `titanrl.profile` on 2 ranks (links included), `titanrl.schedule` on its
+    JSON, and the written config trains 2 steps with torchrun as the scheduler prints it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from titanrl.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+    def run(cmd):
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    profile, plan = tmp_path / "profile.json", tmp_path / "plan.toml"
+    run(torchrun + ["-m", "titanrl.profile", "--out", str(profile), "--seconds", "0.3", "--quiet"])
+    printed = run([sys.executable, "-m", "titanrl.schedule", "--config", "configs/tiny_cpu.toml", "--profile",
+                   str(profile), "--out", str(plan), "--budget", "200", "--job.steps=2",
+                   "--checkpoint.enable=false", f"--model.cache_dir={run_cache}",
+                   f"--job.dump_folder={tmp_path / 'out'}"])
+    assert "torchrun --nproc-per-node 2" in printed
+    cfg = load_config(plan)
+    cfg.validate_world_size(2)
+    run(torchrun + ["-m", "titanrl.train", "--config", str(plan)])
+    records = (tmp_path / "out" / cfg.job.name / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in records] == [1, 2]

@@ -67,15 +67,32 @@ def torchrun(work: Path, pins: tuple[int, int], module_args: list[str], timeout:
     return proc.stdout
 
 
-def train(work: Path, name: str, pins: tuple[int, int], steps: int, extra: list[str]) -> dict:
+def train(work: Path, name: str, pins: tuple[int, int], steps: int, extra: list[str], profile: Path) -> dict:
     out = work / name
-    torchrun(work, pins, ["titanrl.train", "--config", "configs/tiny_cpu.toml", f"--job.steps={steps}",
-                          "--checkpoint.enable=false", f"--job.dump_folder={out}", "--metrics.busy_clock=runnable",
-                          "--metrics.progress=none", *extra])
+    flags = ["--config", "configs/tiny_cpu.toml", f"--job.steps={steps}", "--checkpoint.enable=false",
+             f"--job.dump_folder={out}", "--metrics.busy_clock=runnable", "--metrics.progress=none", *extra]
+    torchrun(work, pins, ["titanrl.train", *flags])
     recs = [json.loads(line) for line in (out / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()][1:]
     med = lambda key: statistics.median(r[key] for r in recs if key in r) if any(key in r for r in recs) else None
     return {"wall_s": med("step/wall_s"), "busy_ratio": {s: med(f"balance/busy_ratio/{s}") for s in STAGES},
-            "share": [med(f"balance/planned_share/rank{r}") for r in (0, 1)], "steps": len(recs)}
+            "share": [med(f"balance/planned_share/rank{r}") for r in (0, 1)], "steps": len(recs),
+            "measured": {s: med(f"time/{s}") for s in STAGES},
+            "predicted": predicted(flags, profile, devices=[0, 1] if pins == (0, 1) else [1, 0])}
+
+
+def predicted(flags: list[str], profile: Path, devices: list[int]) -> dict[str, float]:
+    """The HetRL cost model's stage times (default, unfitted coefficients) for the run ``flags`` configure, on the
+    profiled devices (rank r on profile rank ``devices[r]``), by titanrl's node names."""
+    from titanrl.config import load_config
+    from titanrl.hetero.cluster import cluster_from_profile
+    from titanrl.hetero.cost import TITANRL_NODES, predict_stage_times
+    from titanrl.hetero.cost import workload_from_config
+    from titanrl.schedule import plan_from_config
+
+    cfg = load_config(flags[1], [f for f in flags[2:]])
+    times = predict_stage_times(cluster_from_profile(profile), workload_from_config(cfg),
+                                plan_from_config(cfg, 2, devices))
+    return {TITANRL_NODES.get(k, k): v for k, v in times.items()}
 
 
 def main() -> None:
@@ -89,18 +106,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, Spinners(args.spinners, core=1):
         work = Path(tmp)
         time.sleep(1.0)
-        torchrun(work, (0, 1), ["titanrl.profile", "--out", str(work / "profile.json"), "--no-links", "--quiet"])
+        torchrun(work, (0, 1), ["titanrl.profile", "--out", str(work / "profile.json"), "--quiet"])
         profile = json.loads((work / "profile.json").read_text())
         tflops = [r["matmul_tflops"] for r in profile["ranks"]]
         speeds = [round(t / max(tflops), 3) for t in tflops]
         data["profile_tflops"], data["speeds"] = tflops, speeds
         runs = data["runs"]
-        runs["colocated, speed-oblivious"] = train(work, "oblivious", (0, 1), args.steps, [])
+        prof = work / "profile.json"
+        runs["colocated, speed-oblivious"] = train(work, "oblivious", (0, 1), args.steps, [], prof)
         runs["colocated, speed-aware"] = train(work, "aware", (0, 1), args.steps,
-                                               [f"--balance.rank_speeds=[{speeds[0]},{speeds[1]}]"])
+                                               [f"--balance.rank_speeds=[{speeds[0]},{speeds[1]}]"], prof)
         disagg = ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=1"]
-        runs["disaggregated, rollout on the fast rank"] = train(work, "dis_fast", (0, 1), args.steps, disagg)
-        runs["disaggregated, rollout on the slow rank"] = train(work, "dis_slow", (1, 0), args.steps, disagg)
+        runs["disaggregated, rollout on the fast rank"] = train(work, "dis_fast", (0, 1), args.steps, disagg, prof)
+        runs["disaggregated, rollout on the slow rank"] = train(work, "dis_slow", (1, 0), args.steps, disagg, prof)
         sched = subprocess.run([sys.executable, "-m", "titanrl.schedule", "--config", "configs/tiny_cpu.toml",
                                 "--profile", str(work / "profile.json"), "--out", str(work / "plan.toml")],
                                cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -133,10 +151,44 @@ def report(data: dict) -> str:
         share = "-" if r["share"][1] is None else f"{r['share'][1]:.2f}"
         lines.append(f"| {name} | {r['wall_s']:.2f} | {base / r['wall_s']:.2f}x | {ratios} | {share} |")
     best = min(runs, key=lambda n: runs[n]["wall_s"])
+    pick = picked(data["schedule"]["plan"])
     lines += ["", f"Fastest measured: **{best}** ({runs[best]['wall_s']:.2f} s/step).", "",
-              "## The scheduler's pick on this profile", "",
-              "```", data["schedule"]["stdout"].strip() or data["schedule"]["stderr"].strip(), "```", ""]
+              "## The scheduler's pick on this profile", ""]
+    if pick in runs:
+        gap = runs[pick]["wall_s"] / runs[best]["wall_s"]
+        lines += [f"`python -m titanrl.schedule` picked **{pick}**: measured {runs[pick]['wall_s']:.2f} s/step, "
+                  f"{gap:.2f}x the best measured ({'within' if gap <= 1.05 else 'NOT within'} 5%).", ""]
+    lines += ["```", data["schedule"]["stdout"].strip() or data["schedule"]["stderr"].strip(), "```", "",
+              "## Predicted vs measured stage times", "",
+              "The HetRL cost model (`titanrl/hetero/cost.py`, default coefficients, not fitted to this machine) on the "
+              "profiled devices, against each stage's measured wall time (`time/<stage>`, the slowest rank; medians).",
+              "", "| run | " + " | ".join(f"{s} predicted / measured s" for s in STAGES) + " |",
+              "|---|" + "---|" * len(STAGES)]
+    for name, r in runs.items():
+        cells = []
+        for s in STAGES:
+            p, m = r["predicted"].get(s), r["measured"].get(s)
+            cells.append("-" if p is None or m is None else f"{p:.3f} / {m:.3f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Where the model is far off, it has no term for what dominates a tiny model on a CPU: per-call "
+              "overheads (Python, vLLM's scheduler, FSDP hooks), the reward and data nodes, and the weight push "
+              "through a file; `balance.calibrate` refits the training planners' cost model to measured stage "
+              "times at run time (`docs/balance.md`), `titanrl.hetero.cost.fit` the scheduler's efficiencies from "
+              "rows like these.", ""]
     return "\n".join(lines) + "\n"
+
+
+def picked(plan_toml: str) -> str | None:
+    """Which measured run the scheduler's written config is (None: none of them)."""
+    import tomllib
+
+    if not plan_toml:
+        return None
+    cfg = tomllib.loads(plan_toml)
+    if cfg["workflow"]["placement"] == "colocated":
+        return "colocated, speed-aware" if cfg["balance"].get("rank_speeds") else "colocated, speed-oblivious"
+    return ("disaggregated, rollout on the slow rank" if "rank 0: device 1 " in plan_toml
+            else "disaggregated, rollout on the fast rank")
 
 
 if __name__ == "__main__":

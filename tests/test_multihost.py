@@ -161,3 +161,34 @@ def test_fetch_blocked_mid_run_names_the_samples_and_hosts_and_stops_every_rank(
         assert f"asked by rank {rank} on host {hosts[rank].ip}" in line, line
     # fetch_timeout_s (10 s) and the tear-down: the other rank does not wait out its 600 s collective
     assert elapsed < 90, (elapsed, lines)
+
+
+def test_profile_measures_a_shaped_link_and_the_scheduler_prices_it(hosts, tmp_path):
+    """`titanrl.profile` across two namespaced hosts whose links tbf limits to 200 Mbit/s measures about that
+    bandwidth between them, and the scheduler's cluster takes the pair's link from it (HetRL's profiler)."""
+    from titanrl.hetero.cluster import cluster_from_profile
+
+    profile = tmp_path / "profile.json"
+    for i in range(2):
+        hosts.shape(i, "200mbit", burst="256kbit")
+    try:
+        procs = []
+        for rank, h in enumerate(hosts.hosts):
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                    "--node-rank", str(rank), "--master-addr", hosts[0].ip, "--master-port", "29731",
+                    "-m", "titanrl.profile", "--out", str(profile), "--seconds", "0.2", "--link-mb", "8", "--quiet"]
+            env = {"GLOO_SOCKET_IFNAME": h.dev, "OMP_NUM_THREADS": "1", "TITANRL_HOST": f"host{rank}"}
+            procs.append(h.popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True))
+        for proc in wait_all(procs, timeout=300):
+            assert proc.returncode == 0, proc.stdout[-3000:]
+    finally:
+        for i in range(2):
+            hosts.unshape(i)
+    data = json.loads(profile.read_text())
+    assert data["hosts"] == ["host0", "host1"]
+    (link,) = data["links"]
+    assert 0.1 < link["gbps"] < 0.25, link  # 200 Mbit/s less TCP and tbf overheads
+    cluster = cluster_from_profile(profile)
+    assert {d.host for d in cluster.devices} == {"host0", "host1"}
+    assert cluster.bandwidth[0, 1] * 8 / 1e9 == pytest.approx(link["gbps"], rel=0.01)

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -95,11 +96,63 @@ def predicted(flags: list[str], profile: Path, devices: list[int]) -> dict[str, 
     return {TITANRL_NODES.get(k, k): v for k, v in times.items()}
 
 
+def hosts_section(rate: str, steps: int) -> dict:
+    """Two namespaced hosts (one rank each) whose links tbf limits to ``rate``: the profile across them, the
+    colocated and the disaggregated placement measured, and the scheduler's pick on the profile."""
+    from netns_hosts import Hosts
+
+    out: dict = {"rate": rate, "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp, Hosts(2) as hosts:
+        work = Path(tmp)
+        hosts.start_ray()
+        for i in range(2):
+            hosts.shape(i, rate, burst="256kbit")
+
+        def launch(module_args: list[str], port: int) -> None:
+            procs = []
+            for rank, h in enumerate(hosts.hosts):
+                argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                        "--node-rank", str(rank), "--master-addr", hosts[0].ip, "--master-port", str(port), "-m",
+                        *module_args]
+                env = {"GLOO_SOCKET_IFNAME": h.dev, "VLLM_HOST_IP": h.ip, "OMP_NUM_THREADS": "1",
+                       "TITANRL_HOST": f"host{rank}"}
+                procs.append(h.popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True))
+            for p in procs:
+                text, _ = p.communicate(timeout=900)
+                if p.returncode != 0:
+                    raise RuntimeError(f"{module_args[0]} on two hosts failed:\n{text[-3000:]}")
+
+        prof = work / "profile.json"
+        launch(["titanrl.profile", "--out", str(prof), "--seconds", "0.3", "--link-mb", "8", "--quiet"], 29751)
+        out["link_gbps"] = json.loads(prof.read_text())["links"][0]["gbps"]
+        variants = {"colocated (FSDP over the link)": [],
+                    "disaggregated (rollout on host 0, training on host 1)":
+                        ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=1"]}
+        for k, (name, extra) in enumerate(variants.items()):
+            flags = ["--config", "configs/tiny_cpu.toml", f"--job.steps={steps}", "--checkpoint.enable=false",
+                     f"--job.dump_folder={work / str(k)}", f"--data.ray_address={hosts.ray_address}",
+                     "--metrics.progress=none", *extra]
+            launch(["titanrl.train", *flags], 29752 + k)
+            recs = [json.loads(x) for x in (work / str(k) / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()][1:]
+            out["runs"][name] = {"wall_s": statistics.median(r["step/wall_s"] for r in recs),
+                                 "predicted": predicted(flags[:2] + flags[2:], prof, devices=[0, 1])}
+        sched = subprocess.run([sys.executable, "-m", "titanrl.schedule", "--config", "configs/tiny_cpu.toml",
+                                "--profile", str(prof), "--out", str(work / "plan.toml")], cwd=REPO,
+                               capture_output=True, text=True, timeout=600)
+        out["schedule"] = sched.stdout[-3000:] or sched.stderr[-2000:]
+        plan = (work / "plan.toml").read_text() if (work / "plan.toml").exists() else ""
+        placement = tomllib.loads(plan)["workflow"]["placement"] if plan else None
+        out["pick"] = next((n for n in out["runs"] if placement and n.startswith(placement)), None)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spinners", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "hetrl_measured.md"))
+    ap.add_argument("--link", default="20mbit", help="tbf rate of the two namespaced hosts' links ('' to skip)")
     args = ap.parse_args()
     commit = git_commit()
     data: dict = {"commit": commit, "spinners": args.spinners, "steps": args.steps, "runs": {}}
@@ -124,6 +177,8 @@ def main() -> None:
                                cwd=REPO, capture_output=True, text=True, timeout=600)
         data["schedule"] = {"rc": sched.returncode, "stdout": sched.stdout[-3000:], "stderr": sched.stderr[-2000:],
                             "plan": (work / "plan.toml").read_text() if (work / "plan.toml").exists() else ""}
+    if args.link:
+        data["hosts"] = hosts_section(args.link, args.steps)
     Path(args.out).with_suffix(".json").write_text(json.dumps(data, indent=1))
     Path(args.out).write_text(report(data))
     print(Path(args.out).read_text())
@@ -170,6 +225,21 @@ def report(data: dict) -> str:
             p, m = r["predicted"].get(s), r["measured"].get(s)
             cells.append("-" if p is None or m is None else f"{p:.3f} / {m:.3f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if "hosts" in data:
+        h = data["hosts"]
+        best = min(h["runs"], key=lambda n: h["runs"][n]["wall_s"])
+        lines += ["", f"## Two hosts joined by a {h['rate']} link", "",
+                  "Two network namespaces joined by veth pairs (`scripts/netns_hosts.py`), one rank each, both links "
+                  f"limited with `tc ... tbf` to {h['rate']}; the profiler measured {h['link_gbps']:.3f} Gbit/s "
+                  "between them. Ray spans both hosts (ShadowLoader).", "",
+                  "| placement | step wall s | predicted step s (cost model, unfitted) |", "|---|---|---|"]
+        for name, r in h["runs"].items():
+            lines.append(f"| {name} | {r['wall_s']:.2f} | {sum(r['predicted'].values()):.3f} |")
+        if h["pick"]:
+            gap = h["runs"][h["pick"]]["wall_s"] / h["runs"][best]["wall_s"]
+            lines += ["", f"The scheduler picked **{h['pick']}**: {gap:.2f}x the best measured "
+                          f"({'within' if gap <= 1.05 else 'NOT within'} 5%)."]
+        lines += ["", "```", h["schedule"].strip(), "```"]
     lines += ["", "Where the model is far off, it has no term for what dominates a tiny model on a CPU: per-call "
               "overheads (Python, vLLM's scheduler, FSDP hooks), the reward and data nodes, and the weight push "
               "through a file; `balance.calibrate` refits the training planners' cost model to measured stage "
@@ -180,8 +250,6 @@ def report(data: dict) -> str:
 
 def picked(plan_toml: str) -> str | None:
     """Which measured run the scheduler's written config is (None: none of them)."""
-    import tomllib
-
     if not plan_toml:
         return None
     cfg = tomllib.loads(plan_toml)

@@ -30,10 +30,39 @@ TOL = 1e-5
 
 
 def test_admissible_degrees_follow_the_heads():
-    assert admissible_degrees(4, 2, 8) == (1, 2, 4)  # p = 4 > 2 KV heads: K/V repeated twice
-    assert admissible_degrees(28, 4, 8) == (1, 2, 4)  # Qwen2.5-VL-7B: 8 does not divide 28
+    assert admissible_degrees(4, 2, 8) == (1, 2, 4)  # p = 4 > 2 KV heads: one K/V head per member
+    assert admissible_degrees(28, 4, 8) == (1, 2, 4, 8)  # Qwen2.5-VL-7B at p = 8: blocks of 4 and 3 heads
     assert admissible_degrees(16, 2, 16) == (1, 2, 4, 8, 16)
-    assert admissible_degrees(12, 4, 8) == (1, 2, 4)
+    assert admissible_degrees(6, 2, 8) == (1, 2, 4)  # at most one member per query head
+
+
+def test_split_heads_covers_every_head_once_and_sends_each_kv_head_once_per_member():
+    from titanrl.parallel.ulysses import split_heads
+
+    for hq, hkv in ((4, 2), (6, 2), (28, 4), (12, 4), (16, 2), (7, 7), (6, 1)):
+        group = hq // hkv
+        for p in admissible_degrees(hq, hkv, 64):
+            split = split_heads(hq, hkv, p)
+            assert [h for m in split for h in range(*m.q)] == list(range(hq))
+            sizes = [m.q[1] - m.q[0] for m in split]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+            for m in split:
+                kv_of = [h // group for h in range(*m.q)]
+                assert m.kv == (kv_of[0], kv_of[-1] + 1)  # exactly the K/V heads it reads
+                if m.expand is None:  # GQA as is: each K/V head serves an equal run of its query heads
+                    per = (m.q[1] - m.q[0]) // (m.kv[1] - m.kv[0])
+                    assert kv_of == [m.kv[0] + i // per for i in range(m.q[1] - m.q[0])]
+                else:
+                    assert [m.kv[0] + e for e in m.expand] == kv_of
+    # the 7B case of the FlexRL runs: 28 / 4 heads, p = 8
+    split = split_heads(28, 4, 8)
+    assert [m.q for m in split][:2] == [(0, 4), (4, 8)] and split[1].kv == (0, 2) and split[1].expand == (0, 0, 0, 1)
+    assert split[0].expand is None and split[0].kv == (0, 1)
+    # even splits are the familiar ones: K/V split p ways, or one K/V head per member
+    assert [m.kv for m in split_heads(16, 4, 2)] == [(0, 2), (2, 4)]
+    assert [m.kv for m in split_heads(4, 2, 4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    with pytest.raises(ValueError):
+        split_heads(4, 2, 8)
 
 
 def test_resolve_ulysses_errors_and_messages():
@@ -41,10 +70,13 @@ def test_resolve_ulysses_errors_and_messages():
     text = TextArgs(num_attention_heads=28, num_key_value_heads=4, hidden_size=28 * 4, mrope_section=(1, 0, 1))
     par.ulysses, par.p_max = "flex", 8
     setup = resolve_ulysses(par, text, 8)
+    assert setup.p_max == 8 and setup.degrees == (2, 4, 8) and not setup.message  # uneven head blocks at p = 8
+    text = TextArgs(num_attention_heads=4, num_key_value_heads=2, hidden_size=4 * 8, mrope_section=(1, 1, 2))
+    setup = resolve_ulysses(par, text, 8)
     assert setup.p_max == 4 and setup.degrees == (2, 4)
-    assert "28 query / 4 key-value heads" in setup.message and "1, 2, 4" in setup.message
+    assert "4 query / 2 key-value heads" in setup.message and "1, 2, 4" in setup.message
     par.ulysses, par.ulysses_degree = "fixed", 8
-    with pytest.raises(ConfigError, match="ulysses_degree=8 cannot run: the model has 28 query"):
+    with pytest.raises(ConfigError, match="ulysses_degree=8 cannot run: the model has 4 query"):
         resolve_ulysses(par, text, 8)
     par.ulysses_degree = 4
     assert resolve_ulysses(par, text, 8).degrees == (4,)
@@ -184,6 +216,21 @@ def four_ranks(tmp_path_factory):
     res = run(tmp_path_factory.mktemp("ulysses") / "u.pt", "--cases", CASES, timeout=900)
     assert res["grad_norm"] > 1e-3  # the reference gradient is not zero: comparisons mean something
     return res
+
+
+@pytest.mark.slow
+def test_head_counts_the_degree_does_not_divide_match_single_process(tmp_path):
+    """6 query / 2 K/V heads on 4 ranks: blocks of 2, 2, 1 and 1 query heads, the second straddling the two K/V
+    groups (it receives both K/V heads once and repeats them per query head). Log-probs, loss and every gradient
+    equal the single process at degree 2 (even) and 4 (uneven), fixed, planned and random, with vision balancing
+    too; the counted all-to-all bytes are the uneven split's exact volume."""
+    res = run(tmp_path / "u.pt", "--heads", "6", "--cases", "fixed:2,fixed:4,flex,random:12,vision-prefix-flex",
+              timeout=900)
+    assert res["grad_norm"] > 1e-3
+    for case in ("fixed:2", "fixed:4", "flex", "random:12", "vision-prefix-flex"):
+        assert_equal(res[case])
+        assert res[case]["max_degree"] == {"fixed:2": 2, "vision-prefix-flex": res[case]["max_degree"]}.get(case, 4)
+    assert res["vision-prefix-flex"]["max_degree"] >= 2 and res["vision-prefix-flex"]["route_bytes"][0] > 0
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ once with its responses, the unit every plan places and shards).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -45,7 +46,7 @@ from titanrl.parallel.cost_model import CostModel  # noqa: E402
 from titanrl.parallel.flex_ulysses.plan import build_plan  # noqa: E402
 from titanrl.parallel.parallelize import CompileOptions, parallelize_qwen2_5_vl  # noqa: E402
 from titanrl.parallel.stage_plan import plan_stage, stage_from_shard_plans  # noqa: E402
-from titanrl.parallel.ulysses import layout_builder  # noqa: E402
+from titanrl.parallel.ulysses import layout_builder, split_heads  # noqa: E402
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories  # noqa: E402
 from titanrl.rl.exchange import TrajectoryExchange  # noqa: E402
 from titanrl.rl.units import gather_metadata, stage_units  # noqa: E402
@@ -156,10 +157,15 @@ def run_case(case: str, model, ref, mine, metas, exchange, make_build, world, ra
         passes = 3 if recompute else 2
         for wave in plan.waves:
             for step in {st for rw in wave.ranks for st in rw.sharded}:
-                p = step.degree
-                tokens = sum(per_member[-1][1] - per_member[0][0] for per_member in step.slices)
-                heads = text.num_attention_heads // p + (text.num_attention_heads + 2 * max(text.num_key_value_heads, p)) // p
-                expected_bytes += passes * text.num_hidden_layers * (p - 1) * tokens * heads * text.head_dim * 4
+                # member m sends its n_m tokens' heads of every other member, and receives its own heads of the
+                # others' tokens: sum_m n_m (W - w_m) each way, W = sum of widths (query + K + V heads), and the
+                # same for the outputs (query heads)
+                split = split_heads(text.num_attention_heads, text.num_key_value_heads, step.degree)
+                n = [sum(b - a for a, b in (per_member[m] for per_member in step.slices)) for m in range(step.degree)]
+                width = [m.width for m in split]
+                q = [m.q[1] - m.q[0] for m in split]
+                per_pass = sum(n_m * (sum(width) - w_m + sum(q) - q_m) for n_m, w_m, q_m in zip(n, width, q))
+                expected_bytes += passes * text.num_hidden_layers * per_pass * text.head_dim * 4
         for w in range(len(plan.waves)):
             [inp] = exchange.inputs(plan, units, [w], fields=("old_logprobs", "ref_logprobs"),
                                     return_entropy=True, layout_builder=build)
@@ -214,7 +220,16 @@ def main() -> None:
                         "flex, random:<plans>, deadlock:<plans>, none, lbmicro; ac- = activation checkpointing, "
                         "compile- = compiled blocks (aot_eager), seq- = no all-to-all overlap, vision- = vision "
                         "balancing, prefix- = shared-prefix packing (prefixes combine)")
+    p.add_argument("--heads", type=int, default=0,
+                   help="query heads of the model (0: the tiny model's 4); 6 = 6 query / 2 K/V heads, which 4 does "
+                        "not divide (blocks of 2, 2, 1, 1 heads, one straddling the K/V groups)")
     opts = p.parse_args()
+    if opts.heads:
+        global ARGS
+        hidden = 16 * opts.heads  # head_dim 16: the mrope sections (2, 3, 3) cover half of it
+        ARGS = dataclasses.replace(ARGS, text=dataclasses.replace(ARGS.text, hidden_size=hidden,
+                                                                  num_attention_heads=opts.heads, num_key_value_heads=2),
+                                   vision=dataclasses.replace(ARGS.vision, out_hidden_size=hidden))
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -22,9 +22,11 @@ the mirrored collectives in exactly the reverse of its forward order; reverse HS
 deadlock-free as HSF (``titanrl.parallel.flex_ulysses.schedule`` simulates both), and activation
 checkpointing recomputes a layer in its forward order. On CUDA, NCCL runs them on its own stream.
 
-GQA: Q heads are split ``p`` ways. K/V heads are split when ``p`` divides their count and are
-repeated ``p / n_kv`` times only when ``p`` exceeds it (each rank then needs exactly one), never
-to the full query-head count. :func:`admissible_degrees` names the degrees a model allows.
+GQA and head counts that ``p`` does not divide (Qwen2.5-VL-7B: 28 query / 4 K/V heads, ``p = 8``): member ``m``
+takes a contiguous block of query heads, the blocks differing by at most one head (:func:`split_heads`), and only
+the K/V heads its block reads, each sent once; where its block reads them unevenly (a block straddling two K/V
+groups) the member repeats them locally, after the all-to-all, one per query head. Even splits are the familiar
+case: K/V split ``p`` ways when ``p`` divides their count, else one K/V head per member.
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ def resolve_ulysses(par, text, world: int) -> UlyssesSetup:
         allowed = admissible_degrees(hq, hkv, world)
         if d not in allowed or world % d:
             raise ConfigError(
-                f"parallelism.ulysses_degree={d} cannot run: {heads} and there are {world} ranks; degrees that "
-                f"split the heads evenly and divide the ranks: {', '.join(str(x) for x in allowed if world % x == 0)}"
+                f"parallelism.ulysses_degree={d} cannot run: {heads} and there are {world} ranks; powers of two "
+                f"with a query head per member that divide the ranks: "
+                f"{', '.join(str(x) for x in allowed if world % x == 0)}"
             )
         return UlyssesSetup("fixed", degree=d, degrees=(d,) if d > 1 else ())
     if par.ulysses != "flex":
@@ -94,16 +97,45 @@ def default_p_max(world: int) -> int:
 
 
 def admissible_degrees(n_heads: int, n_kv_heads: int, p_max: int) -> tuple[int, ...]:
-    """Powers of two ``p <= p_max`` that split the heads evenly: ``p`` divides the query heads and
-    either divides the K/V heads or is a multiple of them (then K/V are repeated ``p / n_kv``)."""
+    """Powers of two ``p <= p_max`` with at least one query head per member (:func:`split_heads`)."""
     out = []
     p = 1
-    while p <= p_max:
-        if n_heads % p == 0 and (n_kv_heads % p == 0 or p % n_kv_heads == 0):
-            out.append(p)
-        else:
-            break  # nested powers of two: if p fails, 2p fails too
+    while p <= min(p_max, n_heads):
+        out.append(p)
         p *= 2
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class MemberHeads:
+    """The heads one member of a ``p``-way group attends over."""
+
+    q: tuple[int, int]  # [start, end) of its query heads
+    kv: tuple[int, int]  # [start, end) of the K/V heads they read (sent once each)
+    expand: tuple[int, ...] | None  # per query head its K/V head among ``kv``; None: GQA as is (equal groups)
+
+    @property
+    def width(self) -> int:
+        """Heads per token it receives: its query heads and its K and V heads."""
+        return self.q[1] - self.q[0] + 2 * (self.kv[1] - self.kv[0])
+
+
+def split_heads(n_heads: int, n_kv_heads: int, p: int) -> tuple[MemberHeads, ...]:
+    """Query heads in ``p`` contiguous blocks, the first ``n_heads % p`` one head larger; each with the K/V heads its
+    query heads read (query head ``h`` reads K/V head ``h // (n_heads / n_kv_heads)``)."""
+    if p < 1 or p > n_heads or n_heads % n_kv_heads:
+        raise ValueError(f"cannot split {n_heads} query / {n_kv_heads} K/V heads {p} ways")
+    base, extra = divmod(n_heads, p)
+    group = n_heads // n_kv_heads
+    out, start = [], 0
+    for m in range(p):
+        end = start + base + (m < extra)
+        kv_of = [h // group for h in range(start, end)]
+        kv = (kv_of[0], kv_of[-1] + 1)
+        per_kv = {kv_of.count(x) for x in range(*kv)}
+        expand = None if len(per_kv) == 1 else tuple(x - kv[0] for x in kv_of)
+        out.append(MemberHeads((start, end), kv, expand))
+        start = end
     return tuple(out)
 
 
@@ -226,6 +258,7 @@ class UlyssesAttention(nn.Module):
         self.inner = inner
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
+        self._splits: dict[int, tuple[MemberHeads, ...]] = {}
 
     # The collectives stay out of compiled graphs: a compiled decoder block breaks its graph here.
     @torch.compiler.disable
@@ -237,32 +270,42 @@ class UlyssesAttention(nn.Module):
 
     # -- the two all-to-alls
 
-    def _split_heads(self, q, k, v, p: int) -> tuple[torch.Tensor, int]:
-        """[n, H, d] x3 -> [p * n, hc, d]: member m's rows are its heads of every local token."""
-        n, _, d = q.shape
-        if p > self.n_kv_heads:  # one K/V head per member, repeated only as often as needed
-            k = k.repeat_interleave(p // self.n_kv_heads, dim=1)
-            v = v.repeat_interleave(p // self.n_kv_heads, dim=1)
-        parts = [t.reshape(n, p, t.shape[1] // p, d) for t in (q, k, v)]
-        send = torch.cat(parts, dim=2).transpose(0, 1).contiguous()
-        return send.reshape(p * n, send.shape[2], d), parts[0].shape[2]
+    def _heads(self, p: int) -> tuple[MemberHeads, ...]:
+        if p not in self._splits:
+            self._splits[p] = split_heads(self.n_heads, self.n_kv_heads, p)
+        return self._splits[p]
 
-    def _to_heads(self, q, k, v, g: ShardedGroup, layout: UlyssesLayout) -> tuple[torch.Tensor, int]:
-        send, q_heads = self._split_heads(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end], g.degree)
-        n = g.end - g.start
-        recv = all_to_all_single_autograd(send, g.counts, [n] * g.degree, g.group)
-        layout.comm.forward_bytes += _bytes(send, n * (g.degree - 1))
+    def _to_heads(self, q, k, v, g: ShardedGroup, layout: UlyssesLayout):
+        """This rank's tokens of ``g``, all heads -> all of ``g``'s tokens, this member's heads: ``[rows, width, d]``
+        (member-major rows; per token its query heads, then K, then V), and this member's :class:`MemberHeads`."""
+        split = self._heads(g.degree)
+        n, d = g.end - g.start, q.shape[-1]
+        q, k, v = q[g.start:g.end], k[g.start:g.end], v[g.start:g.end]
+        send = torch.cat([torch.cat([q[:, m.q[0]:m.q[1]], k[:, m.kv[0]:m.kv[1]], v[:, m.kv[0]:m.kv[1]]], dim=1)
+                          .reshape(-1) for m in split])
+        me = split[g.position]
+        recv = all_to_all_single_autograd(send, [c * me.width * d for c in g.counts], [n * m.width * d for m in split],
+                                          g.group)
+        es = q.element_size()
+        layout.comm.forward_bytes += es * d * n * sum(m.width for i, m in enumerate(split) if i != g.position)
         if recv.requires_grad:  # its gradient goes back the same way: rows of every other member
-            self._count_backward(recv, layout, _bytes(send, sum(g.counts) - g.counts[g.position]))
-        return recv, q_heads
+            self._count_backward(recv, layout, es * d * me.width * (sum(g.counts) - g.counts[g.position]))
+        return recv.reshape(sum(g.counts), me.width, d), me
 
     def _to_tokens(self, out: torch.Tensor, g: ShardedGroup, layout: UlyssesLayout) -> torch.Tensor:
-        n = g.end - g.start
-        back = all_to_all_single_autograd(out.contiguous(), [n] * g.degree, g.counts, g.group)
-        layout.comm.forward_bytes += _bytes(out, sum(g.counts) - g.counts[g.position])
+        """``out`` (member-major rows of ``g``, this member's query heads) -> this rank's tokens, all heads."""
+        split = self._heads(g.degree)
+        n, d = g.end - g.start, out.shape[-1]
+        me = split[g.position]
+        q_heads = [m.q[1] - m.q[0] for m in split]
+        back = all_to_all_single_autograd(out.reshape(-1), [n * h * d for h in q_heads],
+                                          [c * q_heads[g.position] * d for c in g.counts], g.group)
+        es = out.element_size()
+        layout.comm.forward_bytes += es * d * (me.q[1] - me.q[0]) * (sum(g.counts) - g.counts[g.position])
         if back.requires_grad:
-            self._count_backward(back, layout, _bytes(out, n * (g.degree - 1)))
-        return back
+            self._count_backward(back, layout, es * d * n * (self.n_heads - q_heads[g.position]))
+        parts = back.split([n * h * d for h in q_heads])
+        return torch.cat([part.reshape(n, h, d) for part, h in zip(parts, q_heads)], dim=1)
 
     @staticmethod
     def _count_backward(t: torch.Tensor, layout: UlyssesLayout, nbytes: int) -> None:
@@ -285,18 +328,18 @@ class UlyssesAttention(nn.Module):
             local = self.inner(q[s:], k[s:], v[s:], layout.local_meta, scale=scale)
         outs = []
         for i, g in enumerate(groups):
-            recv, q_heads = pending if layout.overlap or i == 0 else self._to_heads(q, k, v, g, layout)
+            recv, heads = pending if layout.overlap or i == 0 else self._to_heads(q, k, v, g, layout)
             if layout.overlap and i + 1 < len(groups):
                 pending = self._to_heads(q, k, v, groups[i + 1], layout)
             rows = recv.index_select(0, g.to_sequence_order)
-            kv_heads = (rows.shape[1] - q_heads) // 2
-            qg, kg, vg = rows.split([q_heads, kv_heads, kv_heads], dim=1)
+            kv_heads = heads.kv[1] - heads.kv[0]
+            qg, kg, vg = rows.split([heads.q[1] - heads.q[0], kv_heads, kv_heads], dim=1)
+            if heads.expand is not None:  # a block straddling K/V groups: one K/V head per query head
+                index = torch.tensor(heads.expand, device=kg.device)
+                kg, vg = kg.index_select(1, index), vg.index_select(1, index)
             out = self.inner(qg, kg, vg, g.meta, scale=scale).index_select(0, g.to_member_order)
-            outs.append((self._to_tokens(out, g, layout), g))
-        pieces = []
-        for back, g in outs:
-            n = g.end - g.start
-            pieces.append(back.reshape(g.degree, n, *back.shape[1:]).transpose(0, 1).reshape(n, -1, back.shape[-1]))
+            outs.append(self._to_tokens(out, g, layout))
+        pieces = outs
         if local is not None:
             pieces.append(local)
         # Always a real copy: with one head per member the reshape above is a *view* of the

@@ -52,6 +52,10 @@ class PackedBatch:
     # rank's vision tower produced to the rows this stream's placeholders need (encoded on other
     # ranks too); None = the rows produced here are the ones needed.
     vision_route: object | None = None
+    # Vision rows encoded beforehand (``Qwen2_5_VLModel.forward(vision_only=True)``: a stage's vision pass,
+    # each image or frame once per rank for all its microbatches), read through ``vision_token_index``; with
+    # them the vision tower does not run in this forward and ``pixel_values`` / ``vision_route`` are unused.
+    vision_embeds: torch.Tensor | None = None
     # Shared prefixes: per sequence of ``cu_seqlens``, the lengths of a prompt and of the responses
     # that follow it and share it (``titanrl.models.attention.make_varlen_meta``); None = every
     # sequence is plain causal.
@@ -82,6 +86,7 @@ class PackedBatch:
             vision_token_index=None if self.vision_token_index is None else self.vision_token_index.to(device),
             attention_layout=self.attention_layout,
             vision_route=self.vision_route,
+            vision_embeds=None if self.vision_embeds is None else self.vision_embeds.to(device),
             segments=self.segments,
         )
 

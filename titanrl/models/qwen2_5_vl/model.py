@@ -311,22 +311,33 @@ class Qwen2_5_VLModel(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def embed(self, batch: PackedBatch) -> torch.Tensor:
-        """Token embeddings with vision features written into the image/video placeholder slots."""
-        h = self.tok_embeddings(batch.input_ids)
-        unused = None
+    def vision_rows(self, batch: PackedBatch, dtype: torch.dtype) -> torch.Tensor:
+        """The rows this batch's placeholder tokens read (``batch.vision_token_index`` indexes them): the vision
+        tower's output of ``batch.pixel_values``, through ``batch.vision_route`` when one is set (rows encoded on
+        other ranks arrive, a collective). No pixels still runs the tower on one zero 2x2 patch block, kept in the
+        graph at zero weight: under FSDP every rank must issue the same all-gathers and reduce-scatters, whatever
+        media its share of the batch happens to hold."""
         if batch.pixel_values is not None and batch.pixel_values.numel() > 0:
-            vision_embeds = self.vision(batch.pixel_values, batch.grids).to(h.dtype)
+            rows = self.vision(batch.pixel_values, batch.grids).to(dtype)
         else:
-            # No pixels still runs the vision tower on one zero 2x2 patch block and adds 0 x its
-            # output: under FSDP every rank must issue the same all-gathers and reduce-scatters,
-            # whatever media its share of the batch happens to hold.
             v = self.args.vision
-            unused = self.vision(h.new_zeros(v.merge_unit, v.patch_dim),
-                                 [VisionGrid(1, v.spatial_merge_size, v.spatial_merge_size)]).to(h.dtype)
-            vision_embeds = unused[:0]
-        if batch.vision_route is not None:  # rows encoded on other ranks arrive (a collective)
-            vision_embeds = batch.vision_route(vision_embeds)
+            unused = self.vision(batch.input_ids.new_zeros(v.merge_unit, v.patch_dim, dtype=dtype),
+                                 [VisionGrid(1, v.spatial_merge_size, v.spatial_merge_size)]).to(dtype)
+            rows = unused[:0] + 0.0 * unused.sum()  # no rows, its backward still reaches the tower
+        if batch.vision_route is not None:
+            rows = batch.vision_route(rows)
+        return rows
+
+    def embed(self, batch: PackedBatch) -> torch.Tensor:
+        """Token embeddings with vision features written into the image/video placeholder slots: rows of
+        ``batch.vision_embeds`` when set (encoded beforehand, see ``forward(vision_only=True)``), else of the
+        vision tower run here (:meth:`vision_rows`)."""
+        h = self.tok_embeddings(batch.input_ids)
+        vision_embeds = batch.vision_embeds
+        if vision_embeds is None:
+            vision_embeds = self.vision_rows(batch, h.dtype)
+        vision_embeds = vision_embeds.to(h.dtype)
+        table = vision_embeds
         if batch.vision_token_index is not None:
             vision_embeds = vision_embeds[batch.vision_token_index]
         slots = (batch.input_ids == self.args.image_token_id) | (batch.input_ids == self.args.video_token_id)
@@ -338,16 +349,18 @@ class Qwen2_5_VLModel(nn.Module):
             )
         if num_slots:
             h = h.masked_scatter(slots[:, None], vision_embeds)
-        elif batch.vision_route is not None:
-            h = h + 0.0 * vision_embeds.sum()  # keeps the route's backward collective in the graph
-        if unused is not None:
-            h = h + 0.0 * unused.sum()
-        return h
+        # rows nothing here reads (a zero patch, routed rows, a table) stay in the graph at zero weight
+        return h + 0.0 * table.sum()
 
-    def forward(self, batch: PackedBatch, targets: LogprobTargets | None = None) -> ModelOutput:
+    def forward(self, batch: PackedBatch, targets: LogprobTargets | None = None, *,
+                vision_only: bool = False) -> ModelOutput:
         """Hidden states of every token, and, when ``targets`` is given, the log-probs (and
         optionally entropies) of the target tokens. Log-probs are computed inside ``forward``
-        so a wrapped model (FSDP) has its output projection gathered while they are taken."""
+        so a wrapped model (FSDP) has its output projection gathered while they are taken.
+        ``vision_only``: only :meth:`vision_rows` of ``batch`` (in ``hidden``), for later forwards to read
+        as ``PackedBatch.vision_embeds``; a forward of its own, so a wrapped model gathers what it uses."""
+        if vision_only:
+            return ModelOutput(hidden=self.vision_rows(batch, self.tok_embeddings.weight.dtype))
         h = self.embed(batch)
         cos, sin = self.mrope_cos_sin(batch.position_ids, h.dtype)
         meta = batch.attention_layout

@@ -4,7 +4,8 @@
 - the route, simulated here with labelled rows, hands every rank exactly the rows of its needs in
   need order (what it would have encoded itself), whoever encoded them;
 - on a video-only wave the planned vision balance is near 1 where encoding at the token holder is
-  far from it.
+  far from it;
+- (slow) everything together under lb_mini on 4 ranks equals one process, per token and per parameter.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from titanrl.config import ConfigError, JobConfig, load_config
+from titanrl.config import JobConfig, load_config
 from titanrl.parallel.cost_model import CostModel
 from titanrl.parallel.vision_plan import FrameRun, ItemShape, plan_wave_vision, route_indices, runs_of
 
@@ -91,12 +92,36 @@ def test_no_balancing_needed_moves_nothing():
     assert not plan.moves() and plan.encode == ((FrameRun(0, 0, 0, 1),), (FrameRun(1, 0, 0, 1),))
 
 
-def test_vision_balance_is_refused_under_lb_mini():
-    cfg = JobConfig()
-    cfg.parallelism.vision_balance = True
-    cfg.balance.strategy = "lb_mini"
-    assert any("vision_balance" in p and "lb_mini" in p for p in cfg.problems())
-    cfg.balance.strategy = "lb_micro"
-    assert not [p for p in cfg.problems() if "vision_balance" in p]
-    with pytest.raises(ConfigError, match="vision_balance"):
-        load_config(None, ["--parallelism.vision_balance=true", "--balance.strategy=lb_mini"])
+def test_vision_balance_is_accepted_under_every_strategy():
+    for strategy in ("native", "lb_micro", "lb_mini"):
+        cfg = JobConfig()
+        cfg.parallelism.vision_balance = True
+        cfg.balance.strategy = strategy
+        assert not [p for p in cfg.problems() if "vision_balance" in p], strategy
+    load_config(None, ["--parallelism.vision_balance=true", "--balance.strategy=lb_mini"])
+
+
+@pytest.mark.slow
+def test_everything_together_under_lb_mini_equals_one_process(tmp_path, run_cache):
+    """The paper's whole system at once on 4 ranks: lb_mini (one sync per minibatch), FlexUlysses (sharded
+    sequences), vision balancing (one vision pass per minibatch and log-prob stage, embeddings routed, gradients
+    back through it in each rank's reducing microbatch), shared-prefix packing and slice-aware loading. Per-token
+    log-probs (rollout, old, reference) and every parameter after each step equal one process running the earlier
+    per-wave path (lb_micro: each microbatch encodes its own media) within 1e-5; every image and frame was
+    encoded once per stage (vision/encode_repeats = 1) where per-wave encoding repeats them."""
+    from titanrl.rl.dump import load_dumps, max_differences
+    from train_runs import train_tiny
+
+    one_dir, one = train_tiny(tmp_path, run_cache, "one", 1, "--balance.strategy=lb_micro", "--rl.shared_prefix=false")
+    all_dir, every = train_tiny(tmp_path, run_cache, "all", 4, "--parallelism.ulysses=flex",
+                            "--parallelism.vision_balance=true")
+    a, b = load_dumps(one_dir), load_dumps(all_dir)
+    assert sorted(a) == sorted(b) == [1, 2]
+    for step in a:
+        diff = max_differences(a[step], b[step])
+        assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "params/policy"} <= set(diff)
+        assert all(v <= 1e-5 for v in diff.values()), (step, diff)
+    assert all(r["vision/encode_repeats"] == 1.0 for r in every)
+    assert all(r["vision/bytes_moved"] > 0 and r["balance/syncs_per_minibatch"] == 1 for r in every)
+    assert max(r["parallel/sharded_sequences"] for r in every) > 0
+    assert all(r["vision/encode_repeats"] > 1.5 for r in one)  # per wave: a prompt's frames in every microbatch

@@ -236,12 +236,13 @@ class ParallelismConfig:
     fsdp_reshard_after_forward: bool = True
     """Free gathered parameters after forward (less memory, one more all-gather in backward)."""
     vision_balance: bool = False
-    """Vision-tower balancing (FlexRL sec. 3.3) in the log-prob and update stages: per wave, the images and video
-    temporal patches the ranks' tokens use are spread over the ranks by vision cost (each encoded once, also when
-    several ranks use it), each rank encodes only its share, and the embeddings go with one all-to-all to the ranks
-    holding their placeholder tokens (gradients come back the same way). false = every rank encodes the media its
-    own tokens use. Needs balance.strategy = 'native' or 'lb_micro' (ranks run every wave together); under 'lb_mini'
-    ranks run different waves at different times, so it is refused there (planned: within Ulysses groups)."""
+    """Vision-tower balancing (FlexRL sec. 3.3) in the log-prob and update stages: the images and video temporal
+    patches the ranks' tokens use are spread over the ranks by vision cost (each encoded once, also when several
+    ranks use it), each rank encodes only its share, and the embeddings go with one all-to-all to the ranks holding
+    their placeholder tokens (gradients come back the same way). Under balance.strategy = 'native' / 'lb_micro' this
+    happens per wave; under 'lb_mini' once per minibatch (and log-prob stage), in a vision pass before the rank's
+    microbatches, whose gradients go back through it in the rank's reducing microbatch. false = every rank encodes
+    the media its own tokens use (under 'lb_mini' too once per minibatch, however its responses were spread)."""
 
     def problems(self) -> list[str]:
         found = []
@@ -266,13 +267,15 @@ class ParallelismConfig:
 class BalanceConfig:
     """[balance] How rollout sequences are packed into microbatches across ranks."""
 
-    strategy: Literal["lb_mini", "lb_micro", "native"] = "lb_mini"
+    strategy: Literal["lb_mini", "lb_micro", "native", "bucketing"] = "lb_mini"
     """How the log-prob and update stages spread trajectories over ranks and synchronise them (ODC paper):
     lb_mini = Karmarkar-Karp per minibatch with unequal microbatch counts per rank, parameters gathered once and
     gradients reduced once per minibatch (holds full parameters and unsharded gradients during the minibatch);
     lb_micro = balanced across ranks, equal microbatch counts, FSDP collectives per layer of every microbatch
     (less memory); native = every trajectory stays on the rank that generated it, ranks padded to the largest
-    microbatch count (the baseline; only with parallelism.ulysses = 'none'). docs/balance.md"""
+    microbatch count (the baseline; only with parallelism.ulysses = 'none'); bucketing = the FlexRL paper's veRL
+    baseline: whole trajectories dealt to ranks in equal counts per wave by Karmarkar-Karp on verl's workload
+    estimate, waves synchronised like lb_micro (only with parallelism.ulysses = 'none'). docs/balance.md"""
     max_tokens_per_microbatch: int = 2048
     """Token budget of one rank's share of a microbatch (a wave); a trajectory longer than it even at the
     highest allowed Ulysses degree runs alone, over the budget (reported as parallel/over_budget)."""
@@ -828,6 +831,13 @@ class JobConfig:
                 "rollout.temperature must be > 0 for rl.algorithm='grpo': greedy decoding gives "
                 "identical responses, so every advantage is 0"
             )
+        if self.balance.strategy == "bucketing" and self.parallelism.ulysses != "none":
+            found.append(f"balance.strategy='bucketing' deals whole trajectories to ranks (verl's way), but "
+                         f"parallelism.ulysses={self.parallelism.ulysses!r} shards them: use parallelism.ulysses='none' "
+                         "or balance.strategy='lb_micro' / 'lb_mini'")
+        if self.balance.strategy == "bucketing" and (self.balance.speeds() or self.balance.profile_speeds):
+            found.append("balance.strategy='bucketing' deals equal counts to every rank; unequal rank speeds "
+                         "(balance.rank_speeds, balance.profile_speeds) need balance.strategy='lb_micro' or 'lb_mini'")
         if self.balance.strategy == "native" and self.parallelism.ulysses != "none":
             found.append(
                 f"balance.strategy='native' keeps every trajectory on the rank that generated it, but "
@@ -845,12 +855,6 @@ class JobConfig:
                 f"balance.rank_speeds differ, but parallelism.ulysses = {self.parallelism.ulysses!r} places "
                 "sequences as if every rank were equally fast (its nested groups are planned by equal loads): use "
                 "parallelism.ulysses = 'none' with unequal speeds, or equal speeds"
-            )
-        if self.parallelism.vision_balance and self.balance.strategy == "lb_mini":
-            found.append(
-                "parallelism.vision_balance=true routes vision embeddings between ranks in every wave, but "
-                "balance.strategy='lb_mini' lets ranks run different waves at different times (one synchronisation "
-                "per minibatch): use balance.strategy='lb_micro' or 'native', or parallelism.vision_balance=false"
             )
         tp = self.rollout.tensor_parallel_size
         if tp > 1 and (self.workflow.placement != "disaggregated" or self.rollout.engine != "vllm"):

@@ -4,6 +4,7 @@ per-token loss inputs) from the arrays the exchange delivered."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -39,15 +40,62 @@ class WaveInputs:
         return 0 if self.batch is None else self.batch.num_tokens
 
 
+@dataclass
+class VisionPass:
+    """A stage's vision inputs on this rank, encoded once before its waves: ``batch`` (no tokens: the pixels and
+    grids of the runs this rank encodes, and the embedding route with vision balancing) goes through
+    ``model(batch, vision_only=True)``, whose rows the waves' batches read as ``vision_embeds``. Every rank runs it
+    (the route is a collective)."""
+
+    batch: PackedBatch
+    rows: int  # rows the waves index: this rank's needed runs, in order
+
+
+def _encoder_inputs(ex, runs, received, cursor, fetched) -> tuple[list[VisionGrid], torch.Tensor | None]:
+    """Grids and pixels of the runs this rank encodes, consumed from ``received`` (or ``fetched``) in run order."""
+    pixels, grids = [], []
+    for run in runs:
+        if ex.slices is not None:
+            pixels.append(fetched[run])
+        else:
+            src = ex.by_group[run.group].home
+            pixels.append(received[src][cursor[src]])
+            cursor[src] += 1
+        g = ex.by_group[run.group].media[run.item].grid
+        grids.append(VisionGrid(run.f1 - run.f0, g.h, g.w, g.is_video, g.second_per_grid))
+    values = torch.from_numpy(np.concatenate(pixels)).to(ex.device, ex.dtype) if pixels else None
+    return grids, values
+
+
+def _route(ex, vplan: WaveVisionPlan) -> VisionRoute:
+    return VisionRoute(route_indices(vplan, ex.rank, ex.shapes), ex.rank, ex.vision.group, collective=vplan.moves(),
+                       counter=ex.vision_stats.route)
+
+
+def vision_pass(ex, encode: Sequence[FrameRun], needs: Sequence[FrameRun], vplan: WaveVisionPlan | None,
+                received, cursor, fetched: dict[FrameRun, np.ndarray]) -> VisionPass:
+    """This rank's :class:`VisionPass` of a stage: it encodes ``encode`` (with vision balancing its plan's runs,
+    else its ``needs``) and ends with the rows of ``needs``."""
+    grids, pixels = _encoder_inputs(ex, encode, received, cursor, fetched)
+    batch = PackedBatch(input_ids=torch.zeros(0, dtype=torch.int64, device=ex.device),
+                        position_ids=torch.zeros(3, 0, dtype=torch.int64, device=ex.device),
+                        cu_seqlens=torch.zeros(1, dtype=torch.int64, device=ex.device), max_seqlen=0, grids=grids,
+                        pixel_values=pixels, vision_route=_route(ex, vplan) if vplan is not None else None)
+    rows = sum((r.f1 - r.f0) * ex.by_group[r.group].media[r.item].tokens_per_frame for r in needs)
+    return VisionPass(batch, rows)
+
+
 def assemble_wave(ex, plan, wave, mine, metas, received, cursor, fields, temperature, return_entropy,
-                  layout_builder, vplan: WaveVisionPlan | None, fetched: dict[FrameRun, np.ndarray]) -> WaveInputs:
+                  layout_builder, vplan: WaveVisionPlan | None, fetched: dict[FrameRun, np.ndarray], *,
+                  table: Sequence[FrameRun] | None = None) -> WaveInputs:
     """This rank's ``WaveInputs`` of ``wave`` from what it received (``received[src]``, consumed from
     ``cursor[src]`` in send order) and fetched: pieces in plan order, one vision grid per encoded run, the row of
-    each placeholder token in the encoded (or routed) rows. ``ex`` is the step's ``TrajectoryExchange``."""
+    each placeholder token in the encoded (or routed) rows. ``ex`` is the step's ``TrajectoryExchange``.
+    ``table``: the runs of the stage's :class:`VisionPass` on this rank; the wave encodes nothing and its
+    placeholders index the pass's rows instead."""
     route = None
     if vplan is not None and (vplan.moves() or mine):
-        route = VisionRoute(route_indices(vplan, ex.rank, ex.shapes), ex.rank, ex.vision.group,
-                            collective=vplan.moves(), counter=ex.vision_stats.route)
+        route = _route(ex, vplan)
     if not mine:  # a dummy forward still joins the route's collective
         return WaveInputs([], None, None, [], None, None, None, {}, vision_route=route)
     per_piece = []
@@ -56,23 +104,15 @@ def assemble_wave(ex, plan, wave, mine, metas, received, cursor, fields, tempera
         k = 3 + len(fields)
         per_piece.append(received[src][cursor[src]:cursor[src] + k])
         cursor[src] += k
-    need_runs = frame_runs(mine, metas)
-    enc_runs = list(vplan.encode[ex.rank]) if vplan is not None else need_runs
-    pixels = []
-    for run in enc_runs:
-        if ex.slices is not None:
-            pixels.append(fetched[run])
-            continue
-        src = ex.by_group[run.group].home
-        pixels.append(received[src][cursor[src]])
-        cursor[src] += 1
+    need_runs = frame_runs(mine, metas) if table is None else table
+    if table is not None:
+        grids, pixel_values = [], None
+    else:
+        grids, pixel_values = _encoder_inputs(ex, list(vplan.encode[ex.rank]) if vplan is not None else need_runs,
+                                              received, cursor, fetched)
 
-    # vision: one grid per encoded run, in run order; the row of each placeholder token in the
-    # rows of the runs it needs (what the route returns, or the encoded rows themselves)
-    grids: list[VisionGrid] = []
-    for run in enc_runs:
-        g = ex.by_group[run.group].media[run.item].grid
-        grids.append(VisionGrid(run.f1 - run.f0, g.h, g.w, g.is_video, g.second_per_grid))
+    # the row of each placeholder token in the rows of the runs it needs (what the route returns, the encoded
+    # rows themselves, or the vision pass's rows)
     run_rows: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (group, item) -> (f0, f1, first row)
     rows = 0
     for run in need_runs:
@@ -117,8 +157,9 @@ def assemble_wave(ex, plan, wave, mine, metas, received, cursor, fields, tempera
         cu_seqlens=torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(dev),
         max_seqlen=max(lengths),
         grids=grids,
-        pixel_values=torch.from_numpy(np.concatenate(pixels)).to(dev, ex.dtype) if pixels else None,
-        vision_token_index=torch.from_numpy(np.concatenate(token_rows)).to(dev) if token_rows else None,
+        pixel_values=pixel_values,
+        vision_token_index=(torch.from_numpy(np.concatenate(token_rows) if token_rows else np.zeros(0, np.int64)).to(dev)
+                            if token_rows or table is not None else None),
         attention_layout=layout,
         vision_route=route,
         # whole units only here: sharded ones get their segments from the layout

@@ -19,10 +19,10 @@ from titanrl.distributed import all_to_all_arrays
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.parallel.stage_plan import Piece, StagePlan
 from titanrl.parallel.vision_plan import FrameRun, WaveVisionPlan, runs_cost
-from titanrl.rl.assemble import WaveInputs, assemble_wave
+from titanrl.rl.assemble import VisionPass, WaveInputs, assemble_wave, vision_pass
 from titanrl.rl.slice_loading import StepSlices
 from titanrl.rl.units import StageUnit, TrajectoryMeta
-from titanrl.rl.vision_inputs import VisionBalancing, VisionStats, frame_runs, item_shapes, wave_vision_plan
+from titanrl.rl.vision_inputs import VisionBalancing, VisionStats, frame_runs, item_shapes, plan_vision, run_frames
 from titanrl.rl.wire import HomeSide, piece_specs, run_spec
 
 
@@ -53,70 +53,95 @@ class TrajectoryExchange:
         self.vision_stats.planned_peak += max(costs)
         self.vision_stats.planned_mean += float(np.mean(costs))
 
-    def inputs(self, plan: StagePlan, units: Sequence[StageUnit], waves: Sequence[int], *, fields: Sequence[str] = (),
-               temperature: float = 1.0, return_entropy: bool = False, layout_builder=None,
-               collective: bool = True) -> list[WaveInputs]:
+    def inputs(self, plan: StagePlan, units: Sequence[StageUnit], waves: Sequence[int], **kw) -> list[WaveInputs]:
+        """This rank's inputs of each of ``waves``, each wave encoding its own vision inputs
+        (:meth:`stage_inputs` with ``table=False``)."""
+        return self.stage_inputs(plan, units, waves, **kw)[0]
+
+    def stage_inputs(self, plan: StagePlan, units: Sequence[StageUnit], waves: Sequence[int], *,
+                     fields: Sequence[str] = (), temperature: float = 1.0, return_entropy: bool = False,
+                     layout_builder=None, collective: bool = True,
+                     table: bool = False) -> tuple[list[WaveInputs], VisionPass | None]:
         """This rank's inputs of each of ``waves``, moved with one all-to-all (skipped when
         ``collective`` is False and vision balancing moves no pixels, which every rank agrees on).
 
         Pixels reach the rank that encodes them (the one whose tokens use them, or with vision
-        balancing the one the wave's vision plan names) in that all-to-all from their home, or with
-        slice-aware loading from the preprocessors, fetched by the encoder itself."""
+        balancing the one the vision plan names) in that all-to-all from their home, or with
+        slice-aware loading from the preprocessors, fetched by the encoder itself. Each wave encodes what
+        its tokens use; with ``table`` (every rank passes the same) the rank's whole share of ``waves`` is
+        planned and encoded at once instead, before them: the returned :class:`VisionPass`, whose rows the
+        waves' batches index (each image or frame once per rank whatever the balancer did with the responses
+        that read it, and with vision balancing one embedding route for all the waves)."""
         metas = units
         patch_dim = self.args.vision.patch_dim
-        vplans: dict[int, WaveVisionPlan] = {}
+        # the waves one vision plan serves: each alone, or all at once (the table); every rank encodes in a
+        # table's vision pass, only ranks with work in a wave encode in it
+        vgroups = [list(waves)] if table else [[w] for w in waves]
+        pieces_of = lambda ws, r: [p for w in ws for p in plan.pieces(w, r)]  # noqa: E731
+        vplans: list[WaveVisionPlan] = []
         if self.vision is not None and self.vision.enabled:
-            vplans = {w: wave_vision_plan(plan, metas, w, self.world, self.shapes, self.vision) for w in waves}
-            for vp in vplans.values():
+            vplans = [plan_vision([pieces_of(ws, r) for r in range(self.world)], metas, self.shapes, self.vision,
+                                  every_rank=table) for ws in vgroups]
+            for vp in vplans:
                 self._count_vision(vp.encode_cost)
         elif self.vision is not None:  # what each rank's own needs cost (the metric's baseline)
-            for w in waves:
-                self._count_vision([runs_cost(frame_runs(plan.pieces(w, r), metas), self.shapes, self.vision.cost_model)
+            for ws in vgroups:
+                self._count_vision([runs_cost(frame_runs(pieces_of(ws, r), metas), self.shapes, self.vision.cost_model)
                                     for r in range(self.world)])
+        encoded = lambda g, r: vplans[g].encode[r] if vplans else frame_runs(pieces_of(vgroups[g], r), metas)  # noqa: E731
         home = lambda run: self.by_group[run.group].home  # noqa: E731
         send: list[list[np.ndarray]] = [[] for _ in range(self.world)]
         specs: list[list] = [[] for _ in range(self.world)]
-        for w in waves:
-            mine = plan.pieces(w, self.rank)
+        for g, ws in enumerate(vgroups):
+            for w in ws:
+                mine = plan.pieces(w, self.rank)
+                for dest in range(self.world):
+                    for p in mine if dest == self.rank else plan.pieces(w, dest):
+                        if metas[p.seq].home == self.rank:
+                            send[dest] += self.home.piece_arrays(p, metas[p.seq], fields)
+                for src in range(self.world):
+                    if src != self.rank:
+                        specs[src] += [spec for p in mine if metas[p.seq].home == src
+                                       for spec in piece_specs(p, metas[p.seq], fields)]
+            if self.slices is not None:  # the encoder fetches its pixels itself: none are sent
+                continue
             for dest in range(self.world):
-                theirs = mine if dest == self.rank else plan.pieces(w, dest)
-                for p in theirs:
-                    if metas[p.seq].home == self.rank:
-                        send[dest] += self.home.piece_arrays(p, metas[p.seq], fields)
-                # with slice loading the encoder fetches its pixels itself: none are sent
-                runs = [] if self.slices is not None else vplans[w].encode[dest] if vplans else frame_runs(theirs,
-                                                                                                         metas)
-                for run in runs:
+                for run in encoded(g, dest):
                     if home(run) == self.rank:
                         send[dest].append(self.home.run_pixels(run))
                         if dest != self.rank:
                             self.vision_stats.pixel_bytes += send[dest][-1].nbytes
-            runs = vplans[w].encode[self.rank] if vplans else frame_runs(mine, metas)
             for src in range(self.world):
-                if src == self.rank:
-                    continue
-                specs[src] += [spec for p in mine if metas[p.seq].home == src
-                               for spec in piece_specs(p, metas[p.seq], fields)]
-                if self.slices is None:
-                    specs[src] += [run_spec(run, self.by_group, patch_dim) for run in runs if home(run) == src]
+                if src != self.rank:
+                    specs[src] += [run_spec(run, self.by_group, patch_dim) for run in encoded(g, self.rank)
+                                   if home(run) == src]
         if vplans and self.slices is None:  # pixels move to encoders even where every piece stays home
-            collective = collective or any(home(run) != r for vp in vplans.values()
-                                           for r, runs in enumerate(vp.encode) for run in runs)
+            collective = collective or any(home(run) != r for vp in vplans for r, runs in enumerate(vp.encode)
+                                           for run in runs)
         received, sent = all_to_all_arrays(send, specs, rank=self.rank, device=self.device, collective=collective,
                                            group=self.group)
         fetched: dict[FrameRun, np.ndarray] = {}
         if self.slices is not None:  # every run this rank encodes in these waves, in one round of fetches
-            enc = [run for w in waves for run in (vplans[w].encode[self.rank] if vplans
-                                                  else frame_runs(plan.pieces(w, self.rank), metas))]
+            enc = [run for g in range(len(vgroups)) for run in encoded(g, self.rank)]
             local = lambda run: self.home.run_pixels(run) if home(run) == self.rank else None  # noqa: E731
             fetched = dict(zip(enc, self.slices.rows(enc, local)))
-        cursor = [0] * self.world  # next array of each source, consumed wave by wave in send order
-        out = [assemble_wave(self, plan, w, plan.pieces(w, self.rank), metas, received, cursor, fields, temperature,
-                              return_entropy, layout_builder, vplans.get(w), fetched) for w in waves]
+        self.vision_stats.frames_encoded += sum(run_frames(encoded(g, self.rank)) for g in range(len(vgroups)))
+        cursor = [0] * self.world  # next array of each source, consumed in send order
+        out, vpass = [], None
+        for g, ws in enumerate(vgroups):
+            vplan = vplans[g] if vplans else None
+            if table:
+                needs = frame_runs(pieces_of(ws, self.rank), metas)
+                out += [assemble_wave(self, plan, w, plan.pieces(w, self.rank), metas, received, cursor, fields,
+                                      temperature, return_entropy, layout_builder, None, fetched, table=needs)
+                        for w in ws]
+                vpass = vision_pass(self, encoded(g, self.rank), needs, vplan, received, cursor, fetched)
+            else:
+                out += [assemble_wave(self, plan, w, plan.pieces(w, self.rank), metas, received, cursor, fields,
+                                      temperature, return_entropy, layout_builder, vplan, fetched) for w in ws]
         if out:
             out[0].bytes_sent = sent
-        return out
-
+        return out, vpass
 
     # ------------------------------------------------------------------ results home
 
@@ -156,6 +181,11 @@ class TrajectoryExchange:
                     sel = sc.response == k
                     getattr(self.home.traj(u, int(k)), attr)[torch.from_numpy(sc.token[sel])] = values[torch.from_numpy(sel)]
         return sent
+
+    def count_frames_used(self, plan: StagePlan, units: Sequence[StageUnit]) -> None:
+        """The distinct images and temporal patches a stage's tokens use (``vision/encode_repeats``' denominator)."""
+        pieces = [p for wave in range(len(plan.waves)) for r in range(self.world) for p in plan.pieces(wave, r)]
+        self.vision_stats.frames_used += run_frames(frame_runs(pieces, units))
 
     def begin_results(self, attr: str) -> None:
         """Give every home trajectory an empty ``attr`` for :meth:`return_logprobs` to fill."""

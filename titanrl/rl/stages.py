@@ -38,7 +38,7 @@ from titanrl.parallel.ulysses import UlyssesLayout, layout_builder
 from titanrl.rl.batch import Trajectory, dummy_pack
 from titanrl.rl.slice_loading import StepSlices
 from titanrl.rl.timing import Busy, BusyClock
-from titanrl.rl.assemble import WaveInputs
+from titanrl.rl.assemble import VisionPass, WaveInputs
 from titanrl.rl.exchange import TrajectoryExchange
 from titanrl.rl.units import StageUnit, TrajectoryMeta, gather_metadata, stage_units
 from titanrl.rl.vision_inputs import VisionBalancing
@@ -101,6 +101,21 @@ class StepStats:
     # represented (every trajectory whole); the same on every rank
     tokens_computed: int = 0
     tokens_represented: int = 0
+
+
+@dataclass
+class VisionTable:
+    """A stage's vision rows on this rank (the output of its :class:`VisionPass`): ``live`` holds the graph back to
+    the vision tower (and the embedding route); microbatches read ``leaf``, a detached copy whose ``.grad`` gathers
+    their gradients, and the reducing microbatch reads ``live`` and adds :meth:`surrogate`, so one backward takes
+    every microbatch's gradient through the tower: d/d live of ``surrogate`` is ``leaf.grad``."""
+
+    live: torch.Tensor
+    leaf: torch.Tensor
+
+    def surrogate(self) -> torch.Tensor:
+        grad = self.leaf.grad
+        return (self.live * (grad if grad is not None else torch.zeros_like(self.live))).sum()
 
 
 class StageRunner:
@@ -210,8 +225,9 @@ class StageRunner:
 
     def _inputs(self, plan: StagePlan, units: Sequence[StageUnit], fields: Sequence[str], *, temperature: float,
                 return_entropy: bool):
-        """(wave, inputs) of every wave this rank runs: one exchange per wave under wave sync, one
-        for the whole stage under minibatch sync."""
+        """(iterator of (wave, inputs) of every wave this rank runs, the stage's vision pass or None): one exchange
+        per wave under wave sync, each wave encoding its own media; one for the whole stage under minibatch sync,
+        with one vision pass before the waves (each image or frame once per rank, one embedding route)."""
         s = self.stats
         moves = plan.moves_data()
         build = layout_builder(self.groups, rank=self.rank, lengths=[u.num_tokens for u in units],
@@ -224,16 +240,30 @@ class StageRunner:
         s.waves += len(plan.waves)
         kw = dict(fields=fields, temperature=temperature, return_entropy=return_entropy, layout_builder=build,
                   collective=moves)
-        batches = [[w] for w in range(len(plan.waves))] if plan.sync == "wave" else [list(range(len(plan.waves)))]
         mine = set(plan.rank_waves(self.rank))
-        for waves in batches:
-            for w, inputs in zip(waves, self.exchange.inputs(plan, units, waves, **kw)):
+        self.exchange.count_frames_used(plan, units)
+
+        def keep(waves, inputs_list):
+            for w, inputs in zip(waves, inputs_list):
                 s.exchange_bytes += inputs.bytes_sent
                 if w not in mine:
                     continue
                 if inputs.batch is not None and isinstance(inputs.batch.attention_layout, UlyssesLayout):
                     s.layouts.append(inputs.batch.attention_layout)
                 yield w, inputs
+
+        if plan.sync == "minibatch":
+            waves = list(range(len(plan.waves)))
+            inputs_list, vpass = self.exchange.stage_inputs(plan, units, waves, table=True, **kw)
+            return keep(waves, inputs_list), vpass
+        return (pair for w in range(len(plan.waves)) for pair in keep([w], self.exchange.inputs(plan, units, [w], **kw))), None
+
+    def _vision_table(self, model, vpass: VisionPass | None, train: bool) -> VisionTable | None:
+        """Run the stage's vision pass (every rank, before its waves)."""
+        if vpass is None:
+            return None
+        live = model(vpass.batch, vision_only=True).hidden
+        return VisionTable(live, live.detach().requires_grad_(train and live.requires_grad))
 
     def _time_vision(self, model) -> None:
         """Count the vision tower's forward time (``vision/balance_measured``) of ``model``."""
@@ -253,7 +283,10 @@ class StageRunner:
             return minibatch_sync(model, train=train, reshard_after_forward=self.reshard_after_forward)
         return nullcontext(lambda: None)
 
-    def _dummy(self, model, backward: bool, inputs: WaveInputs | None = None) -> None:
+    def _dummy(self, model, backward: bool, inputs: WaveInputs | None = None,
+               extra: torch.Tensor | None = None) -> None:
+        """A zero-weight forward (and backward) of a two-token pack, for a rank with nothing in a wave or whose
+        last microbatch must reduce; ``extra`` joins its backward (a vision table's surrogate)."""
         dummy = dummy_pack(self.args, self.device, self.dtype)
         if inputs is not None and inputs.vision_route is not None:
             dummy.batch.vision_route = inputs.vision_route  # the wave's embedding route is a collective
@@ -261,7 +294,8 @@ class StageRunner:
         if backward:
             # zero weight, but every parameter (output projection or value head included) is touched, so FSDP
             # reduce-scatters the same gradient buckets on every rank
-            ((out.logprobs if out.logprobs is not None else out.values).sum() * 0.0).backward()
+            loss = (out.logprobs if out.logprobs is not None else out.values).sum() * 0.0
+            (loss if extra is None else loss + extra).backward()
 
     @torch.no_grad()
     def logprobs(self, model, attr: str, *, temperature: float, ids: Sequence[int] | None = None,
@@ -278,8 +312,14 @@ class StageRunner:
         self.exchange.begin_results(attr)
         done: list[tuple[int, WaveInputs, torch.Tensor]] = []
         with self._sync(model, plan, train=False):
-            for w, inputs in self._inputs(plan, units, (), temperature=temperature, return_entropy=False):
+            waves, vpass = self._inputs(plan, units, (), temperature=temperature, return_entropy=False)
+            t0 = self.clock.mark()
+            table = self._vision_table(model, vpass, train=False)
+            self.stats.busy_seconds.add(t0, self.clock.mark())
+            for w, inputs in waves:
                 t0 = self.clock.mark()
+                if table is not None and inputs.batch is not None:
+                    inputs.batch.vision_embeds = table.live
                 if inputs.batch is None:
                     self._dummy(model, backward=False, inputs=inputs)
                     logp = torch.zeros(0)
@@ -323,24 +363,32 @@ class StageRunner:
             mine = plan.rank_waves(self.rank)
             # under minibatch sync the rank's final microbatch reduces; it must hold no sharded group
             trailing_dummy = plan.sync == "minibatch" and (not mine or bool(plan.waves[mine[-1]].ranks[self.rank].sharded))
-            for w, inputs in self._inputs(plan, units, fields, temperature=temperature, return_entropy=True):
-                if plan.sync == "minibatch" and w == mine[-1] and not trailing_dummy:
+            waves, vpass = self._inputs(plan, units, fields, temperature=temperature, return_entropy=True)
+            # minibatch sync: the vision pass ran once; microbatches read its rows detached and the last one
+            # takes their gradients back through it (table.surrogate), so the tower's backward, its route and
+            # its gradient reduction run once, in the reducing microbatch
+            table = self._vision_table(model, vpass, train=True)
+            for w, inputs in waves:
+                reducing = plan.sync == "minibatch" and w == mine[-1] and not trailing_dummy
+                if reducing:
                     last()
                 s.microbatches += 1
                 t_wave = self.clock.mark()
                 if inputs.batch is None:
                     self._dummy(model, backward=True, inputs=inputs)
                 else:
+                    if table is not None:
+                        inputs.batch.vision_embeds = table.live if reducing else table.leaf
                     out = model(inputs.batch, inputs.targets)
                     res = loss_fn(out, inputs, global_tokens, global_seqs)
-                    res.loss.backward()
+                    (res.loss + table.surrogate() if reducing and table is not None else res.loss).backward()
                     results.append(res)
                 unit_seconds.append(Busy())
                 unit_seconds[-1].add(t_wave, self.clock.mark())
             if trailing_dummy:
                 last()
                 s.microbatches += 1
-                self._dummy(model, backward=True)
+                self._dummy(model, backward=True, extra=table.surrogate() if table is not None else None)
         s.reducing_microbatches += 1 if plan.sync == "minibatch" else len(plan.waves)
         t1 = self.clock.mark()
         self.stats.busy_seconds.add(t0, t1)
@@ -403,7 +451,9 @@ class StageRunner:
                                                   sl.frames_local)
         every = all_gather_objects((s.busy_seconds.seconds(), a2a, s.exchange_bytes,
                                     [u.seconds() for u in s.update_units], s.microbatches, s.vision_seconds.seconds(),
-                                    vision_bytes, loaded), group=self.process_group)
+                                    vision_bytes, loaded, 0 if v is None else v.frames_encoded),
+                                   group=self.process_group)
+        frames_used = 0 if v is None else v.frames_used
         loaded_sum = np.asarray([e[7] for e in every], dtype=np.float64).sum(axis=0)
         vision_busy = np.asarray([e[5] for e in every], dtype=np.float64)
         busy = np.asarray([e[0] for e in every], dtype=np.float64)
@@ -436,6 +486,9 @@ class StageRunner:
             "vision/balance_measured": (float(vision_busy.max() / vision_busy.mean()) if vision_busy.mean() > 0
                                         else 1.0),
             "vision/bytes_moved": float(sum(e[6] for e in every)),
+            # images and video temporal patches encoded over all ranks and stages / those the stages' tokens use:
+            # 1.0 = each encoded once per stage (and minibatch); more = re-encoded (per wave, per rank)
+            "vision/encode_repeats": float(sum(e[8] for e in every)) / frames_used if frames_used else 1.0,
             # slice-aware loading: what encoders fetched from the preprocessors (uint8 frames), what
             # the preprocessors decoded for it (0 while the samples are cached from the homes' fetch),
             # and the frames of runs encoded where their prompt was generated

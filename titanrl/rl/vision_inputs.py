@@ -15,7 +15,7 @@ from typing import Sequence
 
 
 from titanrl.parallel.cost_model import CostModel
-from titanrl.parallel.stage_plan import Piece, StagePlan
+from titanrl.parallel.stage_plan import Piece
 from titanrl.parallel.vision_plan import FrameRun, ItemShape, WaveVisionPlan, plan_wave_vision, runs_of
 from titanrl.parallel.vision_route import RouteCounter
 from titanrl.rl.units import StageUnit, TrajectoryMeta
@@ -58,15 +58,23 @@ class VisionStats:
     planned_mean: float = 0.0
     pixel_bytes: int = 0  # pixels this rank sent to other ranks
     route: RouteCounter = field(default_factory=RouteCounter)
+    frames_encoded: int = 0  # images and video temporal patches this rank's vision tower encoded
+    frames_used: int = 0  # per stage call, the distinct ones its tokens use (the same on every rank)
 
 
-def wave_vision_plan(plan: StagePlan, units: Sequence[StageUnit], wave: int, world: int,
-                     shapes: dict[tuple[int, int], ItemShape], vision: VisionBalancing) -> WaveVisionPlan:
-    """Who encodes what in ``wave`` (the same on every rank)."""
-    pieces = [plan.pieces(wave, r) for r in range(world)]
+def plan_vision(pieces: Sequence[Sequence[Piece]], units: Sequence[StageUnit], shapes: dict[tuple[int, int], ItemShape],
+                vision: VisionBalancing, *, every_rank: bool = False) -> WaveVisionPlan:
+    """Who encodes what of the vision inputs that each rank's ``pieces`` use (a wave's, or a rank's whole share of
+    a stage; the same on every rank). Encoders: the ranks with pieces, or with ``every_rank`` any rank (a stage's
+    vision pass runs on all of them)."""
     needs = [frame_runs(p, units) for p in pieces]
-    return plan_wave_vision(needs, shapes, vision.cost_model, eligible=[bool(p) for p in pieces], tol=vision.tol,
-                            speeds=vision.speeds)
+    eligible = [True] * len(pieces) if every_rank else [bool(p) for p in pieces]
+    return plan_wave_vision(needs, shapes, vision.cost_model, eligible=eligible, tol=vision.tol, speeds=vision.speeds)
+
+
+def run_frames(runs: Sequence[FrameRun]) -> int:
+    """Images and video temporal patches in ``runs``."""
+    return sum(r.f1 - r.f0 for r in runs)
 
 
 def item_shapes(metas: Sequence[TrajectoryMeta]) -> dict[tuple[int, int], ItemShape]:

@@ -163,3 +163,33 @@ def test_batch_bubble_rate_reproduces_odc_ordering():
         plans = partition_batch(lengths, 8, 4, strategy=strategy, max_tokens_per_microbatch=int(lengths.max()))
         rates[strategy] = batch_bubble_rate(plans, costs, sync)
     assert rates["native"] > rates["lb_micro"] > rates["lb_mini"] >= 0.0
+
+
+def test_bucketing_strategy_is_refused_where_it_cannot_run():
+    from titanrl.config import JobConfig
+
+    cfg = JobConfig()
+    cfg.balance.strategy = "bucketing"
+    assert not cfg.problems()
+    cfg.parallelism.ulysses = "flex"
+    assert any("bucketing" in p and "ulysses" in p for p in cfg.problems())
+    cfg.parallelism.ulysses = "none"
+    cfg.balance.rank_speeds = [1.0, 0.5]
+    assert any("bucketing" in p and "rank speeds" in p for p in cfg.problems())
+
+
+@pytest.mark.slow
+def test_bucketing_strategy_trains_equal_to_one_process(tmp_path, run_cache):
+    """balance.strategy = 'bucketing' (the FlexRL paper's veRL baseline: whole trajectories dealt in equal counts
+    by Karmarkar-Karp on verl's workload estimate) on 2 ranks: per-token log-probs and parameters after each step
+    equal one process within 1e-5, every rank running every wave (synchronised like lb_micro)."""
+    from titanrl.rl.dump import load_dumps, max_differences
+    from train_runs import train_tiny
+
+    one_dir, _ = train_tiny(tmp_path, run_cache, "one", 1)
+    two_dir, two = train_tiny(tmp_path, run_cache, "two", 2, "--balance.strategy=bucketing", "--rl.shared_prefix=false")
+    a, b = load_dumps(one_dir), load_dumps(two_dir)
+    for step in a:
+        diff = max_differences(a[step], b[step])
+        assert {"old_logprobs", "params/policy"} <= set(diff) and all(v <= 1e-5 for v in diff.values()), (step, diff)
+    assert all(r["balance/microbatches_min"] == r["balance/microbatches_max"] for r in two)

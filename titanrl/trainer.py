@@ -164,7 +164,10 @@ class Trainer:
         vision_group = new_group(self.placement.train, timeout) if vision_balance else None
         self.stages = StageRunner(
             args=self.args, rank=tinfo.rank, world=tinfo.world_size, device=info.device, dtype=self.param_dtype,
-            method=self.ulysses.method, strategy=cfg.balance.strategy, max_tokens=cfg.balance.max_tokens_per_microbatch,
+            # bucketing: verl's whole-sequence dealing, waves synchronised like lb_micro
+            method="bucketing" if cfg.balance.strategy == "bucketing" else self.ulysses.method,
+            strategy="lb_micro" if cfg.balance.strategy == "bucketing" else cfg.balance.strategy,
+            max_tokens=cfg.balance.max_tokens_per_microbatch,
             reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
             cost_model=cost_model, p_max=self.ulysses.p_max,
             degree=self.ulysses.degree, attn_backend=cfg.model.attn_backend, shared_prefix=cfg.rl.shared_prefix,

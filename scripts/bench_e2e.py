@@ -8,20 +8,24 @@ Every row is a real ``titanrl.train`` run (``torchrun``; real decode, vLLM-CPU r
 old/ref log-probs, the update and the weight push; no sleeps) of the ``small`` model
 (``configs/small_cpu.toml``) on one synthetic mixture with paper-scale media (``--scale paper``:
 360p-480p clips of up to minutes, decoded at 2 fps up to ``--max-frames`` frames; the same files
-``scripts/bench_data.py`` uses). Configurations:
+``scripts/bench_data.py`` uses). Configurations, the baselines at their documented best:
 
-- ``verl-like``: rank 0 decodes every sample and ships pixels to the ranks (``data.loader =
-  centralized``, nothing decoded ahead), trajectories stay on the rank that generated them and are cut
-  into microbatches locally (``balance.strategy = native``), no sequence parallelism;
-- ``verl-like+prefetch``: the same with rank 0 decoding ``data.prefetch_batches`` steps ahead (the fair
-  baseline: the prefetch depth ShadowLoader gets);
-- ``+ShadowLoader``: ShadowLoader (worker-side decode, each rank materializes its own samples ahead);
-- ``+FlexUlysses``: ShadowLoader + FlexUlysses with vision balancing and slice loading (``lb_micro``:
-  vision balancing routes embeddings per wave);
-- ``+ODC``: ShadowLoader + ``lb_mini`` (Karmarkar-Karp per minibatch, one synchronisation per
-  minibatch);
-- ``all``: ShadowLoader + FlexUlysses + ``lb_mini`` + shared-prefix packing. Vision balancing is
-  refused under ``lb_mini`` (ranks run different waves at different times), so it is off here.
+- ``verl-like``: rank 0 decodes every sample and ships pixels to the ranks (``data.loader = centralized``,
+  ``data.prefetch_batches`` steps ahead, the depth ShadowLoader gets), no sequence parallelism, every trajectory
+  whole, and verl's default batch balancing (``trainer.balance_batch``: Karmarkar-Karp on token counts, equal
+  counts per rank): ``balance.strategy = lb_micro`` with ``balance.cost_model = tokens``;
+- ``verl+bucketing``: the FlexRL paper's own baseline (veRL with sequences bucketed by length:
+  ``balance.strategy = bucketing``, equal counts per rank by Karmarkar-Karp on verl's workload estimate);
+
+then each feature alone on top of ``verl-like`` (the rest as there), and all together:
+
+- ``+ShadowLoader``: worker-side decode, each rank materializes its own samples ahead, slice-aware loading;
+- ``+FlexUlysses``: per-trajectory Ulysses degrees (``parallelism.ulysses = flex``, FLOPs cost model);
+- ``+vision``: vision-tower balancing (``lb_micro``: one embedding route per wave);
+- ``+ODC``: ``lb_mini`` (Karmarkar-Karp per minibatch on FLOPs, one synchronisation per minibatch, one vision
+  pass per minibatch);
+- ``+shared prefix``: each prompt computed once with its responses (``rl.shared_prefix``);
+- ``all``: ShadowLoader + FlexUlysses + vision balancing + ``lb_mini`` + shared prefix.
 
 Only ``all`` packs a prompt once per group (``rl.shared_prefix``); the other rows compute every
 trajectory whole, as verl does. Per step (median over steps 2..; step 1 includes start-up): the wall
@@ -49,6 +53,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import git_commit  # noqa: E402
 from bench_data import bench_dataset  # noqa: E402
 from bench_flex_ulysses import ratio  # noqa: E402
 
@@ -56,19 +61,23 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("data", "rollout", "reward", "old_logprob", "ref_logprob", "update", "weight_sync")
 MIXTURES = ("video-heavy", "only-video", "image-heavy")
 SHADOW = ["--data.loader=shadow", "--data.slice_loading=true"]
+CENTRAL = ["--data.loader=centralized", "--data.slice_loading=false"]
+PLAIN = ["--parallelism.ulysses=none", "--parallelism.vision_balance=false", "--rl.shared_prefix=false"]
+VERL = [*CENTRAL, "--balance.strategy=lb_micro", "--balance.cost_model=tokens", *PLAIN]
 CONFIGS: dict[str, list[str]] = {
-    "verl-like": ["--data.loader=centralized", "--data.slice_loading=false", "--data.prefetch_batches=0",
-                  "--balance.strategy=native", "--parallelism.ulysses=none", "--rl.shared_prefix=false"],
-    "verl-like+prefetch": ["--data.loader=centralized", "--data.slice_loading=false", "--balance.strategy=native",
-                           "--parallelism.ulysses=none", "--rl.shared_prefix=false"],
-    "+ShadowLoader": [*SHADOW, "--balance.strategy=native", "--parallelism.ulysses=none", "--rl.shared_prefix=false"],
-    "+FlexUlysses": [*SHADOW, "--balance.strategy=lb_micro", "--parallelism.ulysses=flex",
-                     "--parallelism.vision_balance=true", "--rl.shared_prefix=false"],
-    "+ODC": [*SHADOW, "--balance.strategy=lb_mini", "--parallelism.ulysses=none", "--rl.shared_prefix=false"],
-    "all": [*SHADOW, "--balance.strategy=lb_mini", "--parallelism.ulysses=flex", "--rl.shared_prefix=true"],
+    "verl-like": VERL,
+    "verl+bucketing": [*CENTRAL, "--balance.strategy=bucketing", *PLAIN],
+    "+ShadowLoader": [*VERL, *SHADOW],
+    "+FlexUlysses": [*VERL, "--balance.cost_model=flops", "--parallelism.ulysses=flex"],
+    "+vision": [*VERL, "--parallelism.vision_balance=true"],
+    "+ODC": [*VERL, "--balance.strategy=lb_mini", "--balance.cost_model=flops"],
+    "+shared prefix": [*VERL, "--rl.shared_prefix=true"],
+    "all": [*SHADOW, "--balance.strategy=lb_mini", "--balance.cost_model=flops", "--parallelism.ulysses=flex",
+            "--parallelism.vision_balance=true", "--rl.shared_prefix=true"],
 }
 BASELINE = "verl-like"
-TARGET_SPEEDUP, TARGET_LIMIT = 3.0, 1.15  # issue 11, video-heavy: all >= 3x verl-like, within 15% of the limit
+PAPER_BASELINE = "verl+bucketing"  # the FlexRL paper's baseline
+TARGET_SPEEDUP, TARGET_LIMIT = 2.5, 1.10  # issue 29, video-heavy: all >= 2.5x verl-like, within 10% of its limit
 SAME = ("loss", "kl", "entropy", "reward/mean")
 
 
@@ -140,11 +149,11 @@ def _loss_gap(runs: dict, step: int) -> float:
 def wall_table(results: dict, ranks: str) -> list[str]:
     head = " | ".join(s.replace("_logprob", " lp") for s in STAGES)
     lines = [f"| mixture | configuration | {head} | step (s) | limit (s) | step / limit | tokens/s | speed-up vs "
-             f"{BASELINE} | vs {BASELINE}+prefetch |",
+             f"{BASELINE} | vs {PAPER_BASELINE} |",
              "|---|---|" + "---|" * len(STAGES) + "---|---|---|---|---|---|"]
     for mixture, runs in results[ranks].items():
         base = runs.get(BASELINE, {}).get("median", {}).get("step/wall_s", 0.0)
-        fair = runs.get(f"{BASELINE}+prefetch", {}).get("median", {}).get("step/wall_s", 0.0)
+        fair = runs.get(PAPER_BASELINE, {}).get("median", {}).get("step/wall_s", 0.0)
         for config, run in runs.items():
             m = run["median"]
             stages = " | ".join(f"{m.get(f'time/{s}', 0.0):.2f}" for s in STAGES)
@@ -184,7 +193,7 @@ def report(data: dict) -> str:
         "# End-to-end: the FlexRL ablation in whole RL steps",
         "",
         f"Generated by `python scripts/bench_e2e.py` from `benchmarks/e2e.json` on {data['machine']} "
-        f"({data['date']}); do not edit. Model `{w['model']}` (random init, fp32, FSDP2 on gloo, vLLM-CPU "
+        f"({data['date']}, commit {data.get('commit', 'not recorded')}); do not edit. Model `{w['model']}` (random init, fp32, FSDP2 on gloo, vLLM-CPU "
         f"rollouts in each rank's process), {w['prompts']} prompts x {w['responses']} responses per step, "
         f"{w['max_new_tokens']} new tokens, `{w['scale']}`-scale synthetic media resized to at most "
         f"{w['max_pixels']} pixels, videos at 2 fps up to {w['max_frames']} frames, prompts up to {w['max_prompt_tokens']} tokens, {w['max_tokens']} tokens per rank "
@@ -198,7 +207,7 @@ def report(data: dict) -> str:
     ]
     if "2" in data["results"]:
         lines += ["## 2 ranks x 1 thread (wall-clock)", "", *wall_table(data["results"], "2"), ""]
-        lines += ["Targets (video-heavy, from issue 11):", "", *targets(data["results"]), ""]
+        lines += ["Targets (video-heavy, from issue 29):", "", *targets(data["results"]), ""]
         lines += ["Same computation: the largest difference of loss / KL / entropy / reward between any "
                   f"configuration and {BASELINE} at step 1 (same weights, same responses): " +
                   ", ".join(f"{mix} {_loss_gap(runs, 0):.1e}" for mix, runs in data["results"]["2"].items()) +
@@ -313,15 +322,16 @@ def main() -> None:
         args.mixtures, args.configs, args.ranks = ["video-heavy"], ["all"], [2]
     results: dict[str, dict] = {}
     data = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only", "date": time.strftime("%Y-%m-%d"),
+            "commit": git_commit(),
             "workload": {k: getattr(args, k) for k in ("model", "scale", "steps", "busy_steps", "prompts", "responses",
                                                        "max_new_tokens", "max_frames", "max_pixels",
                                                        "max_prompt_tokens", "max_tokens")},
             "results": results}
     if args.merge:
         previous = json.loads(out.with_suffix(".json").read_text())
-        if previous["workload"] != data["workload"]:
-            raise SystemExit(f"--merge: {out.with_suffix('.json')} measured another workload "
-                             f"({previous['workload']}); run without --merge")
+        if previous["workload"] != data["workload"] or previous.get("commit") != data["commit"]:
+            raise SystemExit(f"--merge: {out.with_suffix('.json')} measured another workload or commit "
+                             f"({previous['workload']}, {previous.get('commit')}); run without --merge")
         results.update(previous["results"])
     for ranks in args.ranks:
         mixtures = args.mixtures if ranks == 2 else [m for m in args.mixtures if m in args.busy_mixtures]

@@ -233,6 +233,32 @@ def test_head_counts_the_degree_does_not_divide_match_single_process(tmp_path):
     assert res["vision-prefix-flex"]["max_degree"] >= 2 and res["vision-prefix-flex"]["route_bytes"][0] > 0
 
 
+STAGE_CASES = ("minibatch", "vision-minibatch", "vision-prefix-minibatchflex", "minibatch1", "vision-minibatch1",
+               "ac-minibatch1", "ac-vision-prefix-minibatch1")
+
+
+@pytest.mark.slow
+def test_lb_mini_vision_pass_matches_single_process(tmp_path):
+    """The trainer's StageRunner under lb_mini: one vision pass per minibatch (each image and frame once per rank,
+    with vision balancing over every rank and one route), microbatches reading its rows detached and the reducing
+    microbatch taking their gradients back through it. One update minibatch and a log-prob stage on 4 ranks
+    equal the single process on log-probs, loss and every gradient shard (vision tower included): the whole batch,
+    with FlexUlysses and shared prefixes, and (``1``) only the long video's prompt, so two ranks have no work and
+    reduce in a trailing dummy (once a collective mismatch: the dummy ran the vision tower a second time),
+    with activation checkpointing too."""
+    res = run(tmp_path / "s.pt", "--cases", ",".join(STAGE_CASES), timeout=900)
+    for case in STAGE_CASES:
+        r = res[case]
+        assert r["logp"] < TOL and r["loss"] < TOL and r["grad"] < TOL, (case, r)
+        assert r["syncs"] == 1, (case, r)
+        if "vision" in case:
+            assert r["encode_repeats"] == 1.0, (case, r)  # each image and frame encoded once per stage
+        if "vision" in case and not case.endswith("1"):
+            assert r["route_bytes"][0] > 0 and r["route_bytes"][1] > 0, (case, r)  # routed, gradients back
+    assert res["minibatch1"]["microbatches"][0] == 1  # a rank without work ran only its trailing dummy
+    assert res["vision-prefix-minibatchflex"]["max_degree"] >= 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("degree", [2, 4])
 def test_fixed_degree_matches_single_process(four_ranks, degree):

@@ -208,6 +208,54 @@ def run_case(case: str, model, ref, mine, metas, exchange, make_build, world, ra
             "vision_balance_planned": v.planned_peak / v.planned_mean if v.planned_mean else 1.0}
 
 
+def run_stage_case(mode: str, model, trajs, ref, world, rank, groups, vision: VisionBalancing,
+                   shared_prefix: bool) -> dict:
+    """Through the trainer's ``StageRunner`` under ``lb_mini`` (one vision pass per minibatch): ``minibatch`` (whole
+    trajectories, Karmarkar-Karp), ``minibatchflex`` (FlexUlysses), on ``trajs`` (whose reference is ``ref``):
+    one update minibatch (gradients reduced once) and a log-prob stage, against the single process."""
+    from types import SimpleNamespace
+
+    from titanrl.rl.stages import StageRunner
+
+    runner = StageRunner(args=ARGS, rank=rank, world=world, device=torch.device("cpu"), dtype=torch.float32,
+                         method="flex" if mode == "minibatchflex" else "none", strategy="lb_mini",
+                         max_tokens=MAX_TOKENS, cost_model=CostModel(), p_max=4, groups=groups, vision=vision,
+                         shared_prefix=shared_prefix)
+    mine = [t for t in trajs if home_of(t.group, world) == rank]
+    runner.begin_step(mine)
+
+    def loss_fn(out, inp, global_tokens, global_seqs):
+        return SimpleNamespace(loss=loss_terms(out.logprobs, out.entropy, inp.fields["old_logprobs"],
+                                               inp.fields["ref_logprobs"], inp.advantages, inp.seq_index,
+                                               inp.seq_lengths, global_tokens, global_seqs))
+
+    results = runner.train_minibatch(model, runner.all_ids(), ("old_logprobs", "ref_logprobs"), loss_fn,
+                                     temperature=1.0)
+    runner.logprobs(model, "new_logprobs", temperature=1.0)
+    ref_logps, ref_loss, ref_grads = ref
+    loss_sum = torch.tensor(sum(float(r.loss.detach()) for r in results), dtype=torch.float64)
+    dist.all_reduce(loss_sum)
+    errors = {"logp": 0.0, "loss": abs(loss_sum.item() - ref_loss), "grad": 0.0}
+    for t in mine:
+        i = next(j for j, u in enumerate(trajs) if u is t)
+        errors["logp"] = max(errors["logp"], (t.new_logprobs - ref_logps[i]).abs().max().item())
+    for name, q in model.named_parameters():
+        g = ref_grads[clean({name: None}).popitem()[0]]
+        ref_shard = distribute_tensor(g, q.grad.device_mesh, q.grad.placements, src_data_rank=None)
+        errors["grad"] = max(errors["grad"], (q.grad.to_local() - ref_shard.to_local()).abs().max().item())
+    model.zero_grad(set_to_none=True)
+    metrics = runner.metrics()
+    err = torch.tensor([errors["logp"], errors["loss"], errors["grad"]], dtype=torch.float64)
+    dist.all_reduce(err, op=dist.ReduceOp.MAX)
+    v = runner.exchange.vision_stats
+    route = torch.tensor([v.route.forward_bytes, v.route.backward_bytes], dtype=torch.float64)
+    dist.all_reduce(route)
+    return {"logp": err[0].item(), "loss": err[1].item(), "grad": err[2].item(), "plans": 1,
+            "max_degree": int(metrics["parallel/degree_max"]), "route_bytes": tuple(route.tolist()),
+            "encode_repeats": metrics["vision/encode_repeats"], "syncs": metrics["balance/syncs_per_minibatch"],
+            "microbatches": (metrics["balance/microbatches_min"], metrics["balance/microbatches_max"])}
+
+
 MAX_TOKENS = 120  # per-rank budget of a wave: the batch needs several waves and sharded sequences
 trajs_global: list[Trajectory] = []
 
@@ -270,6 +318,16 @@ def main() -> None:
                                   overlap=overlap, segments=segments)
 
         t0 = time.perf_counter()
+        if base.startswith("minibatch"):
+            # "minibatch*1": only the long video's prompt (2 responses, homed on rank 0): ranks without work
+            trajs = [t for t in trajs_global if t.group == 4] if base.endswith("1") else trajs_global
+            if trajs is not trajs_global:
+                plain.zero_grad(set_to_none=True)
+            sub_ref = ref if trajs is trajs_global else reference(plain, trajs)
+            results[case] = run_stage_case(base.rstrip("1"), models[key], trajs, sub_ref, world, rank, groups,
+                                           exchange.vision, shared_prefix="prefix" in variants)
+            results[case]["seconds"] = time.perf_counter() - t0
+            continue
         results[case] = run_case(base, models[key], ref, mine, metas, exchange, make_build, world, rank, rng,
                                  recompute=ac == "full", shared_prefix="prefix" in variants)
         results[case]["seconds"] = time.perf_counter() - t0

@@ -284,18 +284,23 @@ class StageRunner:
         return nullcontext(lambda: None)
 
     def _dummy(self, model, backward: bool, inputs: WaveInputs | None = None,
-               extra: torch.Tensor | None = None) -> None:
+               table: VisionTable | None = None, reducing: bool = False) -> None:
         """A zero-weight forward (and backward) of a two-token pack, for a rank with nothing in a wave or whose
-        last microbatch must reduce; ``extra`` joins its backward (a vision table's surrogate)."""
+        last microbatch must reduce. With the stage's vision ``table`` it reads the table (no vision tower of its
+        own: the tower's backward, and its FSDP reduction, must run once, through the table); when ``reducing`` its
+        backward takes the table's gathered gradients through the tower (``table.surrogate``)."""
         dummy = dummy_pack(self.args, self.device, self.dtype)
         if inputs is not None and inputs.vision_route is not None:
             dummy.batch.vision_route = inputs.vision_route  # the wave's embedding route is a collective
+        if table is not None:
+            dummy.batch.vision_embeds = table.live if reducing or not backward else table.leaf
+            dummy.batch.vision_token_index = torch.zeros(0, dtype=torch.int64, device=self.device)
         out = model(dummy.batch, dummy.targets)
         if backward:
             # zero weight, but every parameter (output projection or value head included) is touched, so FSDP
             # reduce-scatters the same gradient buckets on every rank
             loss = (out.logprobs if out.logprobs is not None else out.values).sum() * 0.0
-            (loss if extra is None else loss + extra).backward()
+            (loss + table.surrogate() if reducing and table is not None else loss).backward()
 
     @torch.no_grad()
     def logprobs(self, model, attr: str, *, temperature: float, ids: Sequence[int] | None = None,
@@ -321,7 +326,7 @@ class StageRunner:
                 if table is not None and inputs.batch is not None:
                     inputs.batch.vision_embeds = table.live
                 if inputs.batch is None:
-                    self._dummy(model, backward=False, inputs=inputs)
+                    self._dummy(model, backward=False, inputs=inputs, table=table)
                     logp = torch.zeros(0)
                 else:
                     logp = getattr(model(inputs.batch, inputs.targets), output)
@@ -375,7 +380,7 @@ class StageRunner:
                 s.microbatches += 1
                 t_wave = self.clock.mark()
                 if inputs.batch is None:
-                    self._dummy(model, backward=True, inputs=inputs)
+                    self._dummy(model, backward=True, inputs=inputs, table=table, reducing=reducing)
                 else:
                     if table is not None:
                         inputs.batch.vision_embeds = table.live if reducing else table.leaf
@@ -388,7 +393,7 @@ class StageRunner:
             if trailing_dummy:
                 last()
                 s.microbatches += 1
-                self._dummy(model, backward=True, extra=table.surrogate() if table is not None else None)
+                self._dummy(model, backward=True, table=table, reducing=True)
         s.reducing_microbatches += 1 if plan.sync == "minibatch" else len(plan.waves)
         t1 = self.clock.mark()
         self.stats.busy_seconds.add(t0, t1)

@@ -1,4 +1,5 @@
-"""ODC-style balancing of the update stage: native vs lb_micro vs lb_mini (``balance.strategy``).
+"""ODC-style balancing of the update stage: native vs lb_micro vs lb_mini (``balance.strategy``), each alone and
+(``+flex``) with FlexUlysses (``parallelism.ulysses = flex``, ``p_max`` = the ranks up to 4).
 
     python scripts/bench_odc.py            # -> benchmarks/odc.{json,md}
     python scripts/bench_odc.py --quick    # smaller batches, for a smoke run
@@ -28,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_common import PeakRSS  # noqa: E402
-STRATEGIES = ("native", "lb_micro", "lb_mini")
+STRATEGIES = ("native", "lb_micro", "lb_mini", "lb_micro+flex", "lb_mini+flex")
 
 
 def aime_batch(model_dir: Path, prompts: int, responses: int, seed: int):
@@ -62,7 +63,7 @@ def worker(opts) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from bench_flex_ulysses import build_batch
-    from titanrl.distributed import all_gather_objects
+    from titanrl.distributed import all_gather_objects, build_ulysses_groups
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLModel
     from titanrl.parallel.balance import karmarkar_karp
     from titanrl.parallel.parallelize import parallelize_qwen2_5_vl
@@ -89,7 +90,11 @@ def worker(opts) -> None:
     model = Qwen2_5_VLModel(args)
     model.init_weights()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    model = parallelize_qwen2_5_vl(model, dp_mesh=mesh, activation_checkpoint=opts.ac)
+    strategy, _, flex = opts.strategy.partition("+")
+    p_max = min(4, world) if flex else 1
+    degrees = tuple(p for p in (2, 4) if p <= p_max)
+    groups = build_ulysses_groups(rank, world, degrees, device) if flex else {}
+    model = parallelize_qwen2_5_vl(model, dp_mesh=mesh, activation_checkpoint=opts.ac, ulysses=bool(flex))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def loss_fn(out, inp, global_tokens, global_seqs):
@@ -97,8 +102,9 @@ def worker(opts) -> None:
                              inp.seq_lengths, clip_low=0.2, clip_high=0.2, mode="token-mean",
                              global_tokens=global_tokens, global_seqs=global_seqs)
 
-    runner = StageRunner(args=args, rank=rank, world=world, device=device, dtype=torch.float32, method="none",
-                         strategy=opts.strategy, max_tokens=opts.max_tokens, cost_model=cost_model)
+    runner = StageRunner(args=args, rank=rank, world=world, device=device, dtype=torch.float32,
+                         method="flex" if flex else "none", strategy=strategy, max_tokens=opts.max_tokens,
+                         cost_model=cost_model, p_max=p_max, groups=groups)
     for batch in (mine[:1], mine):  # a warm-up minibatch of one trajectory per rank, then the measured one
         runner.begin_step(batch)
         memory = PeakRSS()
@@ -162,6 +168,8 @@ def report(rows: list[dict], command: str) -> str:
                       "|---|---|---|---|---|---|---|---|---|"]
             base = sub["native"]["update_s"]
             for name in STRATEGIES:
+                if name not in sub:
+                    continue
                 r = sub[name]
                 speed = f"{base / r['update_s']:.2f}x" if world == 2 else "-"
                 lines.append(
@@ -172,7 +180,8 @@ def report(rows: list[dict], command: str) -> str:
             lines.append("")
     lines += ["`bubble measured` = 1 - sum mean / sum max of the ranks' busy time (CPU time inside forward and",
               "backward) per synchronisation unit: every microbatch for native / lb_micro (ranks wait at every",
-              "layer), the minibatch for lb_mini; `bubble planned` = the same from the plan's costs (this model's",
+              "layer), the minibatch for lb_mini; `+flex`: FlexUlysses places the trajectories (a long one sharded",
+              "over a Ulysses group); `bubble planned` = the same from the plan's costs (this model's",
               "FLOPs). `microbatches`",
               "include the zero-weight dummies native pads with. `peak added MB`: the rank's resident memory during",
               "the stage above its start (sampled every 20 ms); lb_mini holds full parameters and unsharded",

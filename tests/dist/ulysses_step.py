@@ -124,6 +124,22 @@ def random_stage(lengths, homes, world, rng):
     return stage_from_shard_plans("random", lengths, homes, [(ids, plan)])
 
 
+def compare(model, mine, trajs, ref, loss_sum) -> dict[str, float]:
+    """This rank's largest errors against the reference ``ref`` of ``trajs``: the log-probs of its home trajectories
+    (``mine``, in ``new_logprobs``), the loss (``loss_sum``, already summed over ranks) and its FSDP shard of every
+    gradient against the same shard of the reference."""
+    ref_logps, ref_loss, ref_grads = ref
+    errors = {"logp": 0.0, "loss": abs(loss_sum.item() - ref_loss), "grad": 0.0}
+    for t in mine:
+        i = next(j for j, u in enumerate(trajs) if u is t)
+        errors["logp"] = max(errors["logp"], (t.new_logprobs - ref_logps[i]).abs().max().item())
+    for name, q in model.named_parameters():
+        g = ref_grads[clean({name: None}).popitem()[0]]
+        ref_shard = distribute_tensor(g, q.grad.device_mesh, q.grad.placements, src_data_rank=None)
+        errors["grad"] = max(errors["grad"], (q.grad.to_local() - ref_shard.to_local()).abs().max().item())
+    return errors
+
+
 def run_case(case: str, model, ref, mine, metas, exchange, make_build, world, rank, rng, recompute: bool,
              shared_prefix: bool) -> dict:
     """``case`` = mode[:n] (fixed:<degree>, flex, random:<plans>, deadlock:<plans>)."""
@@ -185,16 +201,8 @@ def run_case(case: str, model, ref, mine, metas, exchange, make_build, world, ra
             exchange.return_logprobs(plan, units, [(w, inp, out.logprobs)], "new_logprobs", waves=[w])
         if check:
             dist.all_reduce(loss_sum)
-            ref_logps, ref_loss, ref_grads = ref
-            errors["loss"] = max(errors["loss"], abs(loss_sum.item() - ref_loss))
-            for t in mine:
-                i = next(j for j, u in enumerate(trajs_global) if u is t)
-                errors["logp"] = max(errors["logp"], (t.new_logprobs - ref_logps[i]).abs().max().item())
-            # this rank's FSDP shard of every gradient against the same shard of the reference
-            for name, q in model.named_parameters():
-                g = ref_grads[clean({name: None}).popitem()[0]]
-                ref_shard = distribute_tensor(g, q.grad.device_mesh, q.grad.placements, src_data_rank=None)
-                errors["grad"] = max(errors["grad"], (q.grad.to_local() - ref_shard.to_local()).abs().max().item())
+            for k, e in compare(model, mine, trajs_global, ref, loss_sum).items():
+                errors[k] = max(errors[k], e)
         model.zero_grad(set_to_none=True)
     v = exchange.vision_stats
     err = torch.tensor([errors["logp"], errors["loss"], errors["grad"], max_degree], dtype=torch.float64)
@@ -232,17 +240,9 @@ def run_stage_case(mode: str, model, trajs, ref, world, rank, groups, vision: Vi
     results = runner.train_minibatch(model, runner.all_ids(), ("old_logprobs", "ref_logprobs"), loss_fn,
                                      temperature=1.0)
     runner.logprobs(model, "new_logprobs", temperature=1.0)
-    ref_logps, ref_loss, ref_grads = ref
     loss_sum = torch.tensor(sum(float(r.loss.detach()) for r in results), dtype=torch.float64)
     dist.all_reduce(loss_sum)
-    errors = {"logp": 0.0, "loss": abs(loss_sum.item() - ref_loss), "grad": 0.0}
-    for t in mine:
-        i = next(j for j, u in enumerate(trajs) if u is t)
-        errors["logp"] = max(errors["logp"], (t.new_logprobs - ref_logps[i]).abs().max().item())
-    for name, q in model.named_parameters():
-        g = ref_grads[clean({name: None}).popitem()[0]]
-        ref_shard = distribute_tensor(g, q.grad.device_mesh, q.grad.placements, src_data_rank=None)
-        errors["grad"] = max(errors["grad"], (q.grad.to_local() - ref_shard.to_local()).abs().max().item())
+    errors = compare(model, mine, trajs, ref, loss_sum)
     model.zero_grad(set_to_none=True)
     metrics = runner.metrics()
     err = torch.tensor([errors["logp"], errors["loss"], errors["grad"]], dtype=torch.float64)

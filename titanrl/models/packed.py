@@ -33,6 +33,16 @@ class SequenceInput:
         return int(self.token_ids.shape[0])
 
 
+class VisionRows:
+    """``PackedBatch.vision_embeds``: rows of a vision pass, ``[rows, hidden]``. A plain holder, not a tensor field:
+    FSDP2 hooks every forward input that requires grad and reduces the root unit's gradients when that input's
+    gradient arrives, which for these rows comes before the vision tower's backward adds its share to the root
+    (merger, patch embedding): one more reduction of the root per minibatch. A plain object is passed through as is."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+
 @dataclass
 class PackedBatch:
     input_ids: torch.Tensor  # [N] int64
@@ -55,7 +65,7 @@ class PackedBatch:
     # Vision rows encoded beforehand (``Qwen2_5_VLModel.forward(vision_only=True)``: a stage's vision pass,
     # each image or frame once per rank for all its microbatches), read through ``vision_token_index``; with
     # them the vision tower does not run in this forward and ``pixel_values`` / ``vision_route`` are unused.
-    vision_embeds: torch.Tensor | None = None
+    vision_embeds: VisionRows | None = None
     # Shared prefixes: per sequence of ``cu_seqlens``, the lengths of a prompt and of the responses
     # that follow it and share it (``titanrl.models.attention.make_varlen_meta``); None = every
     # sequence is plain causal.
@@ -86,7 +96,7 @@ class PackedBatch:
             vision_token_index=None if self.vision_token_index is None else self.vision_token_index.to(device),
             attention_layout=self.attention_layout,
             vision_route=self.vision_route,
-            vision_embeds=None if self.vision_embeds is None else self.vision_embeds.to(device),
+            vision_embeds=None if self.vision_embeds is None else VisionRows(self.vision_embeds.rows.to(device)),
             segments=self.segments,
         )
 

@@ -38,6 +38,7 @@ from titanrl.parallel.ulysses import UlyssesLayout, layout_builder
 from titanrl.rl.batch import Trajectory, dummy_pack
 from titanrl.rl.slice_loading import StepSlices
 from titanrl.rl.timing import Busy, BusyClock
+from titanrl.models.packed import VisionRows
 from titanrl.rl.assemble import VisionPass, WaveInputs
 from titanrl.rl.exchange import TrajectoryExchange
 from titanrl.rl.units import StageUnit, TrajectoryMeta, gather_metadata, stage_units
@@ -293,7 +294,7 @@ class StageRunner:
         if inputs is not None and inputs.vision_route is not None:
             dummy.batch.vision_route = inputs.vision_route  # the wave's embedding route is a collective
         if table is not None:
-            dummy.batch.vision_embeds = table.live if reducing or not backward else table.leaf
+            dummy.batch.vision_embeds = VisionRows(table.live if reducing or not backward else table.leaf)
             dummy.batch.vision_token_index = torch.zeros(0, dtype=torch.int64, device=self.device)
         out = model(dummy.batch, dummy.targets)
         if backward:
@@ -324,7 +325,7 @@ class StageRunner:
             for w, inputs in waves:
                 t0 = self.clock.mark()
                 if table is not None and inputs.batch is not None:
-                    inputs.batch.vision_embeds = table.live
+                    inputs.batch.vision_embeds = VisionRows(table.live)
                 if inputs.batch is None:
                     self._dummy(model, backward=False, inputs=inputs, table=table)
                     logp = torch.zeros(0)
@@ -383,7 +384,7 @@ class StageRunner:
                     self._dummy(model, backward=True, inputs=inputs, table=table, reducing=reducing)
                 else:
                     if table is not None:
-                        inputs.batch.vision_embeds = table.live if reducing else table.leaf
+                        inputs.batch.vision_embeds = VisionRows(table.live if reducing else table.leaf)
                     out = model(inputs.batch, inputs.targets)
                     res = loss_fn(out, inputs, global_tokens, global_seqs)
                     (res.loss + table.surrogate() if reducing and table is not None else res.loss).backward()

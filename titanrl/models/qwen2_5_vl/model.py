@@ -333,8 +333,9 @@ class Qwen2_5_VLModel(nn.Module):
         ``batch.vision_embeds`` when set (encoded beforehand, see ``forward(vision_only=True)``), else of the
         vision tower run here (:meth:`vision_rows`)."""
         h = self.tok_embeddings(batch.input_ids)
-        vision_embeds = batch.vision_embeds
-        if vision_embeds is None:
+        if batch.vision_embeds is not None:
+            vision_embeds = batch.vision_embeds.rows
+        else:
             vision_embeds = self.vision_rows(batch, h.dtype)
         vision_embeds = vision_embeds.to(h.dtype)
         table = vision_embeds

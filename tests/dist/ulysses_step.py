@@ -40,7 +40,7 @@ from hf_reference import make_sample  # noqa: E402
 
 from titanrl.data.manifest import SampleRecord  # noqa: E402
 from titanrl.data.preprocess import PreparedSample  # noqa: E402
-from titanrl.distributed import all_gather_objects, build_ulysses_groups  # noqa: E402
+from titanrl.distributed import build_ulysses_groups  # noqa: E402
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLModel  # noqa: E402
 from titanrl.parallel.cost_model import CostModel  # noqa: E402
 from titanrl.parallel.flex_ulysses.plan import build_plan  # noqa: E402

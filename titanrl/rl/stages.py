@@ -114,6 +114,10 @@ class VisionTable:
     live: torch.Tensor
     leaf: torch.Tensor
 
+    def rows(self, live: bool) -> VisionRows:
+        """What a microbatch reads: ``live`` (no gradient, or the reducing microbatch) or the detached ``leaf``."""
+        return VisionRows(self.live if live else self.leaf)
+
     def surrogate(self) -> torch.Tensor:
         grad = self.leaf.grad
         return (self.live * (grad if grad is not None else torch.zeros_like(self.live))).sum()
@@ -294,7 +298,7 @@ class StageRunner:
         if inputs is not None and inputs.vision_route is not None:
             dummy.batch.vision_route = inputs.vision_route  # the wave's embedding route is a collective
         if table is not None:
-            dummy.batch.vision_embeds = VisionRows(table.live if reducing or not backward else table.leaf)
+            dummy.batch.vision_embeds = table.rows(live=reducing or not backward)
             dummy.batch.vision_token_index = torch.zeros(0, dtype=torch.int64, device=self.device)
         out = model(dummy.batch, dummy.targets)
         if backward:
@@ -325,7 +329,7 @@ class StageRunner:
             for w, inputs in waves:
                 t0 = self.clock.mark()
                 if table is not None and inputs.batch is not None:
-                    inputs.batch.vision_embeds = VisionRows(table.live)
+                    inputs.batch.vision_embeds = table.rows(live=True)
                 if inputs.batch is None:
                     self._dummy(model, backward=False, inputs=inputs, table=table)
                     logp = torch.zeros(0)
@@ -384,7 +388,7 @@ class StageRunner:
                     self._dummy(model, backward=True, inputs=inputs, table=table, reducing=reducing)
                 else:
                     if table is not None:
-                        inputs.batch.vision_embeds = VisionRows(table.live if reducing else table.leaf)
+                        inputs.batch.vision_embeds = table.rows(live=reducing)
                     out = model(inputs.batch, inputs.targets)
                     res = loss_fn(out, inputs, global_tokens, global_seqs)
                     (res.loss + table.surrogate() if reducing and table is not None else res.loss).backward()

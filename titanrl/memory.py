@@ -26,8 +26,9 @@ backward of the update stage's largest microbatch:
 - AdamW (``foreach``): exp_avg and exp_avg_sq in the parameters' dtype, fp32: 8 N / dp;
 - ``lb_mini`` (``parallel/odc.py``): every FSDP unit stays all-gathered for the minibatch (N b_p) and the
   unreduced gradients accumulate unsharded; FSDP2 accumulates unsynchronised gradients in the reduce
-  dtype, fp32 (4 N). ``lb_micro`` / ``native``: the root unit (embeddings, output, merger, norms: never
-  resharded between forward and backward) plus two block units (current + prefetched) gathered, and
+  dtype, fp32 (4 N). ``lb_micro`` / ``native``: the root unit (embeddings, output, norms: never
+  resharded between forward and backward; the vision unit's patch embedding and merger are counted
+  with it, an overestimate: they are gathered only around the tower's forward and backward) plus two block units (current + prefetched) gathered, and
   the unsharded gradients of the root and one block, all in b_p;
   ``parallelism.fsdp_reshard_after_forward=false`` keeps every unit gathered (N b_p);
 - activations of one microbatch of T tokens (``activation_bytes``), and the log-prob head's fp32

@@ -3,7 +3,12 @@
 Order, as in torchtitan: Ulysses attention wrapper -> activation checkpointing -> per-block
 torch.compile -> FSDP2.
 Each vision block and each decoder layer is its own FSDP unit (all-gathered just in time,
-resharded after use); the root unit holds embeddings, merger, final norm and output.
+resharded after use); the vision tower's remaining parameters (patch embedding, merger) are a unit
+of their own, and the root unit holds the token embeddings, final norm and output. The tower is
+kept out of the root because, under ``lb_mini``, its gradient arrives only in a minibatch's last
+backward while the language model's accumulates over every microbatch: FSDP2 accumulates a
+unit's unreduced gradients in ``reduce_dtype`` and reduces the last backward's in ``param_dtype``,
+and one unit holding both would mix bfloat16 and float32 in one reduce-scatter.
 
 Gradient reduction is a plain SUM (divide factor 1, force-sum): the trainer normalises the
 loss by *global* token/sequence counts, so summing is exactly the single-process gradient
@@ -69,6 +74,7 @@ def apply_fsdp(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for container, key in transformer_blocks(model):
         fully_shard(container[key], mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model.vision, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -374,6 +374,32 @@ def test_centralized_equals_prepare_sample_and_skips_bad(dataset, table, setting
     loader.close()
 
 
+def test_centralized_sends_frames_not_pixels(dataset, table, settings, encoder):
+    """Rank 0 scatters decoded uint8 frames only (what verl's driver sends with return_multi_modal_inputs=false);
+    each rank builds its own float32 pixel_values, equal to prepare_sample's."""
+    from titanrl.data.shadow.centralized import Decoded
+
+    sent = []
+
+    class Recording(Comm):
+        def scatter(self, per_rank, src=0):
+            sent.extend(x for rank in per_rank for x in rank)
+            return super().scatter(per_rank, src)
+
+    loader = CentralizedLoader(table, settings, Recording(), global_batch_size=4, seed=0)
+    got = [r for r in loader.next_step().materialize() if isinstance(r, Materialized)]
+    loader.close()
+    decoded = [x for x in sent if not isinstance(x, BadSample)]
+    assert decoded and all(isinstance(x, Decoded) for x in decoded)
+    assert all(m.frames.dtype == np.uint8 for x in decoded for m in x.media)
+    assert any(r.pixel_values is not None for r in got)
+    for res in got:
+        p = prepare_sample(res.record, dataset.parent, encoder, settings)
+        assert (res.pixel_values is None) == (p.pixel_values is None)
+        if p.pixel_values is not None:
+            assert res.pixel_values.dtype == np.float32 and np.array_equal(res.pixel_values, p.pixel_values)
+
+
 def test_centralized_prefetch_decodes_ahead_same_batches_and_resumes(table, settings):
     """data.prefetch_batches for the centralized baseline: rank 0 decodes the next steps while the
     current one computes (their decode has finished before they are materialized), the batches are

@@ -1,10 +1,13 @@
 """The baseline ShadowLoader must beat: centralized loading, the way verl's driver does it.
 
 Every rank plans the same batch (so ``metas`` and ``assignment`` equal ShadowLoader's), but at
-``materialize()`` rank 0 alone decodes and preprocesses every sample any rank consumes, with
-``data.num_decode_workers`` threads, holds the whole batch's pixels, and sends each rank its samples
-(pickled ``Materialized``: float32 ``pixel_values`` plus the uint8 frames for the rollout) over the
-process group. ``materialize()`` is therefore a collective: every rank must call it.
+``materialize()`` rank 0 alone decodes every sample any rank consumes, with ``data.num_decode_workers``
+threads, holds the whole batch's frames, and sends each rank its samples' decoded uint8 frames over the
+process group; each rank resizes, normalises and patchifies its own (``assemble_sample``). That is what
+verl sends at its best: with ``data.return_multi_modal_inputs = false`` its driver ships the raw media and
+the workers run the processor (the default, ``true``, ships the processor's float32 ``pixel_values`` too:
+4x the bytes of the frames, 8x for images, whose frame is doubled in time). ``materialize()`` is therefore a
+collective: every rank must call it.
 
 With ``prefetch_batches = 0`` nothing is decoded ahead: loading sits on the critical path, as in
 verl, where it took 57% of the step. With ``k > 0`` (the fair baseline: the same depth ShadowLoader
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from titanrl.data.media import MediaError
-from titanrl.data.preprocess import MediaSettings, decode_media
+from titanrl.data.preprocess import DecodedMedia, MediaSettings, decode_media
 from titanrl.data.shadow.comm import Comm
 from titanrl.data.shadow.materializer import assemble_sample
 from titanrl.data.shadow.metadata import MetadataTable, SampleMeta, classify_media_error
@@ -32,16 +35,30 @@ from titanrl.data.shadow.types import BadSample, Materialized, StepData, bad_fro
 STATE_VERSION = 1
 
 
-def prepare_centrally(
-    position: int, meta: SampleMeta, manifest_dir: str, settings: MediaSettings
-) -> Materialized | BadSample:
+@dataclass(frozen=True)
+class Decoded:
+    """What rank 0 sends a rank for one sample: its decoded frames (the rank builds the pixels)."""
+
+    position: int
+    meta: SampleMeta
+    media: list[DecodedMedia]
+
+
+def decode_centrally(position: int, meta: SampleMeta, manifest_dir: str, settings: MediaSettings) -> Decoded | BadSample:
     if meta.problem is not None:
         return bad_from_meta(position, meta)
     try:
         media = decode_media(meta.record, manifest_dir, settings)
     except MediaError as error:
         return BadSample(position, meta.index, meta.sample_id, classify_media_error(error), str(error))
-    return assemble_sample(position, meta, media, settings)
+    return Decoded(position, meta, media)
+
+
+def build_pixels(sample: Decoded | BadSample, settings: MediaSettings) -> Materialized | BadSample:
+    """On the receiving rank: frames -> model inputs (bit-equal to ``preprocess.prepare_sample``)."""
+    if isinstance(sample, BadSample):
+        return sample
+    return assemble_sample(sample.position, sample.meta, sample.media, settings)
 
 
 @dataclass
@@ -83,7 +100,8 @@ class CentralizedLoader:
         self._ahead = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="central-ahead")
                        if comm.rank == 0 and prefetch_batches > 0 else None)
         self._planned: collections.OrderedDict[int, _PlannedStep] = collections.OrderedDict()
-        self.stats: dict[str, float] = {"steps": 0, "wait_s": 0.0, "decode_s": 0.0, "send_s": 0.0, "samples": 0}
+        self.stats: dict[str, float] = {"steps": 0, "wait_s": 0.0, "decode_s": 0.0, "send_s": 0.0, "patchify_s": 0.0,
+                                        "samples": 0}
 
     def _plan_next(self) -> _PlannedStep:
         step, metas, state = self.proxy.next_batch()
@@ -111,14 +129,14 @@ class CentralizedLoader:
 
     def _decode_batch(
         self, metas: list[SampleMeta], assignment: list[list[int]]
-    ) -> dict[int, Materialized | BadSample]:
+    ) -> dict[int, Decoded | BadSample]:
         wanted = sorted({p for positions in assignment for p in positions})
         manifest_dir = str(self.table.manifest_path.parent)
         if self._pool is None:
-            results = [prepare_centrally(p, metas[p], manifest_dir, self.settings) for p in wanted]
+            results = [decode_centrally(p, metas[p], manifest_dir, self.settings) for p in wanted]
         else:
             results = list(
-                self._pool.map(lambda p: prepare_centrally(p, metas[p], manifest_dir, self.settings), wanted)
+                self._pool.map(lambda p: decode_centrally(p, metas[p], manifest_dir, self.settings), wanted)
             )
         self.stats["samples"] += len(wanted)
         return dict(zip(wanted, results))
@@ -129,14 +147,17 @@ class CentralizedLoader:
         if self.rank == 0:
             decoded = (planned.decoded.result() if planned.decoded is not None
                        else self._decode_batch(planned.metas, planned.assignment))
-            planned.decoded = None  # the scatter below is the last use of the batch's pixels
+            planned.decoded = None  # the scatter below is the last use of the batch's frames
             per_rank = [[decoded[p] for p in positions] for positions in planned.assignment]
         t1 = time.perf_counter()
-        mine: list[Materialized | BadSample] = self.comm.scatter(per_rank)
+        received: list[Decoded | BadSample] = self.comm.scatter(per_rank)
         t2 = time.perf_counter()
+        mine = [build_pixels(sample, self.settings) for sample in received]
+        t3 = time.perf_counter()
         self.stats["decode_s"] += t1 - t0
         self.stats["send_s"] += t2 - t1
-        self.stats["wait_s"] += t2 - t0
+        self.stats["patchify_s"] += t3 - t2
+        self.stats["wait_s"] += t3 - t0
         raise_or_keep(mine, self.on_bad_sample, str(self.table.manifest_path))
         return mine
 

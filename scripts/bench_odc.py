@@ -3,6 +3,10 @@
 
     python scripts/bench_odc.py            # -> benchmarks/odc.{json,md}
     python scripts/bench_odc.py --quick    # smaller batches, for a smoke run
+    python scripts/bench_odc.py --batches video --worlds 4 --merge   # re-run some tables, keep the others
+
+Every row records the commit it measured; ``--merge`` keeps the rows of ``benchmarks/odc.json`` this run does
+not produce (the report names each table's commit).
 
 Real compute of the ``small`` model (random init, FSDP2 on gloo) through the trainer's own
 ``StageRunner``: one update minibatch (forward, backward, gradient clipping, AdamW) of an RL step's
@@ -28,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_common import PeakRSS  # noqa: E402
+from bench_common import PeakRSS, git_commit  # noqa: E402
 STRATEGIES = ("native", "lb_micro", "lb_mini", "lb_micro+flex", "lb_mini+flex")
 
 
@@ -143,7 +147,16 @@ def launch(world: int, strategy: str, batch: str, opts, out: Path) -> dict:
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-6000:])
         raise SystemExit(f"{strategy} on {world} ranks ({batch}) failed")
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "commit": opts.commit}
+
+
+def merged(kept: list[dict], rows: list[dict]) -> list[dict]:
+    """``kept`` rows whose (batch, world, strategy) ``rows`` does not measure, then ``rows``, in report order."""
+    key = lambda r: (r["batch"], r["world"], r["strategy"])  # noqa: E731
+    new = {key(r) for r in rows}
+    out = [r for r in kept if key(r) not in new] + rows
+    batches = list(dict.fromkeys(r["batch"] for r in kept + rows))
+    return sorted(out, key=lambda r: (batches.index(r["batch"]), r["world"], STRATEGIES.index(r["strategy"])))
 
 
 def report(rows: list[dict], command: str) -> str:
@@ -158,8 +171,9 @@ def report(rows: list[dict], command: str) -> str:
             sub = {r["strategy"]: r for r in rows if r["batch"] == batch and r["world"] == world}
             first = next(iter(sub.values()))
             kind = "one thread each: wall-clock" if world == 2 else "4 processes on 2 cores: CPU time only"
+            commits = ", ".join(dict.fromkeys(r.get("commit", "not recorded") for r in sub.values()))
             lines += [f"## {batch}, {world} ranks ({kind}; activation checkpointing: "
-                      f"{first.get('activation_checkpoint', 'none')})", "",
+                      f"{first.get('activation_checkpoint', 'none')})", "", f"Commit {commits}.", "",
                       f"{len(first['lengths'])} trajectories, {first['total_tokens']} tokens (longest "
                       f"{', '.join(str(x) for x in first['lengths'][:4])}), budget {first['max_tokens']} tokens "
                       "per rank per microbatch.", "",
@@ -204,7 +218,9 @@ def main() -> None:
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--batches", default="aime,video")
     p.add_argument("--ac", default="none", choices=["none", "full"])
+    p.add_argument("--merge", action="store_true", help="keep the rows of benchmarks/odc.json this run does not make")
     opts = p.parse_args()
+    opts.commit = git_commit()
     if opts.worker:
         worker(opts)
         return
@@ -218,6 +234,7 @@ def main() -> None:
     opts.ac_of = {"aime": "none", "video": "full"}
     command = "python scripts/bench_odc.py " + " ".join(sys.argv[1:])
     rows = []
+    kept = json.loads((ROOT / "benchmarks" / "odc.json").read_text()) if opts.merge else []
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -229,7 +246,8 @@ def main() -> None:
                     print(f"{batch} {world} ranks {strategy}: {rows[-1]['update_s']:.1f} s "
                           f"(launch {time.time() - t0:.0f} s)", flush=True)
                     if not opts.quick:
-                        (ROOT / "benchmarks" / "odc.json").write_text(json.dumps(rows, indent=1))
+                        (ROOT / "benchmarks" / "odc.json").write_text(json.dumps(merged(kept, rows), indent=1))
+    rows = merged(kept, rows)
     text = report(rows, command.strip())
     if not opts.quick:
         (ROOT / "benchmarks" / "odc.md").write_text(text)

@@ -4,6 +4,7 @@
     python scripts/bench_odc.py            # -> benchmarks/odc.{json,md}
     python scripts/bench_odc.py --quick    # smaller batches, for a smoke run
     python scripts/bench_odc.py --batches video --worlds 4 --merge   # re-run some tables, keep the others
+    python scripts/bench_odc.py --strategies lb_mini+flex --merge    # or some rows
 
 Every row records the commit it measured; ``--merge`` keeps the rows of ``benchmarks/odc.json`` this run does
 not produce (the report names each table's commit).
@@ -180,12 +181,13 @@ def report(rows: list[dict], command: str) -> str:
                       "| strategy | update s | vs native | bubble measured | bubble planned | microbatches per rank | "
                       "syncs / minibatch | busy s per rank | peak added MB per rank |",
                       "|---|---|---|---|---|---|---|---|---|"]
-            base = sub["native"]["update_s"]
+            base = sub.get("native")
             for name in STRATEGIES:
                 if name not in sub:
                     continue
                 r = sub[name]
-                speed = f"{base / r['update_s']:.2f}x" if world == 2 else "-"
+                same_run = base is not None and base.get("commit") == r.get("commit")
+                speed = f"{base['update_s'] / r['update_s']:.2f}x" if world == 2 and same_run else "-"
                 lines.append(
                     f"| {name} | {r['update_s']:.1f} | {speed} | {100 * r['balance/bubble_measured']:.1f}% | "
                     f"{100 * r['balance/bubble_planned']:.1f}% | {' / '.join(str(m) for m in r['microbatches'])} | "
@@ -218,6 +220,7 @@ def main() -> None:
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--batches", default="aime,video")
     p.add_argument("--ac", default="none", choices=["none", "full"])
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--merge", action="store_true", help="keep the rows of benchmarks/odc.json this run does not make")
     opts = p.parse_args()
     opts.commit = git_commit()
@@ -240,7 +243,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for batch in opts.batches.split(","):
             for world in (int(w) for w in opts.worlds.split(",")):
-                for strategy in STRATEGIES:
+                for strategy in opts.strategies.split(","):
+                    if strategy not in STRATEGIES:
+                        raise SystemExit(f"--strategies: {strategy!r} is not one of {', '.join(STRATEGIES)}")
                     t0 = time.time()
                     rows.append(launch(world, strategy, batch, opts, Path(tmp) / "r.json"))
                     print(f"{batch} {world} ranks {strategy}: {rows[-1]['update_s']:.1f} s "

@@ -26,8 +26,9 @@ How, per stage:
   262144 tokens, 12.5 ms), not overlapped with attention (the paper overlaps it; this is the conservative side).
 - **Data**, calibrated from this machine's measured decode (``benchmarks/data.json``: frames decoded per second
   per worker, patchify seconds per patch of real paper-scale clips): verl-like = one controller decodes every
-  sample of the step on ``--controller-workers`` cores and sends pixel_values (fp32) at ``--controller-gb-per-s``,
-  all exposed; verl-like+prefetch = the same hidden behind the previous step's compute where it fits;
+  sample of the step on ``--controller-workers`` cores and sends the decoded uint8 frames at
+  ``--controller-gb-per-s`` (verl at its best, ``data.return_multi_modal_inputs=false``; titanrl's centralized
+  loader does the same), each GPU then patchifies its share, all exposed; verl-like+prefetch = the same hidden behind the previous step's compute where it fits;
   ShadowLoader = each node's ``--node-decode-workers`` preprocessors decode their ranks' samples ahead (exposed
   only where a node's decode exceeds the step's compute), plus each rank's fetch of its own pixels.
 
@@ -54,6 +55,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("verl-like", "verl-like+prefetch", "+ShadowLoader", "+FlexUlysses", "+ODC", "all")
 STAGES = ("data", "old_logprob", "ref_logprob", "update")
 PIXEL_BYTES_PER_PATCH = 3 * 2 * 14 * 14 * 4  # Qwen2.5-VL pixel_values rows: 2 frames x 14 x 14 x RGB, fp32
+# the same pixels as decoded uint8 frames (a video's 2 frames per row; an image's one frame is doubled in its rows,
+# so this counts an image's frame bytes twice: verl-like's send is overstated for images)
+FRAME_BYTES_PER_PATCH = PIXEL_BYTES_PER_PATCH // 4
 # (GPUs, sequences per step, frame cap per mixture): Table 2's 7B settings (CR-01..03; CR-13, CR-15). The
 # paper's GBS counts sequences: its throughput x step time x GPUs matches GBS sequences of these mixtures
 # (checked in the report), so a step here is GBS / responses prompts x responses.
@@ -169,10 +173,13 @@ def project_step(mixture: str, gpus: int, sequences: int, frames_cap: int, args:
 
     # data: decode core-seconds and pixel bytes of the step (every prompt once: responses share its media)
     first = np.arange(0, n, g)
-    decode_core_s = float(np.sum(frames[first]) * calib["decode_s_per_frame"]
-                          + np.sum(patches[first]) * calib["patchify_s_per_patch"])
+    frames_core_s = float(np.sum(frames[first]) * calib["decode_s_per_frame"])
+    patchify_core_s = float(np.sum(patches[first]) * calib["patchify_s_per_patch"])
+    decode_core_s = frames_core_s + patchify_core_s
     pixel_bytes = float(np.sum(patches[first]) * PIXEL_BYTES_PER_PATCH)
-    central = decode_core_s / args.controller_workers + pixel_bytes / (args.controller_gb_per_s * 1e9)
+    frame_bytes = float(np.sum(patches[first]) * FRAME_BYTES_PER_PATCH)
+    central = (frames_core_s / args.controller_workers + frame_bytes / (args.controller_gb_per_s * 1e9)
+               + patchify_core_s / gpus)
     nodes = max(1, gpus // model.gpus_per_node)
     node_decode = decode_core_s / (nodes * args.node_decode_workers)
     rank_fetch = pixel_bytes / gpus / (args.rank_fetch_gb_per_s * 1e9)
@@ -193,7 +200,8 @@ def project_step(mixture: str, gpus: int, sequences: int, frames_cap: int, args:
         rows[config] = {"data": data, "old_logprob": fwd, "ref_logprob": fwd, "update": upd,
                         "total": data + upd + 2 * fwd, "balance": t_max / t_mean if t_mean else 1.0}
     return {"sequences": n, "tokens": int(h.sum()), "longest": int(h.max()), "decode_core_s": decode_core_s,
-            "pixel_gb": pixel_bytes / 1e9, "rows": rows}
+            "frames_core_s": frames_core_s, "pixel_gb": pixel_bytes / 1e9, "frame_gb": frame_bytes / 1e9,
+            "rows": rows}
 
 
 # ------------------------------------------------------------------ report
@@ -293,8 +301,9 @@ def gaps(data: dict) -> list[str]:
                "shared-prefix packing) gains in the paper.")
     for key, res in data["projection"].items():
         r = res["rows"]
-        out.append(f"- {key.replace('|', ' GPUs, ')}: the controller's decode alone is {res['decode_core_s']:.0f} "
-                   f"core-seconds ({res['pixel_gb']:.1f} GB of pixels) per step; verl-like's data stage "
+        out.append(f"- {key.replace('|', ' GPUs, ')}: the controller's decode alone is "
+                   f"{res.get('frames_core_s', res['decode_core_s']):.0f} core-seconds per step, sending "
+                   f"{res.get('frame_gb', res['pixel_gb']):.1f} GB of frames; verl-like's data stage "
                    f"{r['verl-like']['data']:.1f} s, hidden to {r['verl-like+prefetch']['data']:.1f} s with prefetch, "
                    f"{r['+ShadowLoader']['data']:.2f} s with ShadowLoader.")
     out.append("- The paper's ShadowLoader row also speeds up compute stages (Table 1: ref log-prob 51.3 -> 5.0 s), "
@@ -312,7 +321,7 @@ def main() -> None:
                         help="per-GPU all-to-all bandwidth (default: from the paper's Table 4)")
     parser.add_argument("--controller-workers", type=int, default=1, help="cores verl's controller decodes on")
     parser.add_argument("--controller-gb-per-s", type=float, default=2.0,
-                        help="pixel bytes the controller serializes and sends per second")
+                        help="frame bytes the controller serializes and sends per second")
     parser.add_argument("--node-decode-workers", type=int, default=32, help="ShadowLoader decode workers per node")
     parser.add_argument("--rank-fetch-gb-per-s", type=float, default=10.0, help="a rank's fetch of its own pixels")
     parser.add_argument("--max-tokens", type=int, default=32768, help="tokens per microbatch without SP")

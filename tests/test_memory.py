@@ -140,6 +140,25 @@ def test_check_fits_names_the_largest_term_and_fixes():
     assert "--balance.max_tokens_per_microbatch=" in text
 
 
+def test_reference_offload_frees_the_gpu_term_and_is_offered_as_a_fix():
+    cfg = load_config(REPO / "configs" / "small_cpu.toml")
+    args = memory.flavor_shape("small")
+    resident = memory.predict(cfg, args, 2, device="cuda")
+    assert resident.term("reference_model") > 0
+    assert any("--rl.ref_offload=true" in fix for fix in memory.fixes(resident, cfg, resident.total - 1))
+    cfg.rl.ref_offload = True
+    offloaded = memory.predict(cfg, args, 2, device="cuda")
+    assert offloaded.term("reference_model") == 0
+    assert offloaded.total == resident.total - resident.term("reference_model")
+    # on a CPU machine the shards stay in the memory the plan counts
+    assert memory.predict(cfg, args, 2, device="cpu").term("reference_model") == resident.term("reference_model")
+
+
+def test_reference_offload_without_a_reference_is_refused():
+    with pytest.raises(ConfigError, match="rl.ref_offload = true but rl.kl_coef = 0"):
+        load_config(REPO / "configs" / "tiny_cpu.toml", ["--rl.ref_offload=true", "--rl.kl_coef=0"])
+
+
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "titanrl.memory", *argv], capture_output=True, text=True,
                           cwd=REPO, timeout=120)

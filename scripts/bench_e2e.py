@@ -10,8 +10,9 @@ old/ref log-probs, the update and the weight push; no sleeps) of the ``small`` m
 360p-480p clips of up to minutes, decoded at 2 fps up to ``--max-frames`` frames; the same files
 ``scripts/bench_data.py`` uses). Configurations, the baselines at their documented best:
 
-- ``verl-like``: rank 0 decodes every sample and ships pixels to the ranks (``data.loader = centralized``,
-  ``data.prefetch_batches`` steps ahead, the depth ShadowLoader gets), no sequence parallelism, every trajectory
+- ``verl-like``: rank 0 decodes every sample and ships its frames to the ranks, which build their pixels
+  (``data.loader = centralized``, verl's ``data.return_multi_modal_inputs=false``; ``data.prefetch_batches`` steps
+  ahead, the depth ShadowLoader gets), no sequence parallelism, every trajectory
   whole, and verl's default batch balancing (``trainer.balance_batch``: Karmarkar-Karp on token counts, equal
   counts per rank): ``balance.strategy = lb_micro`` with ``balance.cost_model = tokens``;
 - ``verl+bucketing``: the FlexRL paper's own baseline (veRL with sequences bucketed by length:

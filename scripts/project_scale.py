@@ -95,7 +95,10 @@ def decode_calibration(path: Path) -> dict:
     """Seconds per decoded frame and per patchified patch of one worker, from bench_data's real decode."""
     shadow = json.loads(path.read_text())["mixtures"]["video-heavy"]["shadow"]
     rows_per_sample = shadow["pixel_bytes_per_sample"] / PIXEL_BYTES_PER_PATCH  # pixel_values rows (patches)
-    return {"decode_s_per_frame": 1.0 / shadow["frames_per_decode_s"],
+    # per frame a sample keeps (the projection counts those); reports before the sampled count had only codec
+    # frames per second, which include every frame up to a clip's last sampled one
+    per_s = shadow.get("sampled_frames_per_decode_s", shadow["frames_per_decode_s"])
+    return {"decode_s_per_frame": 1.0 / per_s,
             "patchify_s_per_patch": shadow["patchify_s_per_sample"] / rows_per_sample,
             "source": f"{path.relative_to(ROOT)} (video-heavy, ShadowLoader decode of paper-scale clips)"}
 
@@ -288,7 +291,7 @@ def gaps(data: dict) -> list[str]:
                    "larger units to place).")
     implied = [f"{g} GPUs {m} {t['verl.bucketing'][0] / data['projection'][f'{g}|{m}']['rows']['verl-like']['data']:.1f}x"
                for (g, m), t in PAPER_TABLE2.items() if "verl.bucketing" in t and f"{g}|{m}" in data["projection"]]
-    out.append(f"- Data of verl-like: the paper measured " + ", ".join(implied) + " the projected time (decode "
+    out.append("- Data of verl-like: the paper measured " + ", ".join(implied) + " the projected time (decode "
                f"measured here, on {data['assumptions']['controller_workers']} controller core(s)). Both say data "
                "loading is the largest stage of verl's step; the paper's is longer still, as if its controller decoded "
                "more media per step (if its GBS counts prompts rather than sequences, each step decodes "

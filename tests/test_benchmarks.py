@@ -114,9 +114,13 @@ def test_scale_projection_reports_every_configuration_and_regenerates_from_its_j
         assert list(rows) == ["verl-like", "verl-like+prefetch", "+ShadowLoader", "+FlexUlysses", "+ODC", "all"]
         for r in rows.values():
             assert r["total"] == pytest.approx(r["data"] + r["old_logprob"] + r["ref_logprob"] + r["update"])
-        # prefetch only hides decode; ShadowLoader hides it behind compute; FlexUlysses balances the update
+        # prefetch only hides decode; ShadowLoader hides it behind compute (leaving each rank's fetch of its own
+        # pixels, milliseconds: where prefetch hides everything, that fetch is what ShadowLoader loses);
+        # FlexUlysses balances the update
         assert rows["verl-like+prefetch"]["data"] <= rows["verl-like"]["data"], key
-        assert rows["+ShadowLoader"]["data"] < rows["verl-like+prefetch"]["data"], key
+        assert rows["+ShadowLoader"]["data"] <= rows["verl-like+prefetch"]["data"] + 0.05, key
+        if rows["verl-like+prefetch"]["data"] > 0.1:
+            assert rows["+ShadowLoader"]["data"] < rows["verl-like+prefetch"]["data"], key
         assert rows["+FlexUlysses"]["balance"] <= rows["+ShadowLoader"]["balance"] + 1e-9, key
     first = out.with_suffix(".md").read_text()
     subprocess.run([sys.executable, "scripts/project_scale.py", "--out", str(out), "--report-only"], cwd=ROOT,

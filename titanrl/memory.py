@@ -28,8 +28,9 @@ backward of the update stage's largest microbatch:
   unreduced gradients accumulate unsharded; FSDP2 accumulates unsynchronised gradients in the reduce
   dtype, fp32 (4 N). ``lb_micro`` / ``native``: the root unit (embeddings, output, norms: never
   resharded between forward and backward; the vision unit's patch embedding and merger are counted
-  with it, an overestimate: they are gathered only around the tower's forward and backward) plus two block units (current + prefetched) gathered, and
-  the unsharded gradients of the root and one block, all in b_p;
+  with it, an overestimate: they are gathered only around the tower's forward and backward) plus two
+  block units (current + prefetched) gathered, and the unsharded gradients of the root and one block,
+  all in b_p;
   ``parallelism.fsdp_reshard_after_forward=false`` keeps every unit gathered (N b_p);
 - activations of one microbatch of T tokens (``activation_bytes``), and the log-prob head's fp32
   log-softmax over the vocabulary (``logits_bytes``);

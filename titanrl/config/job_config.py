@@ -451,8 +451,8 @@ class RLConfig:
     """Keep the reference model's FSDP shards in host memory (FSDP2's ``CPUOffloadPolicy``, pinned on CUDA): each
     unit is copied to the device and all-gathered for its forward, so the reference holds no device memory at rest
     (4 N / dp bytes per GPU freed), at one host-to-device copy of its weights per reference pass. Log-probs are
-    those of the resident reference. A one-process run shards it on a one-rank mesh. Needs kl_coef > 0. On a CPU
-    machine the shards are in host memory either way: it runs, and frees nothing."""
+    those of the resident reference. A one-process run puts its models on a one-rank FSDP mesh. Needs
+    kl_coef > 0. On a CPU machine the shards are in host memory either way: it runs, and frees nothing."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """KL estimator: k1 = log-ratio, k3 = unbiased low-variance (Schulman)."""
     std_normalize: bool = False

@@ -44,7 +44,8 @@ class Decoded:
     media: list[DecodedMedia]
 
 
-def decode_centrally(position: int, meta: SampleMeta, manifest_dir: str, settings: MediaSettings) -> Decoded | BadSample:
+def decode_centrally(position: int, meta: SampleMeta, manifest_dir: str,
+                     settings: MediaSettings) -> Decoded | BadSample:
     if meta.problem is not None:
         return bad_from_meta(position, meta)
     try:

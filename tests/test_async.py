@@ -28,6 +28,7 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
+from train_runs import failure_report
 import torch
 
 from titanrl.config import ConfigError, load_config
@@ -191,7 +192,7 @@ def test_async_without_lag_equals_the_synchronous_disaggregated_run(run_cache, t
         if (tmp_path / name / "tiny_cpu" / "metrics.jsonl").exists() and os.environ.get("TITANRL_TEST_REUSE"):
             continue
         proc = run(cmd(tmp_path / name, run_cache, *common, *extra, nproc=2))
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, failure_report(proc)
     a, b = load_dumps(tmp_path / "sync" / "tiny_cpu"), load_dumps(tmp_path / "async0" / "tiny_cpu")
     assert sorted(a) == sorted(b) == [1, 2, 3]
     for step in a:
@@ -225,7 +226,7 @@ def test_async_killed_after_a_checkpoint_resumes_exactly(run_cache, tmp_path):
     common = ["--job.steps=6", "--checkpoint.interval=2", "--metrics.dump_tensors", *SPLIT,
               "--workflow.mode=async", "--workflow.max_staleness=1"]
     straight = run(cmd(tmp_path / "straight", run_cache, *common, nproc=2))
-    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    assert straight.returncode == 0, failure_report(straight)
     out = tmp_path / "killed"
     proc = subprocess.Popen(cmd(out, run_cache, *common, nproc=2), cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -242,7 +243,7 @@ def test_async_killed_after_a_checkpoint_resumes_exactly(run_cache, tmp_path):
     saved = max(int(p.parent.name.split("-")[1]) for p in (out / "tiny_cpu" / "checkpoint").glob("step-*/.metadata"))
     assert saved < 6, "the run ended before it was killed"
     resumed = run(cmd(out, run_cache, *common, nproc=2))
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failure_report(resumed)
     assert f"resumed from step {saved}" in resumed.stdout + resumed.stderr
     a, b = load_dumps(tmp_path / "straight" / "tiny_cpu"), load_dumps(out / "tiny_cpu")
     ma, mb = _metrics(tmp_path / "straight" / "tiny_cpu"), _metrics(out / "tiny_cpu")
@@ -263,7 +264,7 @@ def test_partial_rollouts_finish_across_updates_and_resume_exactly(run_cache, tm
     common = ["--job.steps=6", "--checkpoint.interval=2", "--metrics.dump_tensors", *SPLIT, "--workflow.mode=async",
               "--workflow.max_staleness=2", "--rollout.tokens_per_update=1", "--data.slice_loading=false"]
     straight = run(cmd(tmp_path / "straight", run_cache, *common, nproc=2))
-    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    assert straight.returncode == 0, failure_report(straight)
     dumps, m = load_dumps(tmp_path / "straight" / "tiny_cpu"), _metrics(tmp_path / "straight" / "tiny_cpu")
     spanning = 0
     for step, d in dumps.items():
@@ -289,7 +290,7 @@ def test_partial_rollouts_finish_across_updates_and_resume_exactly(run_cache, tm
     saved = max(int(p.parent.name.split("-")[1]) for p in (out / "tiny_cpu" / "checkpoint").glob("step-*/.metadata"))
     assert saved < 6, "the run ended before it was killed"
     resumed = run(cmd(out, run_cache, *common, nproc=2))
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failure_report(resumed)
     b = load_dumps(out / "tiny_cpu")
     for step in range(saved + 1, 7):
         diff = max_differences(dumps[step], b[step])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from train_runs import failure_report
 
 from titanrl.assets import _build_once
 from titanrl.data.formats import BadRow, ColumnMap
@@ -203,7 +204,7 @@ def test_import_on_four_ranks_reads_own_row_groups_and_matches_one_process(synth
                            str(script), "--data", str(data), "--bad", str(bad), "--cache", str(tmp_path / "cache"),
                            "--out", str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure_report(proc)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     target = Path(ranks[0]["manifest"]).parent
     assert all(r["manifest"] == ranks[0]["manifest"] for r in ranks)

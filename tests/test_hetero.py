@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from train_runs import failure_report
 
 from titanrl.hetero.cluster import (
     ClusterError,
@@ -483,7 +484,7 @@ def test_profile_schedule_train_end_to_end(run_cache, tmp_path):
 
     def run(cmd):
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, failure_report(proc)
         return proc.stdout
 
     profile, plan = tmp_path / "profile.json", tmp_path / "plan.toml"

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from train_runs import failure_report
 
 from titanrl.config import ConfigError, load_config
 from titanrl.rl.dump import load_dumps, max_differences
@@ -149,7 +150,7 @@ def test_two_rollout_and_two_training_ranks_equal_two_colocated_ranks(run_cache,
     runs = (("colocated", 2, []), ("split", 4, split), ("tp", 3, [*split, "--rollout.tensor_parallel_size=2"]))
     for name, nproc, extra in runs:
         proc = run(cmd(tmp_path / name, run_cache, *common, *extra, nproc=nproc))
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, failure_report(proc)
     a = load_dumps(tmp_path / "colocated" / "tiny_cpu")
     ma = _metrics(tmp_path / "colocated" / "tiny_cpu")
     for name in ("split", "tp"):

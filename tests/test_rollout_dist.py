@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_runs import failure_report
 
 
 def rank_main(ckpt: str, out_dir: str, manifest: str) -> None:
@@ -83,7 +84,7 @@ def test_one_engine_per_torchrun_rank(tiny_ckpt, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            __file__, str(tiny_ckpt), str(tmp_path), str(manifest)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, failure_report(proc)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in results:
         print(f"rank {r['rank']}: engine start {r['engine_start_s']:.1f} s, weight push {r['sync_s']:.2f} s")

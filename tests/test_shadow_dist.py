@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_runs import failure_report
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from shadow_common import make_dataset  # noqa: E402
@@ -38,7 +39,7 @@ def test_shadow_under_torchrun(tmp_path, tiny_ckpt):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC), "--standalone",
            str(SCRIPT), "--ckpt", str(tiny_ckpt), "--manifest", str(manifest), "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.returncode == 0, failure_report(proc)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(NPROC)]
 
     # an unreachable Ray: a clear error on every rank, in seconds

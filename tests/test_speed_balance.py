@@ -6,6 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
+from train_runs import failure_report
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -149,7 +150,7 @@ def test_two_ranks_of_unequal_speed_equal_one_rank(run_cache, tmp_path):
         proc = subprocess.run(launch + common + [f"--job.dump_folder={tmp_path / name}", *extra], cwd=root,
                               env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                               timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, failure_report(proc)
     one, two = load_dumps(tmp_path / "one" / "tiny_cpu"), load_dumps(tmp_path / "two" / "tiny_cpu")
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     for step in one:
@@ -245,7 +246,7 @@ def test_profile_speeds_at_start_up_give_a_slowed_rank_less_work(run_cache, tmp_
         for p in spinners:
             p.kill()
             p.wait()
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure_report(proc)
     run_dir = tmp_path / "out" / "tiny_cpu"
     profile = json.loads((run_dir / "profile.json").read_text())
     assert profile["ranks"][1]["matmul_tflops"] < 0.75 * profile["ranks"][0]["matmul_tflops"]

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from train_runs import failure_report
 
 from titanrl.rl.dump import load_dumps, max_differences
 
@@ -50,7 +51,7 @@ def test_grpo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
               "--rl.minibatches=2"]
     for name, nproc in (("one", None), ("four", 4)):
         proc = run(cmd(tmp_path / name, run_cache, *common, nproc=nproc))
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, failure_report(proc)
     one, four = load_dumps(tmp_path / "one" / "tiny_cpu"), load_dumps(tmp_path / "four" / "tiny_cpu")
     assert sorted(one) == sorted(four) == [1, 2, 3]
     for step in one:
@@ -69,7 +70,7 @@ def test_ppo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
               "--balance.strategy=lb_micro", "--parallelism.vision_balance=true"]
     for name, nproc, extra in (("one", None, []), ("four", 4, ["--balance.max_tokens_per_microbatch=48"])):
         proc = run(cmd(tmp_path / name, run_cache, *common, *extra, nproc=nproc))
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, failure_report(proc)
     sharded = metrics(tmp_path / "four" / "tiny_cpu")
     assert all(r["parallel/degree_max"] == 4 and r["parallel/sharded_sequences"] > 0 for r in sharded.values())
     one, four = load_dumps(tmp_path / "one" / "tiny_cpu"), load_dumps(tmp_path / "four" / "tiny_cpu")
@@ -91,7 +92,7 @@ def test_ppo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
 def test_a_node_from_toml_changes_what_the_next_node_sees(run_cache, tmp_path):
     proc = run(cmd(tmp_path, run_cache, "--job.steps=2", "--checkpoint.enable=false",
                    config="configs/examples/dapo_filter.toml"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure_report(proc)
     for rec in metrics(tmp_path / "dapo_filter").values():
         assert rec["dapo/dropped_groups"] == round(rec["reward/uniform_group_fraction"] * 32)
         # the update trained exactly on what the filter kept
@@ -133,7 +134,10 @@ def test_a_reward_raising_on_one_rank_ends_every_rank_with_one_named_line(run_ca
     # may end a worker before the latter), and none waited out the 300 s collective timeout
     logs = tmp_path / "out" / "tiny_cpu" / "logs"
     for rank in (0, 1, 3):
-        assert re.search(r"rank \d stop(ping|ped): rank 2: node 'reward'", (logs / f"rank{rank}.log").read_text()), rank
+        log = (logs / f"rank{rank}.log").read_text()
+        assert re.search(r"rank \d stop(ping|ped): rank 2: node 'reward'", log), rank
+        if "stopping: rank 2" in log:  # the watcher saw the cause first: where the rank's threads were follows
+            assert "(most recent call first)" in log.split("stopping: rank 2", 1)[1], rank
     assert elapsed < 240, elapsed
 
 
@@ -147,7 +151,7 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, t
     if placement == "disaggregated":
         common += ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=1"]
     straight = run(cmd(tmp_path / "straight", run_cache, *common, nproc=2))
-    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    assert straight.returncode == 0, failure_report(straight)
 
     out = tmp_path / "stopped"
     proc = subprocess.Popen(cmd(out, run_cache, *common, nproc=2), cwd=ROOT,
@@ -166,7 +170,7 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, t
         assert "error on rank" not in (out / "tiny_cpu" / "logs" / f"rank{rank}.log").read_text()
 
     resumed = run(cmd(out, run_cache, *common, nproc=2))
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failure_report(resumed)
     assert "resumed from step 3" in resumed.stdout + resumed.stderr
     a, b = load_dumps(tmp_path / "straight" / "tiny_cpu"), load_dumps(out / "tiny_cpu")
     for step in (4, 5):

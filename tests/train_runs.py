@@ -1,4 +1,5 @@
-"""A tiny end-to-end training run for tests that compare runs (``titanrl.rl.dump``)."""
+"""A tiny end-to-end training run for tests that compare runs (``titanrl.rl.dump``), and what a failed run's
+assertion shows."""
 
 from __future__ import annotations
 
@@ -23,6 +24,18 @@ def train_tiny(tmp_path, cache, name, nproc, *extra):
               "--balance.max_tokens_per_microbatch=300", f"--job.dump_folder={tmp_path / name}"]
     proc = subprocess.run(launch + common + list(extra), cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure_report(proc)
     lines = (tmp_path / name / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()
     return tmp_path / name / "tiny_cpu", [json.loads(line) for line in lines]
+
+
+def failure_report(proc: subprocess.CompletedProcess, tail: int = 3000) -> str:
+    """A failed ``titanrl.train`` run: the ends of its stdout and stderr, then of every rank's log under the
+    command's ``--job.dump_folder`` (a rank that hung writes its threads' stacks there when another rank fails:
+    ``titanrl.workflow.abort``)."""
+    parts = [proc.stdout[-tail:], proc.stderr[-tail:]]
+    folders = [a.split("=", 1)[1] for a in proc.args if isinstance(a, str) and a.startswith("--job.dump_folder=")]
+    for folder in folders:
+        for log in sorted(Path(folder).glob("*/logs/rank*.log")):
+            parts.append(f"\n----- {log} (end) -----\n" + log.read_text(errors="replace")[-tail:])
+    return "".join(parts)

@@ -6,7 +6,9 @@ console line names the node, the rank and the cause. Every rank has a watcher th
 a rank that sees another rank's cause knows its own errors are consequences (a collective whose peer
 left), logs the cause to its own log only, and exits; one still busy after ``grace_s`` (a generation or
 a data fetch that waits for nobody) is ended by the watcher. So every rank stops within seconds, one
-line names the cause, and nothing waits out ``job.collective_timeout_s``.
+line names the cause, and nothing waits out ``job.collective_timeout_s``. When it sees the cause, the
+watcher writes every thread's Python stack into the rank's log: where a rank that hangs was stuck is what the
+failing rank's timeout cannot say.
 
 **SIGTERM** (what a cluster scheduler sends before preemption, and torchrun forwards to its workers):
 the handler only sets a flag. At the end of each step the ranks agree (one all-reduce) whether any was
@@ -17,6 +19,7 @@ stops the siblings of a failed worker) is a failure, not a stop: the store says 
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -97,7 +100,9 @@ class RunControl:
         while not self._done.wait(self.poll_s):
             if self.announced or self._done.is_set() or self.cause_elsewhere() is None:
                 continue
-            print(f"[titanrl] rank {self.rank} stopping: {self.failed_elsewhere}", file=sys.stderr, flush=True)
+            print(f"[titanrl] rank {self.rank} stopping: {self.failed_elsewhere}; where its threads are:",
+                  file=sys.stderr, flush=True)
+            dump_stacks()
             if self._done.wait(self.grace_s):
                 return
             print(f"[titanrl] rank {self.rank} still busy {self.grace_s:.0f} s after another rank failed: exiting",
@@ -138,6 +143,15 @@ class RunControl:
         from titanrl.distributed import all_reduce_max
 
         return all_reduce_max(1.0 if self.stop_requested else 0.0) > 0
+
+
+def dump_stacks() -> None:
+    """Every thread's Python stack into stderr (the rank's log when output is routed); best effort."""
+    try:
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    except Exception:  # stderr closed or not a real file: nothing to write to
+        pass
 
 
 def wait_for_peer_failure(control: RunControl, timeout_s: float = 3.0) -> str | None:

@@ -33,6 +33,10 @@ _ROUTED = textwrap.dedent("""
         raise KeyError("a bug of ours")
     except KeyError as err:
         report_exception(err, rank=3, expected=False, verbose=False)
+    try:
+        raise EOFError()
+    except EOFError as err:
+        report_exception(err, rank=3, expected=True, verbose=False)
 """)
 
 
@@ -47,7 +51,8 @@ def test_routed_output_keeps_only_titanrl_lines_on_the_console(tmp_path):
     # A user error: one named line, the traceback only in the log; a bug: the traceback on the console too.
     assert f"error on rank 3: bad sample 'x-1' (traceback in {tmp_path / 'logs' / 'rank3.log'})" in proc.stderr
     assert proc.stderr.count("Traceback") == 1 and "KeyError: 'a bug of ours'" in proc.stderr
-    assert log.count("Traceback") == 2
+    assert "error on rank 3: EOFError (traceback in" in proc.stderr  # an empty message names the type
+    assert log.count("Traceback") == 3
 
 
 def test_summary_reports_reached_values_stage_times_and_places():

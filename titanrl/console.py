@@ -72,15 +72,21 @@ def report_exception(err: BaseException, *, rank: int, expected: bool, verbose: 
     reward function, unreachable Ray) and the traceback too for anything else (a bug of ours).
     ``console=False``: the log alone (an error that is the consequence of another rank's failure)."""
     text = "".join(traceback.format_exception(err))
+    cause = describe(err)
     if not console:
         print(text, file=sys.stderr, flush=True)  # the log, or stderr when not routed
         return
     if _console_out is None:  # not routed: stderr is the console
         print(text if (verbose or not expected) else "", end="", file=sys.stderr, flush=True)
-        print(f"[titanrl] error on rank {rank}: {err}", file=sys.stderr, flush=True)
+        print(f"[titanrl] error on rank {rank}: {cause}", file=sys.stderr, flush=True)
         return
     print(text, file=sys.stderr, flush=True)  # the log
     if not expected:
         print(text, end="", file=_console_err, flush=True)
     where = f" (traceback in {_log_path})" if expected else ""
-    print(f"[titanrl] error on rank {rank}: {err}{where}", file=_console_err, flush=True)
+    print(f"[titanrl] error on rank {rank}: {cause}{where}", file=_console_err, flush=True)
+
+
+def describe(err: BaseException) -> str:
+    """The error's message, or its type where the message is empty (``EOFError()``, ``KeyboardInterrupt``)."""
+    return str(err) or type(err).__name__

@@ -317,7 +317,9 @@ def main() -> None:
     p.add_argument("--worker", default="")
     p.add_argument("--manifest", default="")
     p.add_argument("--out", default="")
-    p.add_argument("--steps", type=int, default=120, help="steps of the image runs (the tiny default's length)")
+    p.add_argument("--steps", type=int, default=120,
+                   help="steps of the image runs (their LR schedule spans them; the tiny default runs 300, which "
+                   "would take TRL ~30 min here)")
     p.add_argument("--video-steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--trl-micro-batch", type=int, default=TRL_MICRO_BATCH)

@@ -191,7 +191,8 @@ def worker(args: argparse.Namespace) -> None:
         del results, step
     out = {
         "rank": info.rank, "build_s": build_s, "waits": waits, "steps": steps, "samples": samples, "bad": bad,
-        "pixel_bytes": pixel_bytes, "frame_bytes": frame_bytes, "sampled_frames": sampled_frames, "base_rss": base_rss, "peak_rss": peak_rss_bytes(),
+        "pixel_bytes": pixel_bytes, "frame_bytes": frame_bytes, "sampled_frames": sampled_frames,
+        "base_rss": base_rss, "peak_rss": peak_rss_bytes(),
         "loader_stats": dict(loader.stats),
     }
     if isinstance(loader, ShadowLoader):

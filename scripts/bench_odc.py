@@ -167,8 +167,8 @@ def report(rows: list[dict]) -> str:
              "(forward, backward, clipping, AdamW) of the `small` model (random init, fp32, FSDP2 on gloo, CPU)",
              "through the trainer's `StageRunner`, per `balance.strategy`; prompts split across ranks by",
              "Karmarkar-Karp on cost (the trainer's rollout split). Each strategy in its own launch.", "",
-             "Reproduce every table: `python scripts/bench_odc.py`; each table names the command that re-runs it alone.",
-             ""]
+             "Reproduce every table: `python scripts/bench_odc.py`; each table names the command that re-runs it",
+             "alone.", ""]
     for batch in dict.fromkeys(r["batch"] for r in rows):
         for world in sorted({r["world"] for r in rows if r["batch"] == batch}):
             sub = {r["strategy"]: r for r in rows if r["batch"] == batch and r["world"] == world}

@@ -146,7 +146,8 @@ def report(res: dict) -> str:
         lines += tiny_section(t["off"], t["on"])
     if res.get("stages"):
         lines += stages_section(res)
-    lines += ["", f"Reproduce: `{res['command']}` ({res['seconds']:.0f} s, commit {res.get('commit', 'not recorded')}).", ""]
+    lines += ["", f"Reproduce: `{res['command']}` ({res['seconds']:.0f} s, commit "
+                  f"{res.get('commit', 'not recorded')}).", ""]
     return "\n".join(lines)
 
 

@@ -49,7 +49,7 @@ CONFIG = "configs/tiny_cpu.toml"
 # Completions per TRL forward/backward; a step's accumulate into one optimizer step. Chosen by measurement (3 steps,
 # --quick): 64 and 256 take the same time per step (9.6 s), 16 takes 12.5 s.
 TRL_MICRO_BATCH = 64
-MARKS = (10, 20, 40, 80, 120)
+MARKS = (10, 20, 40, 80, 120, 200, 300)
 
 
 def resolved_config(overrides: list[str]):

@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 
 from titanrl.config import JobConfig, load_config
+from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.parallel.cost_model import CostModel
 from titanrl.parallel.vision_plan import FrameRun, ItemShape, plan_wave_vision, route_indices, runs_of
+from titanrl.rl.stages import build_cost_model
+from titanrl.rl.vision_inputs import VisionBalancing
 
 
 def random_needs(rng, world: int):
@@ -83,6 +86,26 @@ def test_video_only_wave_balances_by_frames():
     # locality first: every short clip stays with the rank that uses it
     for r in (1, 2, 3):
         assert FrameRun(r, 0, 0, needs[r][0].f1) in plan.encode[r]
+
+
+@pytest.mark.parametrize("kind", ["flops", "tokens"])
+def test_both_cost_models_balance_a_shared_video(kind):
+    """balance.cost_model = tokens (verl's balancing, the e2e baseline rows) priced the vision tower at 0, so
+    vision balancing put every frame on one rank (measured balance 1.85 on 2 ranks against a planned 1.00).
+    Two ranks whose tokens both read one 64-temporal-patch video: each encodes about half of it."""
+    cost_model = build_cost_model(Qwen2_5_VLArgs(), kind)
+    shapes = {(0, 0): ItemShape(256, 64, False)}
+    needs = [[FrameRun(0, 0, 0, 64)], [FrameRun(0, 0, 0, 64)]]
+    plan = plan_wave_vision(needs, shapes, cost_model, eligible=[True, True])
+    frames = [sum(r.f1 - r.f0 for r in runs) for runs in plan.encode]
+    assert sum(frames) == 64 and min(frames) >= 28, frames
+    assert max(plan.encode_cost) / np.mean(plan.encode_cost) <= 1.10
+
+
+def test_vision_balancing_refuses_a_cost_model_without_a_vision_term():
+    VisionBalancing(enabled=False, cost_model=CostModel.verl_workload())  # unused: fine
+    with pytest.raises(ValueError, match="prices the vision tower"):
+        VisionBalancing(enabled=True, cost_model=CostModel.verl_workload())
 
 
 def test_no_balancing_needed_moves_nothing():

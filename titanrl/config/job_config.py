@@ -281,7 +281,7 @@ class BalanceConfig:
     highest allowed Ulysses degree runs alone, over the budget (reported as parallel/over_budget)."""
     cost_model: Literal["flops", "tokens"] = "flops"
     """Per-trajectory cost the balancers and FlexUlysses planner use: this model's FLOPs (attention quadratic in
-    the length, linear layers, vision tower per patch) or the token count."""
+    the length, linear layers, vision tower per patch) or the token count (the vision tower's: its patches)."""
     rank_speeds: list[float] = field(default_factory=list)
     """Relative speed of each rank, one number per rank in rank order (e.g. [1, 1, 0.5, 0.5]); empty = all
     equal. Unequal speeds give each rank work in proportion to its speed (HetRL sec. 4.2): the rollout prompts

@@ -51,9 +51,11 @@ _ATTENTION = CostModel.attention_only()  # attention_coef 1, no linear term: a u
 def build_cost_model(args: Qwen2_5_VLArgs, kind: str) -> CostModel:
     """The balancers' per-sequence cost for this model (``balance.cost_model``): ``flops`` = the
     forward + backward FLOPs of this model's shape (attention quadratic in the length, linear
-    layers and LM head linear, vision tower per patch); ``tokens`` = the token count."""
+    layers and LM head linear, vision tower per patch); ``tokens`` = the token count (for the vision tower its
+    patches: a tower with no cost would give vision balancing nothing to balance, and it put every unit on one
+    rank)."""
     if kind == "tokens":
-        return CostModel(attention_coef=0.0, linear_coef=1.0, vision_linear_coef=0.0, vision_attention_coef=0.0,
+        return CostModel(attention_coef=0.0, linear_coef=1.0, vision_linear_coef=1.0, vision_attention_coef=0.0,
                          flops_per_second=1.0, units="tokens")
     if kind != "flops":
         raise ValueError(f"unknown balance.cost_model {kind!r}")

@@ -49,6 +49,11 @@ class VisionBalancing:
     tol: float = 0.02
     speeds: tuple[float, ...] | None = None  # relative rank speeds (balance.rank_speeds); None: equal
 
+    def __post_init__(self) -> None:
+        if self.enabled and float(self.cost_model.vision(1.0)) <= 0.0:
+            raise ValueError("vision balancing needs a cost model that prices the vision tower (its vision "
+                             "coefficients are 0: every unit would cost nothing and land on one rank)")
+
 
 @dataclass
 class VisionStats:

@@ -187,7 +187,11 @@ class TrajectoryExchange:
         pieces = [p for wave in range(len(plan.waves)) for r in range(self.world) for p in plan.pieces(wave, r)]
         self.vision_stats.frames_used += run_frames(frame_runs(pieces, units))
 
-    def begin_results(self, attr: str) -> None:
-        """Give every home trajectory an empty ``attr`` for :meth:`return_logprobs` to fill."""
-        for t in self.home.trajs:
-            setattr(t, attr, torch.zeros(t.num_response_tokens, dtype=torch.float32))
+    def begin_results(self, attr: str, ids: Sequence[int]) -> None:
+        """Give each home trajectory among ``ids`` (global trajectory ids, the stage's) an empty ``attr`` for
+        :meth:`return_logprobs` to fill; the others keep theirs (none: a stage that skipped them wrote nothing)."""
+        for i in ids:
+            meta = self.home.metas[i]
+            if meta.home == self.rank:
+                t = self.home.trajs[meta.index]
+                setattr(t, attr, torch.zeros(t.num_response_tokens, dtype=torch.float32))

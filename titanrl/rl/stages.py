@@ -321,7 +321,7 @@ class StageRunner:
         units, plan = self.plan(ids)
         self.stats.features = self.stats.features + self._features(plan, units) / 3.0  # forward only
         self._time_vision(model)
-        self.exchange.begin_results(attr)
+        self.exchange.begin_results(attr, ids)
         done: list[tuple[int, WaveInputs, torch.Tensor]] = []
         with self._sync(model, plan, train=False):
             waves, vpass = self._inputs(plan, units, (), temperature=temperature, return_entropy=False)

@@ -186,7 +186,7 @@ def test_bucketing_strategy_trains_equal_to_one_process(tmp_path, run_cache):
     from titanrl.rl.dump import load_dumps, max_differences
     from train_runs import train_tiny
 
-    one_dir, _ = train_tiny(tmp_path, run_cache, "one", 1)
+    one_dir, _ = train_tiny(tmp_path, run_cache, "one", 1, shared=True)
     two_dir, two = train_tiny(tmp_path, run_cache, "two", 2, "--balance.strategy=bucketing", "--rl.shared_prefix=false")
     a, b = load_dumps(one_dir), load_dumps(two_dir)
     for step in a:

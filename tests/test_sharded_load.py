@@ -43,7 +43,7 @@ def test_offloaded_reference_gives_the_resident_reference_log_probs(tmp_path, ru
     from titanrl.rl.dump import load_dumps, max_differences
     from train_runs import train_tiny
 
-    base_dir, _ = train_tiny(tmp_path, run_cache, "resident", 1)
+    base_dir, _ = train_tiny(tmp_path, run_cache, "resident", 1, shared=True)
     one_dir, _ = train_tiny(tmp_path, run_cache, "offload1", 1, "--rl.ref_offload=true")
     two_dir, _ = train_tiny(tmp_path, run_cache, "offload2", 2, "--rl.ref_offload=true")
     a = load_dumps(base_dir)

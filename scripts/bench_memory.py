@@ -199,6 +199,7 @@ def findings(rows: list[dict]) -> str:
                 if k[0] == "small" and k[3] == "none" and k[:3] + ("full",) in by]
     ac_predicted = [by[k]["predicted_bytes"] - by[k[:3] + ("full",)]["predicted_bytes"] for k in by
                     if k[0] == "small" and k[3] == "none" and k[:3] + ("full",) in by]
+    missing = "".join(f"{w} ranks, " for w in (1, 2, 4) if w not in {r["world"] for r in rows})
     return f"""## Findings
 
 - **The config bound is an upper bound, not a forecast of these data.** It assumes every update microbatch is full
@@ -212,16 +213,18 @@ def findings(rows: list[dict]) -> str:
   {gib_span([r["step_terms_measured"] for r in tiny])} on tiny where the planner has
   {gib_span([r["step_terms_predicted"] for r in tiny])}, and {gib_span([r["step_terms_measured"] for r in small_ac])}
   on small with checkpointing where it has {gib_span([r["step_terms_predicted"] for r in small_ac])} at the bound: on
-  CPU a few hundred MiB appear in the first steps that no term models. The candidates are not separated yet: peak RSS
-  keeps glibc arenas' freed chunks from earlier stages (rollout, log-prob passes), the first generate's buffers
-  (vLLM), the vision tower's no-grad forward of video prompts, and Ray-fetched media mapped into the process. On CUDA
-  the allocator's peak (`measured_peak_bytes`) would not count freed chunks; not measured (no GPU).
+  CPU a few hundred MiB appear in the first steps that no term models. On tiny, one process, RSS read after each
+  node of 3 steps (a diagnostic at 0d33151, not this script): 1141 MiB after the first data node, +144 MiB in the
+  first generate (vLLM's working memory, which the planner does not model: it counts the engine's weights and KV
+  cache, and counts rollout-time memory as freed before the update, which peak RSS never sees, glibc keeping it),
+  +118 MiB in the update (the planner's activations + log-prob head: 117 MiB), then +60 MiB over two more steps. On
+  CUDA the allocator's peak (`measured_peak_bytes`) would not count freed chunks; not measured (no GPU).
 - **Per-token activation formula, checked directly** (`tests/test_memory.py`, within 20%): autograd's saved tensors
   (unique storages, parameters left out) of a text-only packed sequence against `T (L A_d + o)`, and the kept part
   with full checkpointing. The vision-block formula is not checked this way yet.
 - **Activation checkpointing on small** saves {gib_span(ac_saved)} measured ({gib_span(ac_predicted)} predicted at
   the bound); `lb_mini` -> `lb_micro` changes little on these models (table below).
-- Not measured: 4 ranks (2 shared cores), GPUs.
+- Not measured: {missing}GPUs.
 """
 
 

@@ -21,19 +21,23 @@ def launch(nproc: int) -> list[str]:
             "titanrl.train"]
 
 
-def shared_run(cache: Path, nproc: int, *overrides: str, timeout: float = 1200) -> Path:
-    """A reference run several tests compare against (``configs/tiny_cpu.toml`` with ``overrides`` on ``nproc``
-    ranks): made once per session under ``cache`` and reused by every test that asks for the same one. Returns
-    its run folder."""
+def run_tiny(out: Path, cache: Path, nproc: int, *overrides: str, timeout: float = 1200) -> Path:
+    """``titanrl.train`` on ``configs/tiny_cpu.toml`` with ``overrides``, its run folder under ``out``; returns the
+    run folder (a failed run fails the test with :func:`failure_report`)."""
+    argv = launch(nproc) + ["--config", "configs/tiny_cpu.toml", f"--model.cache_dir={cache}",
+                            f"--job.dump_folder={out}", *overrides]
+    proc = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, failure_report(proc)
+    return Path(out) / "tiny_cpu"
+
+
+def shared_run(cache: Path, nproc: int, *overrides: str) -> Path:
+    """A reference run several tests compare against (:func:`run_tiny`): made once per session under ``cache`` and
+    reused by every test that asks for the same one. Returns its run folder."""
     key = (str(cache), nproc, overrides)
     if key not in _SHARED:
-        out = Path(cache) / "shared_runs" / f"run{len(_SHARED)}"
-        argv = launch(nproc) + ["--config", "configs/tiny_cpu.toml", f"--model.cache_dir={cache}",
-                                f"--job.dump_folder={out}", *overrides]
-        proc = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                              text=True, timeout=timeout)
-        assert proc.returncode == 0, failure_report(proc)
-        _SHARED[key] = out / "tiny_cpu"
+        _SHARED[key] = run_tiny(Path(cache) / "shared_runs" / f"run{len(_SHARED)}", cache, nproc, *overrides)
     return _SHARED[key]
 
 
@@ -48,12 +52,7 @@ def train_tiny(tmp_path, cache, name, nproc, *extra, shared: bool = False):
     if shared:
         run_dir = shared_run(cache, nproc, *common, *extra)
     else:
-        argv = launch(nproc) + ["--config", "configs/tiny_cpu.toml", f"--model.cache_dir={cache}", *common,
-                                f"--job.dump_folder={tmp_path / name}", *extra]
-        proc = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                              text=True, timeout=1200)
-        assert proc.returncode == 0, failure_report(proc)
-        run_dir = tmp_path / name / "tiny_cpu"
+        run_dir = run_tiny(tmp_path / name, cache, nproc, *common, *extra)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return run_dir, [json.loads(line) for line in lines]
 

@@ -166,7 +166,7 @@ def run_case(case: str, model, ref, mine, metas, exchange, make_build, world, ra
             plan = plan_stage(lengths, homes, world, method=mode, max_tokens=MAX_TOKENS, cost_model=CostModel(),
                               p_max=4, degree=int(arg or 1))
         max_degree = max(max_degree, plan.degree_max)
-        exchange.begin_results("new_logprobs")
+        exchange.begin_results("new_logprobs", range(len(metas)))
         loss_sum = torch.zeros((), dtype=torch.float64)
         # what every group sends per layer and direction: (p - 1) N (hc + hq) d; activation
         # checkpointing issues the forward ones twice (recomputation)

@@ -54,3 +54,10 @@ def vllm_probe_results(titanrl_saved_ckpt: Path, tmp_path_factory: pytest.TempPa
     timings = ", ".join(f"{k} {v:.2f} s" for k, v in results["timings_s"].items())
     print(f"vLLM probe: child wall {time.perf_counter() - started:.1f} s, {timings}")
     return results
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the Ray head the session's runs shared (``train_runs.ray_cluster``), if one was started."""
+    from train_runs import stop_ray_cluster
+
+    stop_ray_cluster()

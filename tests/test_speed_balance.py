@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from train_runs import failure_report
+from train_runs import failure_report, run, train_cmd
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -132,25 +132,14 @@ def test_two_ranks_of_unequal_speed_equal_one_rank(run_cache, tmp_path):
     decides where tokens run, never what they compute) - also once balance.calibrate has refitted the cost
     model the plans use to the measured times (from step 3), and then predicts them (step 4)."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     from titanrl.rl.dump import load_dumps, max_differences
 
-    root = Path(__file__).resolve().parents[1]
-    common = ["--config", "configs/tiny_cpu.toml", f"--model.cache_dir={run_cache}", "--job.steps=4",
-              "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.old_logprobs=recompute",
+    common = ["--job.steps=4", "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.old_logprobs=recompute",
               "--rl.minibatches=2"]
-    for name, launch, extra in (
-            ("one", [sys.executable, "-m", "titanrl.train"], []),
-            ("two", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                     "titanrl.train"], ["--balance.rank_speeds=[1, 0.25]", "--balance.calibrate=true"])):
-        proc = subprocess.run(launch + common + [f"--job.dump_folder={tmp_path / name}", *extra], cwd=root,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                              timeout=900)
-        assert proc.returncode == 0, failure_report(proc)
+    for name, nproc, extra in (("one", None, []),
+                               ("two", 2, ["--balance.rank_speeds=[1, 0.25]", "--balance.calibrate=true"])):
+        run(train_cmd(tmp_path / name, run_cache, *common, *extra, nproc=nproc))
     one, two = load_dumps(tmp_path / "one" / "tiny_cpu"), load_dumps(tmp_path / "two" / "tiny_cpu")
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     for step in one:

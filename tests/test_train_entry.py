@@ -3,43 +3,35 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from train_runs import run, train_cmd
 
 from titanrl.data.synth import generate_dataset
 
 
 def run_train(tmp_path: Path, *overrides: str, nproc: int | None = None, cache: Path | None = None,
-              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    base = [
-        "--config", "configs/tiny_cpu.toml",
-        f"--model.cache_dir={cache or tmp_path / 'cache'}", f"--job.dump_folder={tmp_path / 'out'}", "--job.steps=2",
-    ]
-    if nproc is None:
-        cmd = [sys.executable, "-m", "titanrl.train"]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "titanrl.train"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    root = Path(__file__).resolve().parents[1]
-    return subprocess.run(cmd + base + list(overrides), cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
+              env: dict[str, str] | None = None, own_ray: bool = False) -> subprocess.CompletedProcess:
+    """Two steps of the tiny config, the run folder ``tmp_path/out/tiny_cpu``; the caller checks the outcome."""
+    argv = train_cmd(tmp_path / "out", cache or tmp_path / "cache", "--job.steps=2", *overrides, nproc=nproc,
+                     own_ray=own_ray)
+    return run(argv, env=env, timeout=600, check=False)
 
 
 def test_unknown_key_fails_fast_without_traceback(tmp_path):
-    proc = run_train(tmp_path, "--optimizer.lrr=3")
+    proc = run_train(tmp_path, "--optimizer.lrr=3", own_ray=True)
     assert proc.returncode == 2
     assert "did you mean 'optimizer.lr'" in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr
 
 
 def test_single_process_run_writes_config_and_metrics(tmp_path, run_cache):
-    proc = run_train(tmp_path, "--job.steps=3", "--metrics.log_freq=2", "--metrics.progress=line", cache=run_cache)
+    # as a user runs it: no data.ray_address (a private Ray instance)
+    proc = run_train(tmp_path, "--job.steps=3", "--metrics.log_freq=2", "--metrics.progress=line", cache=run_cache,
+                     own_ray=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "out" / "tiny_cpu"
     assert (run_dir / "config.toml").is_file()
@@ -117,7 +109,8 @@ def test_a_file_that_kills_the_decoder_is_skipped_and_counted(tmp_path, run_cach
     first = json.loads(manifest.read_text().splitlines()[0])
     name = Path(first["media"][0]["path"]).name
     proc = run_train(tmp_path, f"--data.manifest={manifest}", "--data.on_bad_sample=skip", "--job.steps=1",
-                     "--rl.global_batch_size=4", cache=run_cache, env={FAULT_DECODE_CRASH_ENV: name})
+                     "--rl.global_batch_size=4", cache=run_cache, env={FAULT_DECODE_CRASH_ENV: name},
+                     own_ray=True)  # the preprocessor inherits the fault's variable from rank 0
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next((l for l in proc.stdout.splitlines() if "skipping sample" in l), "")
     assert f"skipping sample {first['id']!r}: decoder_crash" in line and name in line, proc.stdout[-3000:]

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -21,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from train_runs import failure_report
+from train_runs import metrics, run, run_env, train_cmd
 
 from titanrl.rl.dump import load_dumps, max_differences
 
@@ -29,29 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def cmd(out: Path, cache: Path, *overrides: str, nproc: int | None = None, config: str = "configs/tiny_cpu.toml"):
-    base = ["--config", config, f"--model.cache_dir={cache}", f"--job.dump_folder={out}"]
-    launch = [sys.executable, "-m", "titanrl.train"] if nproc is None else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
-        "titanrl.train"]
-    return launch + base + list(overrides)
-
-
-def run(argv, env=None, timeout=900) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def metrics(run_dir: Path) -> dict[int, dict]:
-    return {rec["step"]: rec for rec in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-
-
 def test_grpo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
     common = ["--job.steps=3", "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.old_logprobs=recompute",
               "--rl.minibatches=2"]
     for name, nproc in (("one", None), ("four", 4)):
-        proc = run(cmd(tmp_path / name, run_cache, *common, nproc=nproc))
-        assert proc.returncode == 0, failure_report(proc)
+        run(train_cmd(tmp_path / name, run_cache, *common, nproc=nproc))
     one, four = load_dumps(tmp_path / "one" / "tiny_cpu"), load_dumps(tmp_path / "four" / "tiny_cpu")
     assert sorted(one) == sorted(four) == [1, 2, 3]
     for step in one:
@@ -69,8 +50,7 @@ def test_ppo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
               "--rl.old_logprobs=recompute", "--data.mixture=video-heavy", "--parallelism.ulysses=flex",
               "--balance.strategy=lb_micro", "--parallelism.vision_balance=true"]
     for name, nproc, extra in (("one", None, []), ("four", 4, ["--balance.max_tokens_per_microbatch=48"])):
-        proc = run(cmd(tmp_path / name, run_cache, *common, *extra, nproc=nproc))
-        assert proc.returncode == 0, failure_report(proc)
+        run(train_cmd(tmp_path / name, run_cache, *common, *extra, nproc=nproc))
     sharded = metrics(tmp_path / "four" / "tiny_cpu")
     assert all(r["parallel/degree_max"] == 4 and r["parallel/sharded_sequences"] > 0 for r in sharded.values())
     one, four = load_dumps(tmp_path / "one" / "tiny_cpu"), load_dumps(tmp_path / "four" / "tiny_cpu")
@@ -90,9 +70,8 @@ def test_ppo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
 
 
 def test_a_node_from_toml_changes_what_the_next_node_sees(run_cache, tmp_path):
-    proc = run(cmd(tmp_path, run_cache, "--job.steps=2", "--checkpoint.enable=false",
-                   config="configs/examples/dapo_filter.toml"))
-    assert proc.returncode == 0, failure_report(proc)
+    run(train_cmd(tmp_path, run_cache, "--job.steps=2", "--checkpoint.enable=false",
+                  config="configs/examples/dapo_filter.toml"))
     for rec in metrics(tmp_path / "dapo_filter").values():
         assert rec["dapo/dropped_groups"] == round(rec["reward/uniform_group_fraction"] * 32)
         # the update trained exactly on what the filter kept
@@ -118,10 +97,10 @@ def reward(response, record):
 def test_a_reward_raising_on_one_rank_ends_every_rank_with_one_named_line(run_cache, tmp_path):
     (tmp_path / "faulty_reward.py").write_text(FAILING_REWARD)
     t0 = time.monotonic()
-    proc = run(cmd(tmp_path / "out", run_cache, "--job.steps=4", "--checkpoint.enable=false",
-                   "--rl.reward=faulty_reward:reward", "--rl.on_reward_error=error", "--job.collective_timeout_s=300",
-                   nproc=4),
-               env={"PYTHONPATH": str(tmp_path)})
+    proc = run(train_cmd(tmp_path / "out", run_cache, "--job.steps=4", "--checkpoint.enable=false",
+                         "--rl.reward=faulty_reward:reward", "--rl.on_reward_error=error",
+                         "--job.collective_timeout_s=300", nproc=4),
+               env={"PYTHONPATH": str(tmp_path)}, check=False)
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0
     console = proc.stdout + proc.stderr
@@ -150,13 +129,12 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, t
               "--rl.old_logprobs=recompute"]
     if placement == "disaggregated":
         common += ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=1"]
-    straight = run(cmd(tmp_path / "straight", run_cache, *common, nproc=2))
-    assert straight.returncode == 0, failure_report(straight)
+    run(train_cmd(tmp_path / "straight", run_cache, *common, nproc=2))
 
+    # the run stopped has its own Ray instance (rank 0's daemons must survive torchrun's SIGTERM to the group)
     out = tmp_path / "stopped"
-    proc = subprocess.Popen(cmd(out, run_cache, *common, nproc=2), cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(train_cmd(out, run_cache, *common, nproc=2, own_ray=True), cwd=ROOT, env=run_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = out / "tiny_cpu" / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (log.exists() and len(log.read_text().splitlines()) >= 2):
@@ -169,8 +147,7 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, t
     for rank in (0, 1):  # each worker ended normally (the launcher itself reports the signal)
         assert "error on rank" not in (out / "tiny_cpu" / "logs" / f"rank{rank}.log").read_text()
 
-    resumed = run(cmd(out, run_cache, *common, nproc=2))
-    assert resumed.returncode == 0, failure_report(resumed)
+    resumed = run(train_cmd(out, run_cache, *common, nproc=2))
     assert "resumed from step 3" in resumed.stdout + resumed.stderr
     a, b = load_dumps(tmp_path / "straight" / "tiny_cpu"), load_dumps(out / "tiny_cpu")
     for step in (4, 5):

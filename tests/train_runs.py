@@ -1,34 +1,159 @@
-"""Tiny end-to-end training runs for tests that compare runs (``titanrl.rl.dump``), the references several tests
-share (run once per session), and what a failed run's assertion shows."""
+"""Launching ``titanrl.train`` from tests: the command (one process or torchrun), its environment, a run killed
+(``kill -9``) once a file appears, the references several tests share (run once per session), what a failed run's
+assertion shows, and the Ray cluster the runs share.
+
+**One Ray cluster per session.** A run without ``data.ray_address`` starts a private Ray instance on rank 0 and
+shuts it down at the end (~6 s of a tiny 2-rank run here); the runs of a session instead join one head started
+with Ray's own ``ray start --head`` on 127.0.0.1 (token authentication, a fresh token) the first time a run needs
+it, stopped when the session ends (``conftest.pytest_sessionfinish``). That is the multi-node path users take
+(``data.ray_address``, one preprocessor per node of the cluster); a test that is about the private instance
+(SIGTERM under torchrun, the product surface) passes ``own_ray=True``."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import signal
+import socket
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
+TINY = "configs/tiny_cpu.toml"
 _SHARED: dict[tuple, Path] = {}
 
 
-def launch(nproc: int) -> list[str]:
-    """``titanrl.train`` on one process (no torchrun) or under torchrun with ``nproc`` ranks."""
-    if nproc == 1:
+@dataclass
+class RayCluster:
+    address: str
+    env: dict[str, str]  # what a driver needs to join (token authentication)
+    proc: subprocess.Popen  # ``ray start --head --block``: SIGTERM stops the head's processes
+    temp_dir: Path
+
+
+_CLUSTER: RayCluster | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_cluster(timeout_s: float = 120.0) -> RayCluster:
+    """The session's Ray head (started on first use)."""
+    global _CLUSTER
+    if _CLUSTER is not None:
+        assert _CLUSTER.proc.poll() is None, f"the session's Ray head exited ({_CLUSTER.temp_dir})"
+        return _CLUSTER
+    port = _free_port()
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    temp_dir = Path("/tmp") / f"titanrl-test-ray-{os.getpid()}"  # short: Ray's socket paths must fit 107 bytes
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    log = temp_dir / "head.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(port),
+         "--node-ip-address", "127.0.0.1", "--num-cpus", str(os.cpu_count() or 1), "--include-dashboard=false",
+         "--disable-usage-stats", f"--temp-dir={temp_dir}", "--object-store-memory", str(256 << 20)],
+        env={**os.environ, **env, "RAY_USAGE_STATS_ENABLED": "0"}, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while "Ray runtime started" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"ray start --head failed:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.1)
+    _CLUSTER = RayCluster(f"127.0.0.1:{port}", env, proc, temp_dir)
+    return _CLUSTER
+
+
+def stop_ray_cluster() -> None:
+    global _CLUSTER
+    if _CLUSTER is None:
+        return
+    cluster, _CLUSTER = _CLUSTER, None
+    cluster.proc.terminate()  # ``ray start --block`` stops the head's processes on SIGTERM
+    try:
+        cluster.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(cluster.proc.pid, signal.SIGKILL)
+        cluster.proc.wait()
+
+
+def launch(nproc: int | None) -> list[str]:
+    """``titanrl.train`` on one process (``nproc`` None or 1: no torchrun) or under torchrun."""
+    if nproc is None or nproc == 1:
         return [sys.executable, "-m", "titanrl.train"]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
             "titanrl.train"]
 
 
+def train_cmd(out: Path, cache: Path, *overrides: str, nproc: int | None = None, config: str = TINY,
+              own_ray: bool = False) -> list[str]:
+    """The command of a run of ``config`` (``model.cache_dir`` ``cache``, run folders under ``out``) joining the
+    session's Ray cluster (``own_ray``: its own private instance, as without ``data.ray_address``)."""
+    argv = launch(nproc) + ["--config", config, f"--model.cache_dir={cache}", f"--job.dump_folder={out}"]
+    if not own_ray:
+        argv.append(f"--data.ray_address={ray_cluster().address}")
+    return argv + list(overrides)
+
+
+def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A run's environment: one thread per rank, and what joining the session's Ray cluster needs."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", **(_CLUSTER.env if _CLUSTER else {}), **(extra or {})}
+
+
+def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 900,
+        check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command (:func:`train_cmd`) to its end; ``check``: a failure fails the test (:func:`failure_report`)."""
+    proc = subprocess.run(argv, cwd=ROOT, env=run_env(env), capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, failure_report(proc)
+    return proc
+
+
+def kill_when(argv: list[str], marker: Path, timeout: float = 600) -> int:
+    """Start ``argv`` and, once ``marker`` exists, kill -9 every process of it (torchrun, its workers, each in a
+    session of its own, their engines); returns its pid. Fails the test if it ended or timed out first."""
+    proc = subprocess.Popen(argv, cwd=ROOT, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for child in children:
+        with _gone():
+            child.kill()
+    with _gone():
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists(), f"the run never wrote {marker}"
+    return proc.pid
+
+
+class _gone:
+    """Ignore a process that already exited."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        return kind is not None and issubclass(kind, (ProcessLookupError, psutil.NoSuchProcess))
+
+
 def run_tiny(out: Path, cache: Path, nproc: int, *overrides: str, timeout: float = 1200) -> Path:
     """``titanrl.train`` on ``configs/tiny_cpu.toml`` with ``overrides``, its run folder under ``out``; returns the
     run folder (a failed run fails the test with :func:`failure_report`)."""
-    argv = launch(nproc) + ["--config", "configs/tiny_cpu.toml", f"--model.cache_dir={cache}",
-                            f"--job.dump_folder={out}", *overrides]
-    proc = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, failure_report(proc)
+    run(train_cmd(out, cache, *overrides, nproc=nproc), timeout=timeout)
     return Path(out) / "tiny_cpu"
 
 
@@ -53,8 +178,17 @@ def train_tiny(tmp_path, cache, name, nproc, *extra, shared: bool = False):
         run_dir = shared_run(cache, nproc, *common, *extra)
     else:
         run_dir = run_tiny(tmp_path / name, cache, nproc, *common, *extra)
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return run_dir, [json.loads(line) for line in lines]
+    return run_dir, metric_records(run_dir)
+
+
+def metric_records(run_dir: Path) -> list[dict]:
+    """A run's ``metrics.jsonl``, one record per line (a resumed run logs its steps again)."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    """step -> the last record logged for it."""
+    return {rec["step"]: rec for rec in metric_records(run_dir)}
 
 
 def failure_report(proc: subprocess.CompletedProcess, tail: int = 3000) -> str:

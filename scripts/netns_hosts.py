@@ -5,7 +5,7 @@ one node per host. Needs root and ``ip netns``.
 
     with Hosts(2) as hosts:                # 10.213.0.1, 10.213.0.2
         address = hosts.start_ray()        # Ray head on host 0, a worker on every other host
-        hosts[1].popen(["torchrun", ...], env={...})
+        hosts[1].popen(["torchrun", ...], env={...})   # with the cluster's token (RAY_AUTH_*) in its env
         hosts.shape(1, "100mbit")          # tbf on host 1's link (bandwidth; latency cannot be shaped here)
         hosts.throttle_port(1, 8076)       # traffic to that port leaving host 1 at 8 bit/s: blocked
 
@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -87,15 +88,19 @@ class Host:
     ns: str  # network namespace name
     ip: str
     dev: str  # its interface (inside the namespace)
+    cluster_env: dict[str, str] = field(default_factory=dict)  # every host's process gets it (Hosts.start_ray)
 
     def cmd(self, argv: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", self.ns, *argv]
 
+    def env(self, env: dict[str, str] | None = None) -> dict[str, str]:
+        return {**os.environ, **self.cluster_env, **(env or {})}
+
     def popen(self, argv: Sequence[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
-        return subprocess.Popen(self.cmd(argv), env={**os.environ, **(env or {})}, **kwargs)
+        return subprocess.Popen(self.cmd(argv), env=self.env(env), **kwargs)
 
     def run(self, argv: Sequence[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run(self.cmd(argv), env={**os.environ, **(env or {})}, **kwargs)
+        return subprocess.run(self.cmd(argv), env=self.env(env), **kwargs)
 
 
 class Hosts:
@@ -104,7 +109,9 @@ class Hosts:
             raise ValueError(f"1 to 200 hosts, got {n}")
         self.tag = tag or f"trl{os.getpid() % 100000}"
         self.hub = f"{self.tag}-hub"
-        self.hosts = [Host(i, f"{self.tag}-h{i}", f"{SUBNET}.{i + 1}", f"{self.tag}e{i}"[-15:]) for i in range(n)]
+        self.cluster_env: dict[str, str] = {}  # shared by every host
+        self.hosts = [Host(i, f"{self.tag}-h{i}", f"{SUBNET}.{i + 1}", f"{self.tag}e{i}"[-15:], self.cluster_env)
+                      for i in range(n)]
         self.ray_dir = Path("/tmp") / f"{self.tag}-ray"  # short: Ray's socket paths must fit 107 bytes
         self.ray_address = ""
 
@@ -148,8 +155,12 @@ class Hosts:
 
     def start_ray(self, num_cpus: int = 1, object_manager_port: int = OBJECT_MANAGER_PORT) -> str:
         """A Ray head on host 0 and a worker on every other host (each bound to its host's address);
-        returns the cluster address to pass as ``data.ray_address``."""
+        returns the cluster address to pass as ``data.ray_address``. Token authentication with a fresh token,
+        set on every node and every process started on a host from now on (Ray >= 2.59 turns it on for a head
+        by default but not for the nodes and drivers that join it: ``RAY_AUTH_MODE`` must be the same
+        everywhere)."""
         head = self.hosts[0]
+        self.cluster_env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
         env = {"RAY_USAGE_STATS_ENABLED": "0"}
         common = ["--num-cpus", str(num_cpus), "--object-manager-port", str(object_manager_port),
                   "--disable-usage-stats"]

@@ -228,3 +228,29 @@ def test_slice_loading_each_encoder_loads_exactly_its_frames(ray_session, tiny_c
         assert 0 < late.stats.frames_decoded < clip.last_frame_index + 1  # what the whole clip decodes
     finally:
         loader.close()
+
+
+_CONNECT = """
+import sys
+from titanrl.data.shadow import ray_runtime
+from titanrl.data.shadow.comm import Comm
+ray_runtime.connect(sys.argv[1], 256 << 20, Comm(), local_world_size=1)
+"""
+
+
+def test_a_driver_without_the_clusters_token_is_told_to_set_it(tmp_path):
+    """A cluster with token authentication (Ray >= 2.59's default for `ray start --head`) and a rank whose
+    environment does not enable it: the error names RAY_AUTH_MODE and the token, not only "failed to connect"."""
+    import os
+    import subprocess
+
+    from train_runs import ray_cluster
+
+    cluster = ray_cluster()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    proc = subprocess.run([sys.executable, "-c", _CONNECT, cluster.address], env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("titanrl.data.shadow.types.DataUnavailableError: rank 0 could not start or join Ray"), last
+    assert "RAY_AUTH_MODE=token" in last and "RAY_AUTH_TOKEN" in last, last

@@ -151,7 +151,18 @@ def driver_node_ip() -> str | None:
 def _init_cluster_driver(address: str, namespace: str) -> None:
     import ray
 
-    ray.init(address=address, namespace=namespace, logging_level="WARNING", _node_ip_address=driver_node_ip())
+    try:
+        ray.init(address=address, namespace=namespace, logging_level="WARNING", _node_ip_address=driver_node_ip())
+    except ConnectionError as error:
+        if os.environ.get("RAY_AUTH_MODE", "disabled") == "token":
+            raise
+        # Ray >= 2.59 turns token authentication on for `ray start --head` but not for the nodes and drivers
+        # that join it; Ray's own message (after ~20 s of retries) names neither
+        raise ConnectionError(
+            f"{error}; RAY_AUTH_MODE is not 'token' in this process: a cluster with token authentication (what "
+            "`ray start --head` starts by default since Ray 2.59) refuses it. Set RAY_AUTH_MODE=token and the "
+            "cluster's token (RAY_AUTH_TOKEN, or the file ~/.ray/auth_token) for `ray start` and torchrun on every "
+            "machine") from None
 
 
 def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:

@@ -156,9 +156,9 @@ class Hosts:
     def start_ray(self, num_cpus: int = 1, object_manager_port: int = OBJECT_MANAGER_PORT) -> str:
         """A Ray head on host 0 and a worker on every other host (each bound to its host's address);
         returns the cluster address to pass as ``data.ray_address``. Token authentication with a fresh token,
-        set on every node and every process started on a host from now on (Ray >= 2.59 turns it on for a head
-        by default but not for the nodes and drivers that join it: ``RAY_AUTH_MODE`` must be the same
-        everywhere)."""
+        set on every node and every process started on a host from now on (a head turns it on whenever
+        ~/.ray/auth_token holds a token, but the nodes and drivers that join send it only with
+        ``RAY_AUTH_MODE=token``: it must be the same everywhere)."""
         head = self.hosts[0]
         self.cluster_env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
         env = {"RAY_USAGE_STATS_ENABLED": "0"}

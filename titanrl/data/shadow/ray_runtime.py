@@ -156,11 +156,12 @@ def _init_cluster_driver(address: str, namespace: str) -> None:
     except ConnectionError as error:
         if os.environ.get("RAY_AUTH_MODE", "disabled") == "token":
             raise
-        # Ray >= 2.59 turns token authentication on for `ray start --head` but not for the nodes and drivers
-        # that join it; Ray's own message (after ~20 s of retries) names neither
+        # `ray start --head` (Ray 2.60) turns token authentication on when ~/.ray/auth_token holds a token; the
+        # nodes and drivers that join send it only with RAY_AUTH_MODE=token. Ray's message (after ~20 s) names
+        # neither
         raise ConnectionError(
             f"{error}; RAY_AUTH_MODE is not 'token' in this process: a cluster with token authentication (what "
-            "`ray start --head` starts by default since Ray 2.59) refuses it. Set RAY_AUTH_MODE=token and the "
+            "`ray start --head` starts when ~/.ray/auth_token holds a token) refuses it. Set RAY_AUTH_MODE=token and the "
             "cluster's token (RAY_AUTH_TOKEN, or the file ~/.ray/auth_token) for `ray start` and torchrun on every "
             "machine") from None
 

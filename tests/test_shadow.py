@@ -442,6 +442,12 @@ def test_bad_sample_error_mode_names_the_sample(table, settings):
 def test_config_defaults_select_shadow_and_keep_the_baseline():
     assert job_config().data.loader == "shadow"
     assert job_config("--data.loader=centralized", "--data.slice_loading=false").data.loader == "centralized"
+    # the baseline decodes on rank 0 without Ray: a cluster address would do nothing
+    from titanrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data.ray_address='10.0.0.1:6379' is the Ray cluster of ShadowLoader's "
+                                          r"preprocessors, but data.loader='centralized'"):
+        job_config("--data.loader=centralized", "--data.slice_loading=false", "--data.ray_address=10.0.0.1:6379")
     from titanrl.config import load_config
 
     tiny = load_config(Path(__file__).parents[1] / "configs" / "tiny_cpu.toml", [])

@@ -174,9 +174,13 @@ class DataConfig:
     fetch_timeout_s: float = 300.0
     """Longest a rank waits for one step's data before failing with an error naming the samples."""
     ray_address: str = ""
-    """Ray cluster address for decode workers; empty = start a local Ray instance."""
+    """The Ray cluster (GCS host:port) ShadowLoader places its preprocessors on, one per node; empty = rank 0
+    starts a private local instance (one machine only). A cluster with token authentication needs
+    RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN) in every rank's environment."""
     ray_object_store_bytes: int = 268_435_456
-    """Object store size for a local Ray instance, in bytes (0 = Ray's default)."""
+    """Object store size for the local Ray instance, in bytes (0 = Ray's default); the preprocessors decode
+    ahead into at most half of it (2 GiB when 0), with data.ray_address too (the cluster's own store should
+    be at least this large)."""
 
     def problems(self) -> list[str]:
         found = []
@@ -887,6 +891,10 @@ class JobConfig:
                 f"data.slice_loading=true fetches slices through ShadowLoader's preprocessors, but "
                 f"data.loader={self.data.loader!r} ships whole samples from rank 0: set data.slice_loading=false"
             )
+        if self.data.ray_address and self.data.loader != "shadow":
+            found.append(f"data.ray_address={self.data.ray_address!r} is the Ray cluster of ShadowLoader's "
+                         f"preprocessors, but data.loader={self.data.loader!r} decodes on rank 0 without Ray: "
+                         "leave data.ray_address empty or use data.loader='shadow'")
         spans, k = self.update_spans(), self.workflow.max_staleness
         if self.rollout.tokens_per_update < 0:
             found.append(f"rollout.tokens_per_update must be >= 0 (0 = the whole response at once), got "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -84,6 +85,7 @@ def stop_ray_cluster() -> None:
     except subprocess.TimeoutExpired:
         os.killpg(cluster.proc.pid, signal.SIGKILL)
         cluster.proc.wait()
+    shutil.rmtree(cluster.temp_dir, ignore_errors=True)  # the head's logs and sockets
 
 
 def launch(nproc: int | None) -> list[str]:

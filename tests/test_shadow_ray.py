@@ -239,9 +239,9 @@ ray_runtime.connect(sys.argv[1], 256 << 20, Comm(), local_world_size=1)
 
 
 def test_a_driver_without_the_clusters_token_is_told_to_set_it(tmp_path):
-    """A cluster with token authentication (what `ray start --head` starts when ~/.ray/auth_token holds
-    a token) and a rank whose
-    environment does not enable it: the error names RAY_AUTH_MODE and the token, not only "failed to connect"."""
+    """A cluster with token authentication (what `ray start --head` starts when ~/.ray/auth_token holds a token)
+    and a rank whose environment does not enable it: the error names RAY_AUTH_MODE and the token, not only
+    "failed to connect"."""
     import os
     import subprocess
 

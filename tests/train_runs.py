@@ -11,6 +11,7 @@ it, stopped when the session ends (``conftest.pytest_sessionfinish``). That is t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -122,7 +123,7 @@ def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 900
 
 def kill_when(argv: list[str], marker: Path, timeout: float = 600) -> int:
     """Start ``argv`` and, once ``marker`` exists, kill -9 every process of it (torchrun, its workers, each in a
-    session of its own, their engines); returns its pid. Fails the test if it ended or timed out first."""
+    session of its own, their engines); returns its pid. Fails the test if ``marker`` never appeared."""
     proc = subprocess.Popen(argv, cwd=ROOT, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + timeout
@@ -132,24 +133,15 @@ def kill_when(argv: list[str], marker: Path, timeout: float = 600) -> int:
         children = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         children = []
+    gone = (ProcessLookupError, psutil.NoSuchProcess)  # a process that already exited
     for child in children:
-        with _gone():
+        with contextlib.suppress(*gone):
             child.kill()
-    with _gone():
+    with contextlib.suppress(*gone):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert marker.exists(), f"the run never wrote {marker}"
     return proc.pid
-
-
-class _gone:
-    """Ignore a process that already exited."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, tb):
-        return kind is not None and issubclass(kind, (ProcessLookupError, psutil.NoSuchProcess))
 
 
 def run_tiny(out: Path, cache: Path, nproc: int, *overrides: str, timeout: float = 1200) -> Path:

@@ -1,6 +1,6 @@
 """Build a small random-init Qwen2.5-VL checkpoint directory, entirely offline.
 
-    python -m titanrl.models.make_tiny OUTDIR [--size tiny|small] [--seed S]
+    python -m titanrl.models.make_tiny OUTDIR [--size tiny|small|7b-shape-4l] [--seed S]
 
 The directory looks like a real Qwen2.5-VL Hugging Face checkpoint, so every consumer (transformers,
 vLLM, our own state-dict adapters) can be tested without a hub download:
@@ -95,6 +95,9 @@ class TinyModelSize:
     image_max_pixels: int
     video_min_pixels: int
     video_max_pixels: int
+    vocab_size: int = VOCAB_SIZE
+    """Rows of the embedding and lm_head; above the tokenizer's VOCAB_SIZE the extra rows are ids no text
+    encodes (as in the published checkpoints, whose 152064 rows exceed their tokenizer's 151665 tokens)."""
 
     @property
     def head_dim(self) -> int:
@@ -159,7 +162,31 @@ SMALL = TinyModelSize(
     video_max_pixels=28 * 28 * 64,
 )
 
-SIZES: dict[str, TinyModelSize] = {size.name: size for size in (TINY, SMALL)}
+# Qwen2.5-VL-7B at full width (hidden, MLP, heads, vocabulary, vision tower) with 4 of its 28 decoder layers
+# and 4 of its 32 vision blocks: the GPU check's memory and throughput run (scripts/check_gpu.sh), about 2.4 B
+# parameters. Pixel limits as `small`'s, so prompts stay within data.max_prompt_tokens.
+SHAPE_7B_4L = TinyModelSize(
+    name="7b-shape-4l",
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=4,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    max_position_embeddings=128000,
+    vision_depth=4,
+    vision_hidden_size=1280,
+    vision_intermediate_size=3420,
+    vision_num_heads=16,
+    vision_window_size=112,
+    vision_fullatt_block_indexes=(3,),
+    image_min_pixels=56 * 56,
+    image_max_pixels=28 * 28 * 256,
+    video_min_pixels=56 * 56,
+    video_max_pixels=28 * 28 * 64,
+    vocab_size=152064,
+)
+
+SIZES: dict[str, TinyModelSize] = {size.name: size for size in (TINY, SMALL, SHAPE_7B_4L)}
 
 
 def check_vllm_cpu_constraints(size: TinyModelSize) -> None:
@@ -404,7 +431,7 @@ def build_config(size: TinyModelSize) -> Any:
 
     ids = special_token_ids()
     text_config = dict(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=size.vocab_size,
         hidden_size=size.hidden_size,
         intermediate_size=size.intermediate_size,
         num_hidden_layers=size.num_hidden_layers,
@@ -462,7 +489,7 @@ def flat_text_fields(size: TinyModelSize) -> dict[str, Any]:
     ``rope_scaling`` of type mrope and ``rope_theta``), for readers of that layout."""
     ids = special_token_ids()
     return {
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": size.vocab_size,
         "hidden_size": size.hidden_size,
         "intermediate_size": size.intermediate_size,
         "num_hidden_layers": size.num_hidden_layers,
@@ -553,7 +580,7 @@ def write_processor_files(processor: Any, size: TinyModelSize, outdir: Path) -> 
 
 
 def make_tiny_checkpoint(outdir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
-    """Write a random-init Qwen2.5-VL checkpoint of ``size`` ("tiny" or "small") into ``outdir``.
+    """Write a random-init Qwen2.5-VL checkpoint of ``size`` (a key of SIZES) into ``outdir``.
 
     Deterministic: the same size and seed give byte-identical files."""
     from safetensors.torch import save_file

@@ -3,7 +3,8 @@
 A plain HF generate loop with its KV cache: ``batch_prompts`` requests per ``generate`` call (left
 padded, their media concatenated in order) with their ``n`` samples each (``num_return_sequences``),
 the way a transformers user batches. It is what the benchmarks compare vLLM against, and a fallback
-that needs no vLLM. With ``batch_prompts = 1`` (the trainer's choice) each request is sampled with
+that needs no vLLM. It runs on this process's CUDA device when there is one (``torch.cuda.current_device()``,
+which ``init_distributed`` sets from LOCAL_RANK), else on the CPU. With ``batch_prompts = 1`` (the trainer's choice) each request is sampled with
 its own seed, so any world size samples the same responses; a batch shares one seed (its first
 request's), so responses then depend on how requests are grouped.
 
@@ -54,6 +55,7 @@ class HFGenerateEngine:
         num_threads: int = 0,
         banned_token_ids: Sequence[int] | None = None,
         batch_prompts: int = 1,
+        device: str | torch.device | None = None,
     ) -> None:
         from transformers import AutoTokenizer, GenerationConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -62,10 +64,13 @@ class HFGenerateEngine:
         self.model_dir = Path(model_dir)
         self.num_threads = num_threads
         self.batch_prompts = batch_prompts
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
         t0 = time.perf_counter()
         self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             str(self.model_dir), dtype=_DTYPES[dtype]
-        ).eval()
+        ).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         gen = GenerationConfig.from_pretrained(str(self.model_dir))
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
@@ -117,7 +122,7 @@ class HFGenerateEngine:
             mm[ids == self.image_token_id] = 1
             mm[ids == self.video_token_id] = 2
             kwargs["mm_token_type_ids"] = torch.from_numpy(mm)
-        return kwargs
+        return {k: v.to(self.device) for k, v in kwargs.items()}
 
     def generate(
         self,
@@ -150,11 +155,11 @@ class HFGenerateEngine:
         kwargs = self._batch_vision_kwargs(requests, ids)
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 \
             else dict(do_sample=False)
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(request_seed(seed, requests[0]) % (2**63))
             res = self.model.generate(
-                input_ids=torch.from_numpy(ids),
-                attention_mask=torch.from_numpy(mask),
+                input_ids=torch.from_numpy(ids).to(self.device),
+                attention_mask=torch.from_numpy(mask).to(self.device),
                 max_new_tokens=max_new_tokens,
                 num_return_sequences=n,
                 top_k=0,
@@ -167,9 +172,9 @@ class HFGenerateEngine:
                 **sampling,
                 **kwargs,
             )
-        new = res.sequences[:, width:]  # row i * n + j: request i's sample j
+        new = res.sequences[:, width:].cpu()  # row i * n + j: request i's sample j
         logits = torch.stack(res.logits, dim=1).float()  # [len(requests) * n, steps, V]
-        lps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None])[..., 0]
+        lps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None].to(self.device))[..., 0].cpu()
         out = []
         for i in range(len(requests)):
             samples = []
@@ -189,10 +194,11 @@ class HFGenerateEngine:
             return []
         ids = np.concatenate([np.asarray(request.prompt_ids, dtype=np.int64), np.asarray(completion, dtype=np.int64)])
         with self._threads(), torch.no_grad():
-            logits = self.model(input_ids=torch.from_numpy(ids)[None], **self._vision_kwargs(request, ids)).logits[0]
+            logits = self.model(input_ids=torch.from_numpy(ids)[None].to(self.device),
+                                **self._vision_kwargs(request, ids)).logits[0]
         start = len(ids) - len(completion)
         lp = torch.log_softmax(logits[start - 1 : len(ids) - 1].float(), dim=-1)
-        return lp.gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+        return lp.gather(-1, torch.tensor(completion, device=self.device)[:, None])[:, 0].tolist()
 
     def load_weights(self, hf_dir: str | Path) -> float:
         from safetensors import safe_open

@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     ap.add_argument("--cpu-smoke", action="store_true", help="check this script on a CPU machine (not a result)")
     ap.add_argument("--skip", nargs="*", default=[], help="checks to leave out (attention, rl_tiny, rl_7b_shape)")
+    ap.add_argument("--ac", nargs="+", default=["full", "none"], help="activation_checkpoint of the 7B-shaped runs")
     ap.add_argument("--big-timeout", type=float, default=330.0, help="seconds for each 7B-shaped run")
     args = ap.parse_args(argv)
     import torch
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             r = run_logged("make_checkpoint", [sys.executable, "-m", "titanrl.models.make_tiny", str(ckpt),
                                                "--size", size], out, 300)
             record("make_checkpoint", r)
-        for ac in ("full", "none"):
+        for ac in args.ac:
             name = f"rl_7b_shape_ac_{ac}"
             big = train_argv(BIG, name, runs, [
                 *common, f"--model.path={ckpt}", f"--job.steps={2 if args.cpu_smoke else 3}",

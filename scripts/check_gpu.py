@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 from bench_memory import observed_tokens_per_microbatch  # noqa: E402
 
 TINY = "configs/tiny_cpu.toml"

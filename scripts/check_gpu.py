@@ -26,6 +26,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -47,8 +48,11 @@ def importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def run_logged(name: str, cmd: list[str], out: Path, timeout: float) -> dict:
-    """Run ``cmd`` with its output in OUT/<name>.log; rc 124 when it ran past ``timeout``."""
+def run_logged(name: str, cmd: list[str], out: Path, timeout: float, run_dir: Path | None = None) -> dict:
+    """Run ``cmd`` with its output in OUT/<name>.log; rc 124 when it ran past ``timeout``. ``run_dir`` (a
+    training run's folder) is emptied first: its metrics.jsonl would otherwise keep an earlier run's steps."""
+    if run_dir is not None:
+        shutil.rmtree(run_dir, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "PYTHONUNBUFFERED": "1"}
     t0 = time.time()
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if "rl_tiny" not in args.skip:
         tiny = train_argv(TINY, "rl_tiny", runs, [*common, f"--job.steps={2 if args.cpu_smoke else 4}",
                                                     *PROBE])
-        r = run_logged("rl_tiny", [sys.executable, "-m", "titanrl.train", *tiny], out, 300)
+        r = run_logged("rl_tiny", [sys.executable, "-m", "titanrl.train", *tiny], out, 300, runs / "rl_tiny")
         record("rl_tiny", summarise_run(r, tiny, runs / "rl_tiny"))
 
     if "rl_7b_shape" not in args.skip:
@@ -212,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                 *(["--balance.max_tokens_per_microbatch=2048", "--model.max_seq_len=2048",
                    "--data.max_prompt_tokens=1024", "--data.max_frames=8"] if args.cpu_smoke else []),
             ])
-            r = run_logged(name, [sys.executable, "-m", "titanrl.train", *big], out, args.big_timeout)
+            r = run_logged(name, [sys.executable, "-m", "titanrl.train", *big], out, args.big_timeout, runs / name)
             record(name, summarise_run(r, big, runs / name))
 
     if args.record:

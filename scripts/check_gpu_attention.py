@@ -122,7 +122,7 @@ def check_shared_prefix(device) -> tuple[bool, dict]:
     for name, groups in (("mixed", [(300, 40, 25, 60), (1024, *[64] * 8), (77, 5)]),
                          ("video 8K x 8", [(8192, *[512] * 8)])):
         n = sum(sum(g) for g in groups)
-        cu = torch.tensor([0, *np.cumsum([sum(g) for g in groups])])
+        cu = torch.tensor([0, *np.cumsum([sum(g) for g in groups])], device=device)
         torch.manual_seed(0)
         leaves = [torch.randn(n, h, dim, device=device) for h in (heads, kv_heads, kv_heads)]
         w = torch.randn(n, heads, dim, device=device)

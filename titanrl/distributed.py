@@ -34,7 +34,7 @@ class DistInfo:
 
 
 def init_distributed(timeout_s: float = 600.0, *, one_rank_group: bool = False) -> DistInfo:
-    """NCCL on CUDA machines, gloo elsewhere; the device follows LOCAL_RANK. ``one_rank_group``: a process that is
+    """NCCL (with gloo for CPU tensors) on CUDA machines, gloo elsewhere; the device follows LOCAL_RANK. ``one_rank_group``: a process that is
     the whole job (no torchrun, or ``--nproc-per-node 1``) still gets a one-rank process group (an in-memory
     store), so FSDP2 and its mixed-precision policy can run on a one-rank mesh (``build_dp_mesh(one_rank=True)``)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -43,7 +43,9 @@ def init_distributed(timeout_s: float = 600.0, *, one_rank_group: bool = False) 
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        # CUDA tensors over NCCL; the small CPU tensors of the control path (step statistics, plans, the
+        # loader's metadata) over gloo, in the same groups
+        backend = "cpu:gloo,cuda:nccl"
     else:
         device = torch.device("cpu")
         backend = "gloo"

@@ -437,7 +437,7 @@ def profile_ranks(*, dtype: Any = "float32", device=None, seconds: float = 1.0, 
         }
 
         measured: list[dict] = []
-        method = link_method or ("alltoall" if backend == "nccl" else "p2p")
+        method = link_method or ("alltoall" if "nccl" in str(backend) else "p2p")  # "cpu:gloo,cuda:nccl" on CUDA
         nbytes = link_bytes or probe.sizes["link_bytes"]
         if links and world > 1:
             tdist.barrier()

@@ -32,7 +32,7 @@ from titanrl.console import say
 from titanrl.distributed import all_gather_objects
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.parallel.cost_model import CostModel
-from titanrl.parallel.odc import minibatch_sync
+from titanrl.parallel.odc import minibatch_sync, reshard_root_after
 from titanrl.parallel.stage_plan import BalanceStrategy, StageMethod, StagePlan, plan_stage, rank_sums, top_degree
 from titanrl.parallel.ulysses import UlyssesLayout, layout_builder
 from titanrl.rl.batch import Trajectory, dummy_pack
@@ -288,7 +288,7 @@ class StageRunner:
     def _sync(self, model, plan: StagePlan, *, train: bool):
         if plan.sync == "minibatch":
             return minibatch_sync(model, train=train, reshard_after_forward=self.reshard_after_forward)
-        return nullcontext(lambda: None)
+        return nullcontext(lambda: None) if train else reshard_root_after(model)
 
     def _dummy(self, model, backward: bool, inputs: WaveInputs | None = None,
                table: VisionTable | None = None, reducing: bool = False) -> None:

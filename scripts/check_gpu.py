@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="check this script on a CPU machine (not a result)")
     ap.add_argument("--skip", nargs="*", default=[], help="checks to leave out (attention, rl_tiny, rl_7b_shape)")
     ap.add_argument("--ac", nargs="+", default=["full", "none"], help="activation_checkpoint of the 7B-shaped runs")
+    ap.add_argument("--big-overrides", nargs="*", default=[], help="more --section.key=value for the 7B-shaped runs")
     ap.add_argument("--big-timeout", type=float, default=330.0, help="seconds for each 7B-shaped run")
     args = ap.parse_args(argv)
     import torch
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                 *PROBE,
                 *(["--balance.max_tokens_per_microbatch=2048", "--model.max_seq_len=2048",
                    "--data.max_prompt_tokens=1024", "--data.max_frames=8"] if args.cpu_smoke else []),
+                *args.big_overrides,
             ])
             r = run_logged(name, [sys.executable, "-m", "titanrl.train", *big], out, args.big_timeout, runs / name)
             record(name, summarise_run(r, big, runs / name))

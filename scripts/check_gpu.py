@@ -61,7 +61,18 @@ def run_logged(name: str, cmd: list[str], out: Path, timeout: float, run_dir: Pa
             rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = 124
-    return {"cmd": " ".join(cmd[2:] if cmd[1] == "-m" else cmd[1:]), "rc": rc, "seconds": round(time.time() - t0, 1)}
+    error = first_error(out / f"{name}.log") if rc else None
+    return {**({"error": error} if error else {}),"cmd": " ".join(cmd[2:] if cmd[1] == "-m" else cmd[1:]), "rc": rc, "seconds": round(time.time() - t0, 1)}
+
+
+def first_error(log: Path) -> str | None:
+    """The run's one-line cause (titanrl's ``error on rank`` line, else the last exception line) of a failed run."""
+    if not log.exists():
+        return None
+    lines = log.read_text(errors="replace").splitlines()
+    named = [ln for ln in lines if "] error on rank" in ln]
+    raised = [ln for ln in lines if ln.split(":")[0].endswith(("Error", "Exception"))]
+    return (named or raised or [None])[-1]
 
 
 def train_argv(config: str, name: str, runs: Path, overrides: list[str]) -> list[str]:
@@ -129,6 +140,27 @@ def line(name: str, r: dict) -> str:
             f"{fmt_bytes(r['predicted_peak_bytes_bound'])} at the config bound")
 
 
+def combine(paths: list[Path]) -> int:
+    """benchmarks/gpu_check.json from several calls' reports: the device facts of the first, each check with the
+    commit, engine and loader of the call that ran it; the checks a later call ran again under ``superseded``."""
+    reports = [json.loads(p.read_text()) for p in paths]
+    out = {k: v for k, v in reports[0].items() if k not in ("checks", "commit", "rollout_engine", "loader", "why")}
+    out["calls"] = [{k: v for k, v in r.items() if k != "checks"} | {"checks": sorted(r["checks"])} for r in reports]
+    out["checks"], out["superseded"] = {}, []  # superseded: a check that a later call ran again
+    for path, r in zip(paths, reports):
+        for name, check in r["checks"].items():
+            if name in out["checks"]:
+                out["superseded"].append({"name": name, **out["checks"][name]})
+            if check["rc"] and "error" not in check:  # reports written before the error field: read the log
+                error = first_error(path.parent / f"{name}.log")
+                check = {**check, **({"error": error} if error else {})}
+            out["checks"][name] = {"commit": r["commit"], **check}
+    (REPO / "benchmarks" / "gpu_check.json").write_text(json.dumps(out, indent=1) + "\n")
+    for name, check in out["checks"].items():
+        print(f"{line(name, check)} [{check['commit'][:7]}]")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "check_gpu")
@@ -137,9 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="check this script on a CPU machine (not a result)")
     ap.add_argument("--skip", nargs="*", default=[], help="checks to leave out (attention, rl_tiny, rl_7b_shape)")
     ap.add_argument("--ac", nargs="+", default=["full", "none"], help="activation_checkpoint of the 7B-shaped runs")
+    ap.add_argument("--combine", nargs="+", type=Path, default=None, metavar="GPU_CHECK_JSON",
+                    help="write benchmarks/gpu_check.json from the gpu_check.json of several device calls (each "
+                         "check with the commit and settings it ran at; a later file's check replaces an earlier's)")
     ap.add_argument("--big-overrides", nargs="*", default=[], help="more --section.key=value for the 7B-shaped runs")
     ap.add_argument("--big-timeout", type=float, default=330.0, help="seconds for each 7B-shaped run")
     args = ap.parse_args(argv)
+    if args.combine:
+        return combine(args.combine)
     import torch
 
     cuda = torch.cuda.is_available()

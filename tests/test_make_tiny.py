@@ -300,3 +300,21 @@ def test_vllm_generates_text_image_video_with_logprobs(
         np.testing.assert_allclose(result["logprobs"][: len(completion)], expected, atol=2e-3, err_msg=media)
         max_diff = float(np.max(np.abs(np.array(result["logprobs"][: len(completion)]) - expected)))
         print(f"{media}: {len(completion)} sampled tokens, max |vLLM - transformers| log-prob {max_diff:.2e}")
+
+
+def test_the_7b_shape_is_qwen2_5_vl_7b_at_full_width_with_4_layers():
+    """scripts/check_gpu.py's memory and throughput model: every width of the published 7B (the planner's
+    known shape), 4 of its decoder layers and 4 of its vision blocks."""
+    from titanrl import memory
+    from titanrl.models.make_tiny import SIZES, build_config
+    from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs
+
+    config = build_config(SIZES["7b-shape-4l"]).to_dict()
+    ours = Qwen2_5_VLArgs.from_hf_config(config)
+    seven_b = memory.known_shape("qwen2_5_vl_7b")
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads"):
+        assert getattr(ours.text, field) == getattr(seven_b.text, field), field
+    for field in ("hidden_size", "intermediate_size", "num_heads", "out_hidden_size"):
+        assert getattr(ours.vision, field) == getattr(seven_b.vision, field), field
+    assert (ours.text.num_hidden_layers, ours.vision.depth) == (4, 4)
+    assert 2.0e9 < memory.param_counts(ours).total < 2.3e9

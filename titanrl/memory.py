@@ -69,8 +69,10 @@ LOGPROB_CHUNK = 4096
 # The runtime term, by "device/engine", in bytes: what a rank holds besides the modelled terms.
 # cpu: measured by scripts/bench_memory.py (benchmarks/memory.json, "runtime_bytes": a rank's peak RSS once
 # the Trainer is built minus the planner's terms resident then; 1 rank, rounded up): the Python / torch /
-# vLLM / Ray-client process. cuda: CUDA context + NCCL buffers + allocator fragmentation, an assumption
-# (no GPU measurement yet). CPU runs also add ~0.2 GiB during the first step that no term explains yet
+# vLLM / Ray-client process. cuda: CUDA context + NCCL buffers + allocator fragmentation, an assumption; on
+# one H100 (benchmarks/gpu_check.json: the 7B config on a 7B-shaped 4-layer model, hf engine) the modelled terms
+# came to 5% under the allocator's peak (torch.cuda.max_memory_allocated, which holds no context), and with
+# these 3 GiB to 0.5% over it. CPU runs also add ~0.2 GiB during the first step that no term explains yet
 # (benchmarks/memory.md).
 RUNTIME_BYTES: dict[str, int] = {
     "cpu/vllm": int(0.85 * GiB),

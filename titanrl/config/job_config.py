@@ -238,7 +238,9 @@ class ParallelismConfig:
     block's input and recompute the block in backward (under Ulysses the recomputation re-issues the block's
     all-to-alls in forward order). Selective (op-level) checkpointing is planned."""
     fsdp_reshard_after_forward: bool = True
-    """Free gathered parameters after forward (less memory, one more all-gather in backward)."""
+    """Free each transformer block's and the vision tower's gathered parameters after forward (less memory, one
+    more all-gather in backward). The root's own parameters (embedding, output head) stay gathered until their
+    backward either way, and are freed at the end of a stage without backward."""
     vision_balance: bool = False
     """Vision-tower balancing (FlexRL sec. 3.3) in the log-prob and update stages: the images and video temporal
     patches the ranks' tokens use are spread over the ranks by vision cost (each encoded once, also when several

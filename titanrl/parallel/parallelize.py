@@ -80,7 +80,11 @@ def apply_fsdp(
     for container, key in transformer_blocks(model):
         fully_shard(container[key], **kw)
     fully_shard(model.vision, **kw)
-    fully_shard(model, **kw)
+    # The root's own parameters (embedding, final norm, output head) are the first the backward needs: resharding
+    # them after forward would only gather them again at once (an all-gather of ~1.1 B parameters per microbatch
+    # at 7B). PyTorch keeps a root gathered only when reshard_after_forward is left unset; say it. Stages without
+    # a backward reshard it when they end (titanrl.parallel.odc.reshard_root_after).
+    fully_shard(model, **{**kw, "reshard_after_forward": False})
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

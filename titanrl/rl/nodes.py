@@ -281,7 +281,8 @@ def check_probe(diff: float, ctx) -> None:
         return
     ctx.probe_violations += 1
     if ctx.info.is_main:
-        say(f"[titanrl] warning: step {ctx.step + 1}: vLLM and trainer log-probs differ by {diff:.3g} "
+        engine = {"vllm": "vLLM", "hf": "hf engine"}.get(r.engine, r.engine)
+        say(f"[titanrl] warning: step {ctx.step + 1}: {engine} and trainer log-probs differ by {diff:.3g} "
             f"(> rollout.probe_tolerance={r.probe_tolerance}), {ctx.probe_violations} time(s) in a row")
     if r.probe_max_violations and ctx.probe_violations >= r.probe_max_violations:
         raise RuntimeError(

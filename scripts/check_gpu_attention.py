@@ -9,8 +9,9 @@ multi-image and video sequences. One summary line per check:
    gradient differences (bf16 rounding is the expected size);
 2. the same ``flash`` model with the Ulysses wrapper installed and a degree-1 layout (the whole
    stream is this rank's ``p = 1`` region): log-probs identical to the unwrapped model, bit for
-   bit; gradients within twice the unwrapped model's run-to-run spread (the largest of 4 reruns; not yet run on a GPU) (FlashAttention's backward
-   accumulates with atomics, so two identical runs differ in the last bits);
+   bit; gradients within twice the unwrapped model's run-to-run spread, the largest of 4 reruns
+   (FlashAttention's backward accumulates with atomics, so two identical runs differ in the last
+   bits; this bound has not yet run on a GPU);
 3. speed: forward + backward of long packed streams, ``flash`` vs ``sdpa``, bf16;
 4. shared prefixes (``rl.shared_prefix``: a prompt once, then responses that each see the prompt and
    themselves): ``flash`` in bf16 against ``sdpa`` in fp32 on the same segments, output and q/k/v

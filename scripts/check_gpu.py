@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--combine", nargs="+", type=Path, default=None, metavar="GPU_CHECK_JSON",
                     help="write benchmarks/gpu_check.json from the gpu_check.json of several device calls (each "
                          "check with the commit and settings it ran at; a later file's check replaces an earlier's)")
-    ap.add_argument("--big-overrides", nargs="*", default=[], help="more --section.key=value for the 7B-shaped runs")
+    ap.add_argument("--big-overrides", nargs="*", default=[], help="more overrides for the 7B-shaped runs, each as "
+                    "--big-overrides=--section.key=value")
     ap.add_argument("--big-timeout", type=float, default=330.0, help="seconds for each 7B-shaped run")
     args = ap.parse_args(argv)
     if args.combine:
@@ -203,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": __import__("transformers").__version__,
         "rollout_engine": engine,
         "loader": loader,
-        "why": ("vLLM is not installed on this machine (no package index reachable from it), so rollouts ran on "
-                "transformers generate on the GPU" if engine == "hf" else "vLLM (CUDA) rollouts")
-               + ("; Ray is not installed, so the centralized loader decoded the media" if loader == "centralized"
+        "why": ("vLLM does not import on this machine, so rollouts ran on transformers generate on the GPU"
+                if engine == "hf" else "vLLM (CUDA) rollouts")
+               + ("; Ray does not import, so the centralized loader decoded the media" if loader == "centralized"
                   else ""),
         "checks": {},
     }

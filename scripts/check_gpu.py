@@ -58,11 +58,13 @@ def run_logged(name: str, cmd: list[str], out: Path, timeout: float, run_dir: Pa
     t0 = time.time()
     with open(out / f"{name}.log", "w") as log:
         try:
-            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = 124
     error = first_error(out / f"{name}.log") if rc else None
-    return {**({"error": error} if error else {}),"cmd": " ".join(cmd[2:] if cmd[1] == "-m" else cmd[1:]), "rc": rc, "seconds": round(time.time() - t0, 1)}
+    result = {"cmd": " ".join(cmd[2:] if cmd[1] == "-m" else cmd[1:]), "rc": rc, "seconds": round(time.time() - t0, 1)}
+    return {"error": error, **result} if error else result
 
 
 def first_error(log: Path) -> str | None:
@@ -133,7 +135,8 @@ def line(name: str, r: dict) -> str:
     if "measured_peak_bytes" not in r:
         return f"{name}: ok in {r['seconds']} s"
     probe = f", probe max |engine - trainer| {r['probe_max_diff']:.3g}" if r.get("probe_max_diff") is not None else ""
-    return (f"{name}: ok, {r['steps']} steps in {r['seconds']} s, {r['tokens_per_s_after_first_step']:.0f} tok/s{probe}; "
+    return (f"{name}: ok, {r['steps']} steps in {r['seconds']} s, "
+            f"{r['tokens_per_s_after_first_step']:.0f} tok/s{probe}; "
             f"peak {fmt_bytes(r['measured_peak_bytes'])} measured, {fmt_bytes(r['predicted_peak_bytes_observed_T'])} "
             f"predicted at T={r['observed_tokens_per_microbatch']} ({100 * r['error_observed_T']:+.1f}%; "
             f"{100 * r['error_observed_T_without_runtime']:+.1f}% without the runtime term), "
@@ -248,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             name = f"rl_7b_shape_ac_{ac}"
             big = train_argv(BIG, name, runs, [
                 *common, f"--model.path={ckpt}", f"--job.steps={2 if args.cpu_smoke else 3}",
-                f"--parallelism.activation_checkpoint={ac}", "--parallelism.ulysses=none", "--checkpoint.export_hf=false",
+                f"--parallelism.activation_checkpoint={ac}", "--parallelism.ulysses=none",
+                "--checkpoint.export_hf=false",
                 # a short GRPO step: 8 prompts x 4 responses of at most 64 tokens (transformers generate is slow)
                 "--rl.global_batch_size=8", "--rollout.n=4", "--rollout.max_new_tokens=64", "--data.num_samples=32",
                 *PROBE,

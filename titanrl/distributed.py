@@ -34,9 +34,10 @@ class DistInfo:
 
 
 def init_distributed(timeout_s: float = 600.0, *, one_rank_group: bool = False) -> DistInfo:
-    """NCCL (with gloo for CPU tensors) on CUDA machines, gloo elsewhere; the device follows LOCAL_RANK. ``one_rank_group``: a process that is
-    the whole job (no torchrun, or ``--nproc-per-node 1``) still gets a one-rank process group (an in-memory
-    store), so FSDP2 and its mixed-precision policy can run on a one-rank mesh (``build_dp_mesh(one_rank=True)``)."""
+    """NCCL (with gloo for CPU tensors) on CUDA machines, gloo elsewhere; the device follows LOCAL_RANK.
+    ``one_rank_group``: a process that is the whole job (no torchrun, or ``--nproc-per-node 1``) still gets a
+    one-rank process group (an in-memory store), so FSDP2 and its mixed-precision policy can run on a one-rank
+    mesh (``build_dp_mesh(one_rank=True)``)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -163,7 +163,7 @@ SMALL = TinyModelSize(
 )
 
 # Qwen2.5-VL-7B at full width (hidden, MLP, heads, vocabulary, vision tower) with 4 of its 28 decoder layers
-# and 4 of its 32 vision blocks: the GPU check's memory and throughput run (scripts/check_gpu.sh), about 2.4 B
+# and 4 of its 32 vision blocks: the GPU check's memory and throughput run (scripts/check_gpu.sh), 2.15 B
 # parameters. Pixel limits as `small`'s, so prompts stay within data.max_prompt_tokens.
 SHAPE_7B_4L = TinyModelSize(
     name="7b-shape-4l",

@@ -3,14 +3,16 @@
 A plain HF generate loop with its KV cache: ``batch_prompts`` requests per ``generate`` call (left
 padded, their media concatenated in order) with their ``n`` samples each (``num_return_sequences``),
 the way a transformers user batches. It is what the benchmarks compare vLLM against, and a fallback
-that needs no vLLM. It runs on this process's CUDA device when there is one (``torch.cuda.current_device()``,
-which ``init_distributed`` sets from LOCAL_RANK), else on the CPU. With ``batch_prompts = 1`` (the trainer's choice) each request is sampled with
-its own seed, so any world size samples the same responses; a batch shares one seed (its first
+that needs no vLLM. It runs on this process's CUDA device when there is one
+(``torch.cuda.current_device()``, which ``init_distributed`` sets from LOCAL_RANK), else on the CPU.
+With ``batch_prompts = 1`` (the trainer's choice) each request is sampled with its own seed, so any
+world size samples the same responses; a batch shares one seed (its first
 request's), so responses then depend on how requests are grouped.
 
 Not for training on video: transformers 5 places text after a video at the video's start +
 max(h, w) instead of after its last temporal position (vLLM's and the trainer's rule), so its
-video log-probs differ from the trainer's by ~0.1. Images and text agree with the trainer.
+video log-probs differ from the trainer's by ~0.1 on small models and by 0.4-2.6 at 7B width (the
+position shift matters more there; benchmarks/gpu_check.json). Images and text agree with the trainer.
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ class HFGenerateEngine:
         num_threads: int = 0,
         banned_token_ids: Sequence[int] | None = None,
         batch_prompts: int = 1,
-        device: str | torch.device | None = None,
     ) -> None:
         from transformers import AutoTokenizer, GenerationConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -64,9 +65,8 @@ class HFGenerateEngine:
         self.model_dir = Path(model_dir)
         self.num_threads = num_threads
         self.batch_prompts = batch_prompts
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
         t0 = time.perf_counter()
         self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             str(self.model_dir), dtype=_DTYPES[dtype]
@@ -172,9 +172,10 @@ class HFGenerateEngine:
                 **sampling,
                 **kwargs,
             )
-        new = res.sequences[:, width:].cpu()  # row i * n + j: request i's sample j
+        new = res.sequences[:, width:]  # row i * n + j: request i's sample j
         logits = torch.stack(res.logits, dim=1).float()  # [len(requests) * n, steps, V]
-        lps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None].to(self.device))[..., 0].cpu()
+        lps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None])[..., 0].cpu()
+        new = new.cpu()
         out = []
         for i in range(len(requests)):
             samples = []

@@ -22,6 +22,7 @@ activations, the log-prob head), against a baseline that is measured, not guesse
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -35,10 +36,55 @@ from bench_common import git_commit  # noqa: E402
 CONFIGS = {"tiny": "configs/tiny_cpu.toml", "small": "configs/small_cpu.toml"}
 
 
+class HeapSampler:
+    """The allocator's view of a CPU process, the analogue of CUDA's ``max_memory_allocated``: every
+    ``interval_s`` it reads glibc's ``mallinfo2`` (summed over arenas) and keeps the peak of the bytes in
+    use (``uordblks + hblkhd``: live ``malloc`` memory, where torch's CPU tensors are), and, at the
+    sampled peak of RSS, the free bytes glibc keeps (``fordblks``: freed chunks it has not returned to
+    the system). Sampling misses peaks shorter than the interval. Python objects (pymalloc's own mmap
+    arenas), shared libraries and the Ray object store's mapped pages are RSS but not heap."""
+
+    def __init__(self, interval_s: float = 0.01):
+        import ctypes
+        import threading
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in
+                        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+        self._libc = ctypes.CDLL("libc.so.6")
+        self._libc.mallinfo2.restype = MallInfo2
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self.peak_live = self.peak_rss = self.free_at_peak_rss = 0
+        self._interval = interval_s
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def sample(self) -> None:
+        m = self._libc.mallinfo2()
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * self._page
+        self.peak_live = max(self.peak_live, m.uordblks + m.hblkhd)
+        if rss > self.peak_rss:
+            self.peak_rss, self.free_at_peak_rss = rss, m.fordblks
+
+    def _loop(self) -> None:
+        import time as _time
+
+        while True:
+            self.sample()
+            _time.sleep(self._interval)
+
+    def report(self) -> dict:
+        self.sample()
+        return {"peak_heap_live_bytes": self.peak_live, "heap_free_at_rss_peak_bytes": self.free_at_peak_rss}
+
+
 def child(out: Path, phase: str, argv: list[str]) -> int:
-    """One rank: build the Trainer (init) or run titanrl.train (train); write this rank's peak RSS."""
+    """One rank: build the Trainer (init) or run titanrl.train (train); write this rank's peak RSS and
+    the allocator's peak (HeapSampler)."""
     from titanrl import memory
 
+    heap = HeapSampler()
     rank = int(os.environ.get("RANK", "0"))
     out.mkdir(parents=True, exist_ok=True)
     if phase == "train":
@@ -62,14 +108,15 @@ def child(out: Path, phase: str, argv: list[str]) -> int:
         finally:
             shutdown()
         rc = 0
-        (out / f"{phase}_rank{rank}.json").write_text(json.dumps({"rank": rank, "peak_rss_bytes": peak}))
+        (out / f"{phase}_rank{rank}.json").write_text(json.dumps({"rank": rank, "peak_rss_bytes": peak,
+                                                                 **heap.report()}))
         return rc
     (out / f"{phase}_rank{rank}.json").write_text(
-        json.dumps({"rank": rank, "peak_rss_bytes": memory.measured_peak_bytes("cpu"), "rc": rc}))
+        json.dumps({"rank": rank, "peak_rss_bytes": memory.measured_peak_bytes("cpu"), "rc": rc, **heap.report()}))
     return rc
 
 
-def launch(out: Path, phase: str, world: int, argv: list[str]) -> tuple[list[int], float]:
+def launch(out: Path, phase: str, world: int, argv: list[str]) -> tuple[list[dict], float]:
     out.mkdir(parents=True, exist_ok=True)
     me = [str(Path(__file__).resolve()), "--child", str(out), "--phase", phase, "--"]
     if world == 1:
@@ -82,8 +129,7 @@ def launch(out: Path, phase: str, world: int, argv: list[str]) -> tuple[list[int
     wall = time.time() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{phase} world={world} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    peaks = [json.loads((out / f"{phase}_rank{r}.json").read_text())["peak_rss_bytes"] for r in range(world)]
-    return peaks, wall
+    return [json.loads((out / f"{phase}_rank{r}.json").read_text()) for r in range(world)], wall
 
 
 def observed_tokens_per_microbatch(run_dir: Path, world: int) -> int:
@@ -95,6 +141,27 @@ def observed_tokens_per_microbatch(run_dir: Path, world: int) -> int:
         micro = (m["balance/microbatches_min"] + m["balance/microbatches_max"]) / 2
         best = max(best, m["train/tokens_computed"] / (world * micro))
     return max(1, round(best))
+
+
+@functools.lru_cache(maxsize=None)
+def observed_media_tokens(flavor: str) -> float:
+    """Mean media tokens per prompt of the run's dataset (ShadowLoader's metadata table: the tokens each
+    image or video becomes after resizing, frame sampling and the 2x2 merge), for the data term."""
+    from titanrl import assets
+    from titanrl.config import load_config
+    from titanrl.data.prompt import PromptEncoder
+    from titanrl.data.shadow.factory import media_settings
+    from titanrl.data.shadow.metadata import load_metadata
+    from titanrl.distributed import DistInfo
+
+    import torch
+
+    cfg = load_config(REPO / CONFIGS[flavor], [])
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    model_dir, manifest = assets.model_dir(cfg, info), assets.manifest_path(cfg, info)
+    table = load_metadata(manifest, media_settings(cfg, model_dir), PromptEncoder.from_pretrained(model_dir),
+                          max_prompt_tokens=cfg.data.max_prompt_tokens, use_cache=True)
+    return sum(sum(m.tokens for m in meta.media) for meta in table.metas) / len(table.metas)
 
 
 def add_observed(row: dict, workdir: Path) -> dict:
@@ -114,10 +181,17 @@ def add_observed(row: dict, workdir: Path) -> dict:
     row["error"] = (bound.total - row["measured_bytes"]) / row["measured_bytes"]
     row["step_terms_predicted"] = bound.total - static - runtime
     cfg = load_config(REPO / CONFIGS[row["model"]], [*base, f"--balance.max_tokens_per_microbatch={t_obs}"])
-    plan = memory.predict(cfg, shape, world, runtime_bytes=runtime)
+    media = row.setdefault("observed_media_tokens_per_prompt", observed_media_tokens(row["model"]))
+    plan = memory.predict(cfg, shape, world, runtime_bytes=runtime, media_tokens=media)
     row["observed_tokens_per_microbatch"] = t_obs
     row["predicted_observed_T_bytes"] = plan.total
     row["error_observed_T"] = (plan.total - row["measured_bytes"]) / row["measured_bytes"]
+    if "measured_heap_bytes" in row:  # the same plan with the heap's runtime, against the heap's peak
+        heap = plan.total - runtime + row["runtime_heap_bytes"]
+        row["predicted_heap_observed_T_bytes"] = heap
+        row["error_heap_observed_T"] = (heap - row["measured_heap_bytes"]) / row["measured_heap_bytes"]
+        heap_bound = bound.total - runtime + row["runtime_heap_bytes"]
+        row["error_heap"] = (heap_bound - row["measured_heap_bytes"]) / row["measured_heap_bytes"]
     return row
 
 
@@ -147,11 +221,14 @@ def run(args: argparse.Namespace) -> None:
                     shape = memory.flavor_shape(flavor)
                     plan0 = memory.predict(cfg, shape, world, runtime_bytes=0)
                     print(f"[bench_memory] {name}: init ...", flush=True)
-                    init_peaks, init_wall = launch(tmp / name, "init", world, argv)
+                    init, init_wall = launch(tmp / name, "init", world, argv)
+                    init_peaks = [r["peak_rss_bytes"] for r in init]
                     runtime = max(init_peaks) - static_at_init(plan0)
+                    runtime_heap = max(r["peak_heap_live_bytes"] for r in init) - static_at_init(plan0)
                     plan = memory.predict(cfg, shape, world, runtime_bytes=runtime)
                     print(f"[bench_memory] {name}: train ...", flush=True)
-                    train_peaks, train_wall = launch(tmp / name, "train", world, argv)
+                    train, train_wall = launch(tmp / name, "train", world, argv)
+                    train_peaks = [r["peak_rss_bytes"] for r in train]
                     measured = max(train_peaks)
                     row = {
                         "case": name, "model": flavor, "world": world, "strategy": strategy, "activation_checkpoint": ac,
@@ -164,6 +241,12 @@ def run(args: argparse.Namespace) -> None:
                         "step_terms_measured": measured - max(init_peaks),
                         "error": (plan.total - measured) / measured,
                         "wall_s": {"init": round(init_wall, 1), "train": round(train_wall, 1)},
+                        # the allocator's view (HeapSampler): the runtime term and the peak in live heap bytes
+                        "init_peak_heap_live_bytes": [r["peak_heap_live_bytes"] for r in init],
+                        "runtime_heap_bytes": runtime_heap,
+                        "measured_peak_heap_live_bytes": [r["peak_heap_live_bytes"] for r in train],
+                        "measured_heap_bytes": max(r["peak_heap_live_bytes"] for r in train),
+                        "heap_free_at_rss_peak_bytes": [r["heap_free_at_rss_peak_bytes"] for r in train],
                     }
                     rows.append(add_observed(row, tmp))
                     print(f"[bench_memory] {name}: predicted {memory.fmt_bytes(plan.total)} measured "
@@ -250,7 +333,8 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         "microbatches of `balance.max_tokens_per_microbatch` tokens made of the longest samples the config allows "
         "(all-media prompts of `data.max_prompt_tokens`, responses of `rollout.max_new_tokens`). **observed T** is "
         "the same planner with T = the mean tokens per update microbatch the run really had (metrics: "
-        "`train/tokens_computed` / ranks / microbatches), the composition still the config's worst case.",
+        "`train/tokens_computed` / ranks / microbatches) and the data term at the dataset's mean media tokens per "
+        "prompt (ShadowLoader's metadata table), the microbatch's composition still the config's worst case.",
         "",
         "| case | N params | runtime (measured) | config bound | observed T | predicted (obs. T) | measured "
         "| error (bound) | error (obs. T) | step+ predicted (bound) | step+ measured |",
@@ -262,6 +346,31 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
             f"| {r['observed_tokens_per_microbatch']} | {fmt_bytes(r['predicted_observed_T_bytes'])} "
             f"| {fmt_bytes(r['measured_bytes'])} | {100 * r['error']:+.1f}% | {100 * r['error_observed_T']:+.1f}% "
             f"| {fmt_bytes(r['step_terms_predicted'])} | {fmt_bytes(r['step_terms_measured'])} |")
+    heap_rows = [r for r in rows if "measured_heap_bytes" in r]
+    if heap_rows:
+        lines += [
+            "", "## The allocator's view: live heap bytes (the analogue of CUDA's `max_memory_allocated`)", "",
+            "Peak RSS counts what glibc keeps after `free` (freed chunks it has not returned to the system) and what "
+            "is not `malloc` memory at all (shared libraries, Python's object arenas, mapped Ray objects). On CUDA "
+            "`memory/measured_peak_bytes` is the caching allocator's peak of *live* bytes, without its cached free "
+            "blocks. The CPU analogue, sampled every 10 ms in each rank (`HeapSampler`: glibc's `mallinfo2`, "
+            "`uordblks + hblkhd`; a peak shorter than the interval is missed): measured = the largest peak of live "
+            "heap bytes over the ranks; predicted = the same planner terms with the runtime measured the same way "
+            "(the live heap once the Trainer is built minus the planner's terms resident then). `heap free at RSS "
+            "peak` = glibc's free bytes (`fordblks`) when the sampled RSS peaked (largest over the ranks): the part "
+            "of peak RSS that no planner term can see.",
+            "",
+            "| case | runtime (heap) | predicted (bound) | predicted (obs. T) | measured live heap | error (bound) "
+            "| error (obs. T) | heap free at RSS peak |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in heap_rows:
+            bound = r["predicted_bytes"] - r["runtime_bytes"] + r["runtime_heap_bytes"]
+            lines.append(
+                f"| {r['case']} | {fmt_bytes(r['runtime_heap_bytes'])} | {fmt_bytes(bound)} "
+                f"| {fmt_bytes(r['predicted_heap_observed_T_bytes'])} | {fmt_bytes(r['measured_heap_bytes'])} "
+                f"| {100 * r['error_heap']:+.1f}% | {100 * r['error_heap_observed_T']:+.1f}% "
+                f"| {fmt_bytes(max(r['heap_free_at_rss_peak_bytes']))} |")
     lines += ["", findings(rows), *deltas(rows), "", "Per-case terms (bytes) are in `benchmarks/memory.json`.", ""]
     (out / "memory.md").write_text("\n".join(lines) + "\n")
 

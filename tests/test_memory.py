@@ -110,6 +110,18 @@ def test_plan_terms_by_hand():
     assert not any(t.name == "reference_model" for t in memory.predict(cfg, hand_args(), 4).terms)
 
 
+def test_data_term_by_hand():
+    """The loader's float32 patch rows (patch_dim 4, merge 2x2: 16 values per media token, 64 bytes)."""
+    cfg = load_config(None, ["--data.prefetch_batches=2", "--rl.global_batch_size=6", "--data.max_prompt_tokens=10"])
+    per_token = 4 * 4 * 4
+    # shadow: the step computed + 2 ahead, ceil(6 / 4) = 2 prompts each, all media
+    assert memory.predict(cfg, hand_args(), 4).term("data") == 3 * 2 * 10 * per_token
+    assert memory.predict(cfg, hand_args(), 4, media_tokens=2.5).term("data") == 3 * 2 * 2.5 * per_token
+    cfg.data.loader = "centralized"  # rank 0 holds the 2 steps ahead for every rank + its own share
+    assert memory.predict(cfg, hand_args(), 4).term("data") == (2 * 6 + 2) * 10 * per_token
+    assert memory.predict(cfg, hand_args(), 4, device="cuda").term("data") == 0  # host memory, not the GPU's
+
+
 def test_sharded_terms_scale_with_the_world():
     cfg = load_config(REPO / "configs" / "small_cpu.toml")
     args = memory.flavor_shape("small")

@@ -40,6 +40,8 @@ backward of the update stage's largest microbatch:
   ``rl.ref_offload``: its shards are in host memory, and a unit is gathered only for its forward, as the
   policy's are);
 - a critic (not built: ``rl.algorithm = grpo`` has none; the term is 0 and keeps its place);
+- the data in host memory (``data_bytes``; on a CPU run the device's, on CUDA host memory and 0 in the plan): each
+  step the loader hands out, or fetches ahead, keeps its samples' float32 patch rows;
 - the runtime: what a rank holds before any of the above (CUDA context and NCCL buffers on GPU;
   the Python/torch/vLLM/Ray-client process and vLLM's own buffers on CPU). It is a *measured constant*
   (``RUNTIME_BYTES``, benchmarks/memory.md), not derived from the shape.
@@ -269,6 +271,23 @@ def activation_bytes(args: Qwen2_5_VLArgs, mix: TokenMix, tokens: int, b: int, c
     raise ConfigError(f"parallelism.activation_checkpoint={checkpoint!r}: expected 'none' or 'full'")
 
 
+def data_bytes(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, media_tokens: float | None = None) -> int:
+    """The loader's steps in memory on the rank that holds most: the float32 patch rows (``patch_dim`` values
+    per patch, m = spatial_merge_size^2 patches per vision token) of prompts with M = ``media_tokens`` media
+    tokens each (default data.max_prompt_tokens: all media). ShadowLoader: each rank materialises its own
+    ceil(B / world) prompts of the step it computes (of the last max_staleness + 1 asynchronously) and of the
+    data.prefetch_batches steps it fetches ahead: (h + prefetch) ceil(B / world) M m patch_dim 4. The centralized
+    loader's rank 0 decodes every rank's prompts of the steps ahead and holds them until it scatters them:
+    (prefetch B + ceil(B / world)) M m patch_dim 4."""
+    b = cfg.rl.global_batch_size
+    mine = -(-b // world)
+    held = cfg.workflow.max_staleness + 1 if cfg.workflow.mode == "async" else 1
+    ahead = cfg.data.prefetch_batches
+    prompts = ahead * b + mine if cfg.data.loader == "centralized" else (held + ahead) * mine
+    m = cfg.data.max_prompt_tokens if media_tokens is None else media_tokens
+    return int(prompts * m * args.vision.merge_unit * args.vision.patch_dim * 4)
+
+
 def logits_bytes(args: Qwen2_5_VLArgs, mix: TokenMix, tokens: int, b: int, entropy: bool) -> int:
     """The log-prob head (token_logprobs): per target position the fp32 log-softmax over the vocabulary
     V is saved (4 V; + 4 V for exp() when the entropy bonus is on), and one chunk of C = 4096 positions
@@ -340,10 +359,11 @@ def fmt_bytes(n: float) -> str:
 
 
 def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device | None = None,
-            runtime_bytes: int | None = None) -> MemoryPlan:
+            runtime_bytes: int | None = None, media_tokens: float | None = None) -> MemoryPlan:
     """The predicted peak memory per rank of ``cfg`` on ``world`` ranks for the model shape ``args``
     (module docstring: the terms and their formulas). ``device`` defaults to cuda when
-    model.attn_backend is flash, else cpu; ``runtime_bytes`` defaults to RUNTIME_BYTES[device/engine]."""
+    model.attn_backend is flash, else cpu; ``runtime_bytes`` defaults to RUNTIME_BYTES[device/engine];
+    ``media_tokens``: media tokens per prompt in the data term (default: data.max_prompt_tokens)."""
     device = device or ("cuda" if cfg.model.attn_backend == "flash" else "cpu")
     dp = cfg.data_parallel_degree(world)
     counts = param_counts(args)
@@ -396,6 +416,12 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
                           + (" (rl.ref_offload: host memory is the device here)" if cfg.rl.ref_offload else "")))
     terms.append(Term("critic", critic_bytes(cfg, n, dp), "16 N / dp: fp32 parameters, gradients, AdamW (ppo)"
                       if cfg.rl.algorithm == "ppo" else "no critic with rl.algorithm=grpo"))
+    media = "all-media prompts" if media_tokens is None else f"{media_tokens:.0f} media tokens per prompt"
+    if device == "cpu":
+        terms.append(Term("data", data_bytes(cfg, args, world, media_tokens),
+                          f"{cfg.data.loader} loader: steps held + data.prefetch_batches, float32 patch rows, {media}"))
+    else:
+        terms.append(Term("data", 0, "the loader's patch rows are in host memory"))
     runtime = RUNTIME_BYTES[f"{device}/{cfg.rollout.engine}"] if runtime_bytes is None else runtime_bytes
     terms.append(Term("runtime", runtime, f"measured constant ({device}): process, libraries, context"))
     plan = MemoryPlan(terms=terms, world=world, dp=dp, device=device, shape="", params=n,

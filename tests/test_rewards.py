@@ -79,6 +79,16 @@ def test_load_reward_builtin_module_and_file(tmp_path):
         rewards.load_reward(f"{f}:nope")
 
 
+def test_a_worker_that_exits_before_it_is_ready_is_named(tmp_path):
+    """The worker process dies while importing (here: the reward file exits in any child process; the same as an
+    unguarded script that starts training): a RewardError with its exit code and the likely cause, not EOFError."""
+    f = tmp_path / "exits_in_child.py"
+    f.write_text("import multiprocessing, os\nif multiprocessing.parent_process() is not None:\n    os._exit(3)\n"
+                 "def score(response, sample):\n    return 1.0\n")
+    with pytest.raises(RewardError, match=r"exited with code 3 before it was ready.*__name__ == '__main__'"):
+        RewardRunner(f"{f}:score", workers=1)
+
+
 @pytest.mark.parametrize("spec,ok", [
     ("math", True), ("pkg.mod:fn", True), ("rewards/my_reward.py:score", True), ("/abs/r.py:f", True),
     ("nope", False), ("pkg.mod", False), ("r.py", False),

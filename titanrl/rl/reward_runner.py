@@ -114,7 +114,14 @@ class _Worker:
         self.process = ctx.Process(target=_worker_main, args=(spec, child), daemon=True, name="titanrl-reward")
         self.process.start()
         child.close()
-        kind, payload = self.conn.recv() if self.conn.poll(120) else ("load_error", "did not start in 120 s")
+        try:
+            kind, payload = self.conn.recv() if self.conn.poll(120) else ("load_error", "did not start in 120 s")
+        except EOFError:  # the process ended before it said ready (it re-imports __main__ first: spawn)
+            self.process.join(5)
+            kind, payload = "load_error", (
+                f"the worker process exited with code {self.process.exitcode} before it was ready; it starts "
+                "with multiprocessing's spawn, which imports the main module again: a script that starts "
+                "training needs `if __name__ == '__main__':` around it")
         if kind != "ready":
             self.kill()
             raise RewardError(f"reward worker for {spec!r}: {payload}")

@@ -22,6 +22,7 @@ activations, the log-prob head), against a baseline that is measured, not guesse
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -143,10 +144,20 @@ def observed_tokens_per_microbatch(run_dir: Path, world: int) -> int:
     return max(1, round(best))
 
 
+def observed_data(flavor: str, run_dir: Path):
+    """The run's samples (memory.DataShape): the dataset's mean prompt and media tokens per prompt and the run's
+    mean response length (metrics: response/length_mean)."""
+    from titanrl import memory
+
+    prompt, media = dataset_means(flavor)
+    lengths = [json.loads(line)["response/length_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return memory.DataShape(prompt_tokens=prompt, media_tokens=media, response_tokens=sum(lengths) / len(lengths))
+
+
 @functools.lru_cache(maxsize=None)
-def observed_media_tokens(flavor: str) -> float:
-    """Mean media tokens per prompt of the run's dataset (ShadowLoader's metadata table: the tokens each
-    image or video becomes after resizing, frame sampling and the 2x2 merge), for the data term."""
+def dataset_means(flavor: str) -> tuple[float, float]:
+    """(prompt tokens, media tokens) per prompt, means over the run's dataset (ShadowLoader's metadata table:
+    the tokens each image or video becomes after resizing, frame sampling and the 2x2 merge)."""
     from titanrl import assets
     from titanrl.config import load_config
     from titanrl.data.prompt import PromptEncoder
@@ -161,7 +172,9 @@ def observed_media_tokens(flavor: str) -> float:
     model_dir, manifest = assets.model_dir(cfg, info), assets.manifest_path(cfg, info)
     table = load_metadata(manifest, media_settings(cfg, model_dir), PromptEncoder.from_pretrained(model_dir),
                           max_prompt_tokens=cfg.data.max_prompt_tokens, use_cache=True)
-    return sum(sum(m.tokens for m in meta.media) for meta in table.metas) / len(table.metas)
+    metas = [m for m in table.metas if m.problem is None]
+    return (sum(m.num_tokens for m in metas) / len(metas),
+            sum(sum(x.tokens for x in m.media) for m in metas) / len(metas))
 
 
 def add_observed(row: dict, workdir: Path) -> dict:
@@ -181,8 +194,9 @@ def add_observed(row: dict, workdir: Path) -> dict:
     row["error"] = (bound.total - row["measured_bytes"]) / row["measured_bytes"]
     row["step_terms_predicted"] = bound.total - static - runtime
     cfg = load_config(REPO / CONFIGS[row["model"]], [*base, f"--balance.max_tokens_per_microbatch={t_obs}"])
-    media = row.setdefault("observed_media_tokens_per_prompt", observed_media_tokens(row["model"]))
-    plan = memory.predict(cfg, shape, world, runtime_bytes=runtime, media_tokens=media)
+    data = observed_data(row["model"], workdir / "runs" / row["case"])
+    row["observed_data"] = dataclasses.asdict(data)
+    plan = memory.predict(cfg, shape, world, runtime_bytes=runtime, data=data)
     row["observed_tokens_per_microbatch"] = t_obs
     row["predicted_observed_T_bytes"] = plan.total
     row["error_observed_T"] = (plan.total - row["measured_bytes"]) / row["measured_bytes"]
@@ -254,16 +268,13 @@ def run(args: argparse.Namespace) -> None:
                     write(rows, args)
 
 
-# What the numbers of the last run (2260d85, 2 x 2 CPU cores shared with another job) say; update it with them.
 def findings(rows: list[dict]) -> str:
-    """The findings, their figures taken from ``rows`` (the prose says what the figures mean)."""
+    """The findings, their figures taken from ``rows`` (the prose says what the figures mean; it was written for
+    the run at 4125321: re-read it after a new run)."""
     from titanrl.memory import fmt_bytes
 
     def pick(model=None, ac=None):
         return [r for r in rows if (model is None or r["model"] == model) and (ac is None or r["activation_checkpoint"] == ac)]
-
-    def pct(values):
-        return ", ".join(f"{100 * v:+.1f}%" for v in values)
 
     def span(values, scale=100.0, unit="%"):
         values = [scale * v for v in values]
@@ -272,42 +283,51 @@ def findings(rows: list[dict]) -> str:
     def gib_span(values):
         return f"{fmt_bytes(min(values))} to {fmt_bytes(max(values))}" if values else "n/a"
 
-    small_plain, small_ac, tiny = pick("small", "none"), pick("small", "full"), pick("tiny")
-    t_obs = sorted({(r["model"], r["world"], r["observed_tokens_per_microbatch"], r["tokens_per_microbatch"])
-                    for r in rows})
-    observed = "; ".join(f"{m} on {w} rank(s): {o} of {t}" for m, w, o, t in t_obs)
-    within = [r for r in rows if abs(r["error_observed_T"]) <= 0.15]
-    by = {(r["model"], r["world"], r["strategy"], r["activation_checkpoint"]): r for r in rows}
-    ac_saved = [by[k]["measured_bytes"] - by[k[:3] + ("full",)]["measured_bytes"] for k in by
-                if k[0] == "small" and k[3] == "none" and k[:3] + ("full",) in by]
-    ac_predicted = [by[k]["predicted_bytes"] - by[k[:3] + ("full",)]["predicted_bytes"] for k in by
-                    if k[0] == "small" and k[3] == "none" and k[:3] + ("full",) in by]
-    missing = "".join(f"{w} ranks, " for w in (1, 2, 4) if w not in {r["world"] for r in rows})
+    heap = [r for r in rows if "error_heap_observed_T" in r]
+    small, tiny = pick("small"), pick("tiny")
+    within_heap = [r for r in heap if abs(r["error_heap_observed_T"]) <= 0.15]
+    within_rss = [r for r in rows if abs(r["error_observed_T"]) <= 0.15]
+    shapes = "; ".join(sorted({
+        f"{r['model']}: {r['observed_data']['prompt_tokens']:.0f} prompt tokens of which "
+        f"{r['observed_data']['media_tokens']:.0f} media, responses of {r['observed_data']['response_tokens']:.0f}"
+        for r in heap}))
+    t_obs = "; ".join(f"{m} on {w} rank(s): {o} of {t}" for m, w, o, t in sorted(
+        {(r["model"], r["world"], r["observed_tokens_per_microbatch"], r["tokens_per_microbatch"]) for r in rows}))
+    free = [max(r["heap_free_at_rss_peak_bytes"]) for r in heap]
+    free_small = [max(r["heap_free_at_rss_peak_bytes"]) for r in small if r in heap]
+    ac_saved = {}
+    by = {(r["model"], r["world"], r["strategy"], r["activation_checkpoint"]): r for r in heap}
+    for k, r in by.items():
+        if k[0] == "small" and k[3] == "none" and k[:3] + ("full",) in by:
+            o = by[k[:3] + ("full",)]
+            ac_saved[k] = (r["predicted_heap_observed_T_bytes"] - o["predicted_heap_observed_T_bytes"],
+                           r["measured_heap_bytes"] - o["measured_heap_bytes"])
     return f"""## Findings
 
-- **The config bound is an upper bound, not a forecast of these data.** It assumes every update microbatch is full
-  (T = `balance.max_tokens_per_microbatch`) and made of the longest samples the config allows. The synthetic runs put
-  fewer tokens in a microbatch ({observed}), mostly text, so without activation checkpointing the bound over-predicts
-  small by {span([r["error"] for r in small_plain])}. That direction is what a start-up fit check needs.
-- **With the observed T:** small without checkpointing {pct([r["error_observed_T"] for r in small_plain])};
-  {len(within)} of {len(rows)} cases within 15%.
-- **Under-predicted:** tiny ({span([r["error_observed_T"] for r in tiny])} at the observed T) and small with
-  checkpointing ({span([r["error_observed_T"] for r in small_ac])}). The training steps add
-  {gib_span([r["step_terms_measured"] for r in tiny])} on tiny where the planner has
-  {gib_span([r["step_terms_predicted"] for r in tiny])}, and {gib_span([r["step_terms_measured"] for r in small_ac])}
-  on small with checkpointing where it has {gib_span([r["step_terms_predicted"] for r in small_ac])} at the bound: on
-  CPU a few hundred MiB appear in the first steps that no term models. On tiny, one process, RSS read after each
-  node of 3 steps (a diagnostic at 0d33151, not this script): 1141 MiB after the first data node, +144 MiB in the
-  first generate (vLLM's working memory, which the planner does not model: it counts the engine's weights and KV
-  cache, and counts rollout-time memory as freed before the update, which peak RSS never sees, glibc keeping it),
-  +118 MiB in the update (the planner's activations + log-prob head: 117 MiB), then +60 MiB over two more steps. On
-  CUDA the allocator's peak (`measured_peak_bytes`) would not count freed chunks; not measured (no GPU).
+- **The allocator's view (live heap, the quantity CUDA's peak measures): {len(within_heap)} of {len(heap)} cases within
+  15%** at the observed T and data: small {span([r["error_heap_observed_T"] for r in small if r in heap])}, tiny
+  {span([r["error_heap_observed_T"] for r in tiny if r in heap])}. What tiny misses (the one-rank cases most) is
+  the rollout engine's working memory: on one process the live heap grows ~50 MiB in the first generate and keeps
+  it (vLLM's buffers; a per-node diagnostic at 4125321, not this script), which no term models.
+- **Peak RSS: {len(within_rss)} of {len(rows)} cases within 15%** (small {span([r["error_observed_T"] for r in small])},
+  tiny {span([r["error_observed_T"] for r in tiny])}). RSS exceeds the live heap by what glibc keeps after `free`:
+  {gib_span(free)} of free chunks when RSS peaked ({gib_span(free_small)} on small, most without checkpointing:
+  freed activations and the hf engine's generate memory, in chunks the next allocations do not fit). How much is
+  kept depends on the order of allocations, not on the config; no planner term models it, so the planner's figure is
+  the live peak, which on CUDA is what `memory/measured_peak_bytes` reads (`torch.cuda.max_memory_allocated`; one
+  H100, a 7B-shaped model: +0.5%, `docs/memory.md`). A fixed glibc mmap threshold (`MALLOC_MMAP_THRESHOLD_=262144`)
+  returns freed large chunks at once (peak RSS -24% on small, one process, a diagnostic at 4125321) but slows the
+  update ~30% (a page fault on every fresh chunk): not done.
+- **The config bound is an upper bound** (what `python -m titanrl.memory` and the start-up check use): full
+  microbatches of the longest, all-media samples the config allows, and the data term at all-media prompts. These
+  runs have short samples ({shapes}) and fewer tokens per microbatch ({t_obs}), so against the live heap the bound
+  is {span([r["error_heap"] for r in heap])} over.
 - **Per-token activation formula, checked directly** (`tests/test_memory.py`, within 20%): autograd's saved tensors
   (unique storages, parameters left out) of a text-only packed sequence against `T (L A_d + o)`, and the kept part
   with full checkpointing. The vision-block formula is not checked this way yet.
-- **Activation checkpointing on small** saves {gib_span(ac_saved)} measured ({gib_span(ac_predicted)} predicted at
-  the bound); `lb_mini` -> `lb_micro` changes little on these models (table below).
-- Not measured: {missing}GPUs.
+- **Activation checkpointing on small** saves {gib_span([m for _, m in ac_saved.values()])} of live heap measured,
+  {gib_span([p for p, _ in ac_saved.values()])} predicted at the observed T and data (table below).
+- Not measured: GPUs (the H100 figures are from `scripts/check_gpu.py`, `benchmarks/gpu_check.json`).
 """
 
 
@@ -333,8 +353,10 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         "microbatches of `balance.max_tokens_per_microbatch` tokens made of the longest samples the config allows "
         "(all-media prompts of `data.max_prompt_tokens`, responses of `rollout.max_new_tokens`). **observed T** is "
         "the same planner with T = the mean tokens per update microbatch the run really had (metrics: "
-        "`train/tokens_computed` / ranks / microbatches) and the data term at the dataset's mean media tokens per "
-        "prompt (ShadowLoader's metadata table), the microbatch's composition still the config's worst case.",
+        "`train/tokens_computed` / ranks / microbatches) and the samples the run really had (`memory.DataShape`: "
+        "the dataset's mean prompt and media tokens per prompt from ShadowLoader's metadata table, the run's mean "
+        "response length), which set the microbatch's mix of vision patches and log-prob targets, the data term "
+        "and the hf engine's KV cache.",
         "",
         "| case | N params | runtime (measured) | config bound | observed T | predicted (obs. T) | measured "
         "| error (bound) | error (obs. T) | step+ predicted (bound) | step+ measured |",
@@ -376,13 +398,13 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
 
 
 def deltas(rows: list[dict]) -> list[str]:
-    """What switching one setting changes, predicted vs measured: checks the terms' slopes apart from
-    any constant offset."""
+    """What switching one setting changes, predicted (observed T and data) vs measured (live heap and RSS): checks
+    the terms' slopes apart from any constant offset."""
     from titanrl.memory import fmt_bytes
 
-    by = {(r["model"], r["world"], r["strategy"], r["activation_checkpoint"]): r for r in rows}
+    by = {(r["model"], r["world"], r["strategy"], r["activation_checkpoint"]): r for r in rows if "measured_heap_bytes" in r}
     lines = ["## One setting changed: predicted vs measured difference of the peak", "",
-             "| model | ranks | change | predicted | measured |", "|---|---|---|---|---|"]
+             "| model | ranks | change | predicted (obs.) | measured live heap | measured RSS |", "|---|---|---|---|---|---|"]
     for (model, world, strategy, ac), r in by.items():
         pairs = []
         if ac == "none" and (model, world, strategy, "full") in by:
@@ -390,8 +412,11 @@ def deltas(rows: list[dict]) -> list[str]:
         if strategy == "lb_mini" and world > 1 and (model, world, "lb_micro", ac) in by:
             pairs.append((f"ac={ac}: lb_mini -> lb_micro", by[(model, world, "lb_micro", ac)]))
         for label, other in pairs:
-            lines.append(f"| {model} | {world} | {label} | {fmt_bytes(other['predicted_bytes'] - r['predicted_bytes'])}"
-                         f" | {fmt_bytes(other['measured_bytes'] - r['measured_bytes'])} |")
+            lines.append(
+                f"| {model} | {world} | {label} "
+                f"| {fmt_bytes(other['predicted_heap_observed_T_bytes'] - r['predicted_heap_observed_T_bytes'])} "
+                f"| {fmt_bytes(other['measured_heap_bytes'] - r['measured_heap_bytes'])} "
+                f"| {fmt_bytes(other['measured_bytes'] - r['measured_bytes'])} |")
     return lines
 
 

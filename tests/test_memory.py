@@ -116,7 +116,8 @@ def test_data_term_by_hand():
     per_token = 4 * 4 * 4
     # shadow: the step computed + 2 ahead, ceil(6 / 4) = 2 prompts each, all media
     assert memory.predict(cfg, hand_args(), 4).term("data") == 3 * 2 * 10 * per_token
-    assert memory.predict(cfg, hand_args(), 4, media_tokens=2.5).term("data") == 3 * 2 * 2.5 * per_token
+    observed = memory.DataShape(prompt_tokens=6, media_tokens=2.5, response_tokens=3)
+    assert memory.predict(cfg, hand_args(), 4, data=observed).term("data") == 3 * 2 * 2.5 * per_token
     cfg.data.loader = "centralized"  # rank 0 holds the 2 steps ahead for every rank + its own share
     assert memory.predict(cfg, hand_args(), 4).term("data") == (2 * 6 + 2) * 10 * per_token
     assert memory.predict(cfg, hand_args(), 4, device="cuda").term("data") == 0  # host memory, not the GPU's

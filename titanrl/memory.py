@@ -220,15 +220,32 @@ class TokenMix:
     targets_per_token: float
 
 
-def token_mix(cfg: JobConfig, args: Qwen2_5_VLArgs) -> TokenMix:
-    """The microbatch is assumed to be made of the longest trajectories the config allows: a prompt of
-    P = data.max_prompt_tokens tokens that are all media, and responses of R = rollout.max_new_tokens.
+@dataclass(frozen=True)
+class DataShape:
+    """The samples, per prompt: its tokens P (media included), its media tokens M, each response's tokens R."""
+
+    prompt_tokens: float
+    media_tokens: float
+    response_tokens: float
+
+    @classmethod
+    def worst_case(cls, cfg: JobConfig) -> "DataShape":
+        """The longest samples the config allows: prompts of data.max_prompt_tokens tokens that are all media,
+        responses of rollout.max_new_tokens."""
+        p = cfg.data.max_prompt_tokens
+        return cls(prompt_tokens=p, media_tokens=p, response_tokens=cfg.rollout.max_new_tokens)
+
+
+def token_mix(cfg: JobConfig, args: Qwen2_5_VLArgs, data: DataShape | None = None) -> TokenMix:
+    """What a microbatch is made of, for samples of ``data`` (default: the config's worst case, prompts of
+    P = data.max_prompt_tokens tokens that are all media, M = P, responses of R = rollout.max_new_tokens).
     With rl.shared_prefix each prompt is followed by its n = rollout.n responses, otherwise by one:
-    vision tokens per token f_v = P / (P + k R), targets per token f_r = k R / (P + k R), k = n or 1;
+    vision tokens per token f_v = M / (P + k R), targets per token f_r = k R / (P + k R), k = n or 1;
     each vision token is m = spatial_merge_size^2 patches in the vision tower."""
-    p, r = cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
+    d = data or DataShape.worst_case(cfg)
+    p, r = d.prompt_tokens, d.response_tokens
     k = cfg.rollout.n if cfg.rl.shared_prefix else 1
-    return TokenMix(vision_patches_per_token=args.vision.merge_unit * p / (p + k * r),
+    return TokenMix(vision_patches_per_token=args.vision.merge_unit * d.media_tokens / (p + k * r),
                     targets_per_token=k * r / (p + k * r))
 
 
@@ -271,10 +288,10 @@ def activation_bytes(args: Qwen2_5_VLArgs, mix: TokenMix, tokens: int, b: int, c
     raise ConfigError(f"parallelism.activation_checkpoint={checkpoint!r}: expected 'none' or 'full'")
 
 
-def data_bytes(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, media_tokens: float | None = None) -> int:
+def data_bytes(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, data: DataShape | None = None) -> int:
     """The loader's steps in memory on the rank that holds most: the float32 patch rows (``patch_dim`` values
-    per patch, m = spatial_merge_size^2 patches per vision token) of prompts with M = ``media_tokens`` media
-    tokens each (default data.max_prompt_tokens: all media). ShadowLoader: each rank materialises its own
+    per patch, m = spatial_merge_size^2 patches per vision token) of prompts with M media tokens each
+    (``data``; default the config's worst case: M = data.max_prompt_tokens). ShadowLoader: each rank materialises its own
     ceil(B / world) prompts of the step it computes (of the last max_staleness + 1 asynchronously) and of the
     data.prefetch_batches steps it fetches ahead: (h + prefetch) ceil(B / world) M m patch_dim 4. The centralized
     loader's rank 0 decodes every rank's prompts of the steps ahead and holds them until it scatters them:
@@ -284,7 +301,7 @@ def data_bytes(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, media_tokens: f
     held = cfg.workflow.max_staleness + 1 if cfg.workflow.mode == "async" else 1
     ahead = cfg.data.prefetch_batches
     prompts = ahead * b + mine if cfg.data.loader == "centralized" else (held + ahead) * mine
-    m = cfg.data.max_prompt_tokens if media_tokens is None else media_tokens
+    m = (data or DataShape.worst_case(cfg)).media_tokens
     return int(prompts * m * args.vision.merge_unit * args.vision.patch_dim * 4)
 
 
@@ -359,11 +376,12 @@ def fmt_bytes(n: float) -> str:
 
 
 def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device | None = None,
-            runtime_bytes: int | None = None, media_tokens: float | None = None) -> MemoryPlan:
+            runtime_bytes: int | None = None, data: DataShape | None = None) -> MemoryPlan:
     """The predicted peak memory per rank of ``cfg`` on ``world`` ranks for the model shape ``args``
     (module docstring: the terms and their formulas). ``device`` defaults to cuda when
     model.attn_backend is flash, else cpu; ``runtime_bytes`` defaults to RUNTIME_BYTES[device/engine];
-    ``media_tokens``: media tokens per prompt in the data term (default: data.max_prompt_tokens)."""
+    ``data``: the samples' lengths (default ``DataShape.worst_case``: the longest, all-media samples the config
+    allows), for the token mix, the data term and the hf engine's KV cache."""
     device = device or ("cuda" if cfg.model.attn_backend == "flash" else "cpu")
     dp = cfg.data_parallel_degree(world)
     counts = param_counts(args)
@@ -372,7 +390,7 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
     b_p = DTYPE_BYTES[cfg.model.dtype] if fsdp else 4  # compute / gathered-parameter dtype
     engine_b = DTYPE_BYTES[cfg.model.dtype]
     tokens = cfg.balance.max_tokens_per_microbatch
-    mix = token_mix(cfg, args)
+    mix = token_mix(cfg, args, data)
     ac = cfg.parallelism.activation_checkpoint
     terms: list[Term] = []
     if fsdp:
@@ -407,7 +425,7 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
         terms.append(Term("engine_kv_cache", cfg.rollout.kv_cache_bytes, "rollout.kv_cache_bytes"))
     else:
         terms.append(Term("engine_weights", engine_b * n, f"hf engine weights {engine_b} N"))
-        terms.append(Term("engine_generate_kv", hf_generate_kv_bytes(cfg, args, world),
+        terms.append(Term("engine_generate_kv", hf_generate_kv_bytes(cfg, args, world, data),
                           "hf generate's KV cache: 2 L kv b x (prompts per rank x n) x (P + R)", "rollout"))
     if cfg.rl.kl_coef > 0 and cfg.rl.ref_offload and device == "cuda":
         terms.append(Term("reference_model", 0, f"rl.ref_offload: its fp32 shards (4 N / {dp}) are in host memory"))
@@ -416,9 +434,9 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
                           + (" (rl.ref_offload: host memory is the device here)" if cfg.rl.ref_offload else "")))
     terms.append(Term("critic", critic_bytes(cfg, n, dp), "16 N / dp: fp32 parameters, gradients, AdamW (ppo)"
                       if cfg.rl.algorithm == "ppo" else "no critic with rl.algorithm=grpo"))
-    media = "all-media prompts" if media_tokens is None else f"{media_tokens:.0f} media tokens per prompt"
+    media = "all-media prompts" if data is None else f"{data.media_tokens:.0f} media tokens per prompt"
     if device == "cpu":
-        terms.append(Term("data", data_bytes(cfg, args, world, media_tokens),
+        terms.append(Term("data", data_bytes(cfg, args, world, data),
                           f"{cfg.data.loader} loader: steps held + data.prefetch_batches, float32 patch rows, {media}"))
     else:
         terms.append(Term("data", 0, "the loader's patch rows are in host memory"))
@@ -431,15 +449,16 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
     return plan
 
 
-def hf_generate_kv_bytes(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int) -> int:
+def hf_generate_kv_bytes(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, data: DataShape | None = None) -> int:
     """The hf engine's KV cache while it generates (dynamic, freed after the rollout): one entry per layer
     for k and v, kv = kv_heads * head_dim wide, in model.dtype, for every sequence of the rank's prompts
-    (ceil(rl.global_batch_size / world) x rollout.n) at its longest (data.max_prompt_tokens +
-    rollout.max_new_tokens): 2 L kv b S (P + R)."""
+    (ceil(rl.global_batch_size / world) x rollout.n) at P + R tokens (``data``; default the config's longest,
+    data.max_prompt_tokens + rollout.max_new_tokens): 2 L kv b S (P + R)."""
     t = args.text
     seqs = -(-cfg.rl.global_batch_size // world) * cfg.rollout.n
-    length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    return 2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * DTYPE_BYTES[cfg.model.dtype] * seqs * length
+    d = data or DataShape.worst_case(cfg)
+    length = d.prompt_tokens + d.response_tokens
+    return int(2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * DTYPE_BYTES[cfg.model.dtype] * seqs * length)
 
 
 def critic_bytes(cfg: JobConfig, n: int, dp: int) -> int:

@@ -21,7 +21,9 @@ backward of the update stage's largest microbatch:
 
 - the model is built in float32 and FSDP2 shards it as is: the sharded parameters are the fp32 master
   (4 N / dp); ``MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=float32)`` casts only the
-  all-gathered (unsharded) copies, and gradients are reduced into fp32 shards (4 N / dp). Without FSDP
+  all-gathered (unsharded) copies, and gradients are reduced into fp32 shards (4 N / dp; under ``lb_mini``
+  0 at the peak: the optimizer step's ``zero_grad(set_to_none=True)`` leaves none, and the minibatch's last
+  backward writes each unit's shard as it frees that unit's larger unsharded gradient). Without FSDP
   (one rank) there is no cast: parameters, gradients and compute are fp32 whatever ``model.dtype`` says;
 - AdamW (``foreach``): exp_avg and exp_avg_sq in the parameters' dtype, fp32: 8 N / dp;
 - ``lb_mini`` (``parallel/odc.py``): every FSDP unit stays all-gathered for the minibatch (N b_p) and the
@@ -395,7 +397,11 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
     terms: list[Term] = []
     if fsdp:
         terms.append(Term("parameters", 4 * n // dp, f"fp32 master shard 4 N / {dp}"))
-        terms.append(Term("gradients", 4 * n // dp, f"fp32 gradient shard 4 N / {dp}"))
+        if cfg.balance.strategy == "lb_mini":
+            terms.append(Term("gradients", 0, f"lb_mini: the fp32 shards (4 N / {dp}) are written in the minibatch's "
+                                              "last backward as the unsharded gradients are freed; none before"))
+        else:
+            terms.append(Term("gradients", 4 * n // dp, f"fp32 gradient shard 4 N / {dp}"))
         terms.append(Term("optimizer", 8 * n // dp, f"AdamW exp_avg + exp_avg_sq, fp32: 8 N / {dp}"))
     else:
         notes = "one process in float32: no FSDP"

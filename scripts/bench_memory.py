@@ -17,6 +17,12 @@ predicted = planner terms (titanrl.memory.predict) with runtime_bytes = the meas
 the error column compares it with (2), the rank with the largest peak. So the error measures exactly the
 terms the training step adds (gradients, AdamW state, lb_mini's gathered parameters and gradients,
 activations, the log-prob head), against a baseline that is measured, not guessed.
+
+Both phases also sample the allocator's view (``HeapSampler``: glibc's live heap bytes, the CPU analogue of
+CUDA's ``max_memory_allocated``, and the free bytes glibc keeps when RSS peaks); the report compares the planner
+with that too, its runtime measured the same way. Predictions are made twice: at the config bound, and at the
+run's observed microbatch size and samples (``memory.DataShape`` from the dataset's metadata table and the run's
+response lengths).
 """
 
 from __future__ import annotations

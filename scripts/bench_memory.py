@@ -156,7 +156,8 @@ def observed_data(flavor: str, run_dir: Path):
     from titanrl import memory
 
     prompt, media = dataset_means(flavor)
-    lengths = [json.loads(line)["response/length_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    lengths = [json.loads(line)["response/length_mean"] for line in lines]
     return memory.DataShape(prompt_tokens=prompt, media_tokens=media, response_tokens=sum(lengths) / len(lengths))
 
 
@@ -408,9 +409,11 @@ def deltas(rows: list[dict]) -> list[str]:
     the terms' slopes apart from any constant offset."""
     from titanrl.memory import fmt_bytes
 
-    by = {(r["model"], r["world"], r["strategy"], r["activation_checkpoint"]): r for r in rows if "measured_heap_bytes" in r}
+    by = {(r["model"], r["world"], r["strategy"], r["activation_checkpoint"]): r
+          for r in rows if "measured_heap_bytes" in r}
     lines = ["## One setting changed: predicted vs measured difference of the peak", "",
-             "| model | ranks | change | predicted (obs.) | measured live heap | measured RSS |", "|---|---|---|---|---|---|"]
+             "| model | ranks | change | predicted (obs.) | measured live heap | measured RSS |",
+             "|---|---|---|---|---|---|"]
     for (model, world, strategy, ac), r in by.items():
         pairs = []
         if ac == "none" and (model, world, strategy, "full") in by:

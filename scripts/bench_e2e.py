@@ -203,7 +203,7 @@ def report(data: dict, name: str = "e2e") -> str:
         "ranks of busy seconds (process CPU time) summed over stages: the step with no exposed data wait and no "
         "idle at synchronisation points. Configurations: see the script's docstring.",
         "",
-        "Where the time goes (stacked stages per configuration, limit marked): `e2e.png`.",
+        f"Where the time goes (stacked stages per configuration, limit marked): `{name}.png`.",
         "",
     ]
     if "2" in data["results"]:

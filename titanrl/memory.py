@@ -293,11 +293,11 @@ def activation_bytes(args: Qwen2_5_VLArgs, mix: TokenMix, tokens: int, b: int, c
 def data_bytes(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, data: DataShape | None = None) -> int:
     """The loader's steps in memory on the rank that holds most: the float32 patch rows (``patch_dim`` values
     per patch, m = spatial_merge_size^2 patches per vision token) of prompts with M media tokens each
-    (``data``; default the config's worst case: M = data.max_prompt_tokens). ShadowLoader: each rank materialises its own
-    ceil(B / world) prompts of the step it computes (of the last max_staleness + 1 asynchronously) and of the
-    data.prefetch_batches steps it fetches ahead: (h + prefetch) ceil(B / world) M m patch_dim 4. The centralized
-    loader's rank 0 decodes every rank's prompts of the steps ahead and holds them until it scatters them:
-    (prefetch B + ceil(B / world)) M m patch_dim 4."""
+    (``data``; default the config's worst case: M = data.max_prompt_tokens). ShadowLoader: each rank
+    materialises its own ceil(B / world) prompts of the step it computes (of the last max_staleness + 1
+    asynchronously) and of the data.prefetch_batches steps it fetches ahead: (h + prefetch) ceil(B / world) M m
+    patch_dim 4. The centralized loader's rank 0 decodes every rank's prompts of the steps ahead and holds them
+    until it scatters them: (prefetch B + ceil(B / world)) M m patch_dim 4."""
     b = cfg.rl.global_batch_size
     mine = -(-b // world)
     held = cfg.workflow.max_staleness + 1 if cfg.workflow.mode == "async" else 1
@@ -464,7 +464,8 @@ def hf_generate_kv_bytes(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, data:
     seqs = -(-cfg.rl.global_batch_size // world) * cfg.rollout.n
     d = data or DataShape.worst_case(cfg)
     length = d.prompt_tokens + d.response_tokens
-    return int(2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * DTYPE_BYTES[cfg.model.dtype] * seqs * length)
+    per_token = 2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * DTYPE_BYTES[cfg.model.dtype]
+    return int(per_token * seqs * length)
 
 
 def critic_bytes(cfg: JobConfig, n: int, dp: int) -> int:

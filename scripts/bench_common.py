@@ -58,9 +58,48 @@ class PeakRSS:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.peak = max(self.peak, self._rss())
+            self.sample()
+
+    def sample(self) -> int:
+        rss = self._rss()
+        self.peak = max(self.peak, rss)
+        return rss
 
     def stop(self) -> int:
         self._stop.set()
         self._thread.join()
         return max(self.peak, self._rss()) - self.start
+
+
+class HeapSampler(PeakRSS):
+    """PeakRSS plus the allocator's view of a CPU process, the analogue of CUDA's ``max_memory_allocated``: at
+    every sample it reads glibc's ``mallinfo2`` (summed over arenas) and keeps the peak of the bytes in use
+    (``uordblks + hblkhd``: live ``malloc`` memory, where torch's CPU tensors are), and, at the sampled peak
+    of RSS, the free bytes glibc keeps (``fordblks``: freed chunks it has not returned to the system).
+    Sampling misses peaks shorter than the interval. Python objects (pymalloc's own mmap arenas), shared
+    libraries and the Ray object store's mapped pages are RSS but not heap."""
+
+    def __init__(self, interval_s: float = 0.01) -> None:
+        import ctypes
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in
+                        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+        self._libc = ctypes.CDLL("libc.so.6")
+        self._libc.mallinfo2.restype = MallInfo2
+        self.peak_live = self.free_at_peak_rss = 0
+        super().__init__(interval_s)
+
+    def sample(self) -> int:
+        m = self._libc.mallinfo2()
+        before = self.peak
+        rss = super().sample()
+        self.peak_live = max(self.peak_live, m.uordblks + m.hblkhd)
+        if rss > before:
+            self.free_at_peak_rss = m.fordblks
+        return rss
+
+    def report(self) -> dict:
+        self.sample()
+        return {"peak_heap_live_bytes": self.peak_live, "heap_free_at_rss_peak_bytes": self.free_at_peak_rss}

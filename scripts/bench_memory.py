@@ -39,51 +39,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_common import git_commit  # noqa: E402
+from bench_common import HeapSampler, git_commit  # noqa: E402
 CONFIGS = {"tiny": "configs/tiny_cpu.toml", "small": "configs/small_cpu.toml"}
-
-
-class HeapSampler:
-    """The allocator's view of a CPU process, the analogue of CUDA's ``max_memory_allocated``: every
-    ``interval_s`` it reads glibc's ``mallinfo2`` (summed over arenas) and keeps the peak of the bytes in
-    use (``uordblks + hblkhd``: live ``malloc`` memory, where torch's CPU tensors are), and, at the
-    sampled peak of RSS, the free bytes glibc keeps (``fordblks``: freed chunks it has not returned to
-    the system). Sampling misses peaks shorter than the interval. Python objects (pymalloc's own mmap
-    arenas), shared libraries and the Ray object store's mapped pages are RSS but not heap."""
-
-    def __init__(self, interval_s: float = 0.01):
-        import ctypes
-        import threading
-
-        class MallInfo2(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in
-                        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-        self._libc = ctypes.CDLL("libc.so.6")
-        self._libc.mallinfo2.restype = MallInfo2
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        self.peak_live = self.peak_rss = self.free_at_peak_rss = 0
-        self._interval = interval_s
-        threading.Thread(target=self._loop, daemon=True).start()
-
-    def sample(self) -> None:
-        m = self._libc.mallinfo2()
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * self._page
-        self.peak_live = max(self.peak_live, m.uordblks + m.hblkhd)
-        if rss > self.peak_rss:
-            self.peak_rss, self.free_at_peak_rss = rss, m.fordblks
-
-    def _loop(self) -> None:
-        import time as _time
-
-        while True:
-            self.sample()
-            _time.sleep(self._interval)
-
-    def report(self) -> dict:
-        self.sample()
-        return {"peak_heap_live_bytes": self.peak_live, "heap_free_at_rss_peak_bytes": self.free_at_peak_rss}
 
 
 def child(out: Path, phase: str, argv: list[str]) -> int:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import git_commit  # noqa: E402
+from bench_common import git_commit, machine  # noqa: E402
 
 MAX_TOKENS = 8192  # per-rank budget of a wave (balance.max_tokens_per_microbatch)
 
@@ -106,12 +106,10 @@ def build_batch(model_dir: Path, long_videos: int, short_prompts: int, responses
     scale, with random pixels; ``responses`` responses of 64-512 tokens each."""
     import numpy as np
 
-    from titanrl.data.manifest import SampleRecord
-    from titanrl.data.preprocess import MediaSettings, PreparedSample
+    from titanrl.data.preprocess import MediaSettings
     from titanrl.data.shadow.metadata import HeaderInfo, media_meta_from_header
     from titanrl.data.synth import sample_specs
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs
-    from titanrl.rl.batch import Trajectory
 
     args = Qwen2_5_VLArgs.from_pretrained(model_dir)
     settings = MediaSettings.from_checkpoint(model_dir, fps=2.0, max_frames=256)
@@ -221,6 +219,7 @@ def launch(world: int, opts, out: Path) -> dict:
     res["launch_seconds"] = time.time() - t0
     res["command"] = " ".join(["python", "scripts/bench_flex_ulysses.py", *opts.argv])
     res["commit"] = git_commit()
+    res["machine"], res["date"] = machine(), time.strftime("%Y-%m-%d")
     return res
 
 
@@ -269,7 +268,8 @@ def report(runs: list[dict]) -> str:
                       f"measured balance flex {f['parallel/balance_measured']:.2f} (target <= 1.10), bucketing "
                       f"{b['parallel/balance_measured']:.2f}.",
                   f"Reproduce: `{run['command']}` ({run['launch_seconds']:.0f} s for this launch, commit "
-                  f"{run.get('commit', 'not recorded')}).", ""]
+                  f"{run.get('commit', 'not recorded')}; {run.get('machine', 'machine not recorded')}, "
+                  f"{run.get('date', 'date not recorded')}).", ""]
     lines += ["Stage seconds are wall-clock between barriers on every rank (planning, exchange, forward, backward,",
               "log-prob return); `busy` is each rank's CPU time inside the model's forward/backward (a rank",
               "blocked in a collective burns none); `balance measured` = max / mean of busy; `balance planned` =",

@@ -32,11 +32,11 @@ def machine() -> str:
 
 
 def git_commit() -> str:
-    """HEAD, with ``+dirty`` when tracked files other than the reports (``benchmarks/``) differ from it: the report
-    then measured uncommitted code."""
+    """HEAD, with ``+dirty`` when tracked files other than the reports (``benchmarks/``) and the prose (``*.md``)
+    differ from it: the report then measured uncommitted code."""
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks"], cwd=REPO,
-                           capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks",
+                            ":!*.md"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     return head + ("+dirty" if dirty else "")
 
 

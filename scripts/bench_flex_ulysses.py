@@ -204,12 +204,18 @@ def worker(opts) -> None:
     dist.destroy_process_group()
 
 
+def ac_for(world: int, ac: str) -> str:
+    """``--ac auto``: none on 2 ranks; full on more, where 4 processes holding a ~7K-token video's fp32 activations
+    without checkpointing (~11 GB each) overflow this machine's 24 GB."""
+    return ac if ac != "auto" else ("none" if world <= 2 else "full")
+
+
 def launch(world: int, opts, out: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            __file__, "--worker", "--out", str(out), "--model-dir", str(opts.model_dir), "--long-videos",
            str(opts.long_videos), "--short-prompts", str(opts.short_prompts), "--responses", str(opts.responses),
-           "--seed", str(opts.seed), "--repeats", str(opts.repeats), "--ac", opts.ac]
+           "--seed", str(opts.seed), "--repeats", str(opts.repeats), "--ac", ac_for(world, opts.ac)]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -293,7 +299,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--worlds", default="2,4")
-    p.add_argument("--ac", default="none", choices=["none", "full"], help="activation checkpointing, every method")
+    p.add_argument("--ac", default="auto", choices=["auto", "none", "full"],
+                   help="activation checkpointing, every method (auto: none on 2 ranks, full on more: see ac_for)")
     p.add_argument("--report-only", action="store_true", help="rewrite the .md from the committed .json")
     opts = p.parse_args()
     if opts.worker:
@@ -312,13 +319,13 @@ def main() -> None:
     # launches of other world sizes from earlier runs stay (each row keeps the command that made it)
     previous = json.loads((out / "flex_ulysses.json").read_text()) if (out / "flex_ulysses.json").is_file() else []
     worlds = [int(w) for w in opts.worlds.split(",")]
-    runs = [] if opts.quick else [r for r in previous if r["world"] not in worlds]
+    runs = [] if opts.quick else list(previous)  # a world's earlier run stays until this invocation replaces it
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         for world in worlds:
             done = launch(world, opts, Path(tmp) / f"w{world}.json")
-            runs = sorted(runs + [done], key=lambda r: r["world"])
+            runs = sorted([r for r in runs if r["world"] != world] + [done], key=lambda r: r["world"])
             print(f"{world} ranks done in {done['launch_seconds']:.0f} s", flush=True)
             if not opts.quick:  # saved per launch: a later failure keeps what was measured
                 (out / "flex_ulysses.json").write_text(json.dumps(runs, indent=1))

@@ -24,11 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import git_commit, machine  # noqa: E402
+from bench_common import provenance  # noqa: E402
 from bench_flex_ulysses import ratio  # noqa: E402
 from bench_placement import common_flags, run_one  # noqa: E402
 
@@ -140,8 +139,7 @@ def main() -> None:
     if args.report_only:
         data = json.loads(out.with_suffix(".json").read_text())
     else:
-        data = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
-                "commit": git_commit(), "steps": args.steps, "results": {}}
+        data = {**provenance(), "steps": args.steps, "results": {}}
         for model in args.models:
             common = common_flags(model, args.steps)
             for variant, extra in VARIANTS.items():

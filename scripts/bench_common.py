@@ -40,6 +40,19 @@ def git_commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+def provenance() -> dict:
+    """What every report records of its measurement: the commit (:func:`git_commit`), the machine and the date."""
+    import time
+
+    return {"commit": git_commit(), "machine": machine(), "date": time.strftime("%Y-%m-%d")}
+
+
+def provenance_text(d: dict) -> str:
+    """A report's "commit ...; machine, date" from a record :func:`provenance` filled (older records lack fields)."""
+    return (f"commit {d.get('commit', 'not recorded')}; {d.get('machine', 'machine not recorded')}, "
+            f"{d.get('date', 'date not recorded')}")
+
+
 class PeakRSS:
     """Samples this process's resident memory every ``interval_s``; ``stop()`` returns ``peak - start`` in bytes,
     what the code between construction and ``stop`` added."""

@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import git_commit, machine  # noqa: E402
+from bench_common import provenance  # noqa: E402
 from bench_data import bench_dataset  # noqa: E402
 from bench_flex_ulysses import ratio  # noqa: E402
 
@@ -321,8 +321,7 @@ def main() -> None:
         args.max_new_tokens, args.max_frames, args.max_prompt_tokens, args.max_tokens = 8, 8, 1024, 2048
         args.mixtures, args.configs, args.ranks = ["video-heavy"], ["all"], [2]
     results: dict[str, dict] = {}
-    data = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
-            "commit": git_commit(),
+    data = {**provenance(),
             "workload": {k: getattr(args, k) for k in ("model", "scale", "steps", "busy_steps", "prompts", "responses",
                                                        "max_new_tokens", "max_frames", "max_pixels",
                                                        "max_prompt_tokens", "max_tokens")},

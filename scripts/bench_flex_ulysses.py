@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import git_commit, machine  # noqa: E402
+from bench_common import provenance, provenance_text  # noqa: E402
 
 MAX_TOKENS = 8192  # per-rank budget of a wave (balance.max_tokens_per_microbatch)
 
@@ -224,8 +224,7 @@ def launch(world: int, opts, out: Path) -> dict:
     res = json.loads(out.read_text())
     res["launch_seconds"] = time.time() - t0
     res["command"] = " ".join(["python", "scripts/bench_flex_ulysses.py", *opts.argv])
-    res["commit"] = git_commit()
-    res["machine"], res["date"] = machine(), time.strftime("%Y-%m-%d")
+    res.update(provenance())
     return res
 
 
@@ -273,9 +272,8 @@ def report(runs: list[dict]) -> str:
                       f"fixed degree ({best_fixed}): {ratio(time_of(fixed[best_fixed]), time_of(f))} (target > 1); "
                       f"measured balance flex {f['parallel/balance_measured']:.2f} (target <= 1.10), bucketing "
                       f"{b['parallel/balance_measured']:.2f}.",
-                  f"Reproduce: `{run['command']}` ({run['launch_seconds']:.0f} s for this launch, commit "
-                  f"{run.get('commit', 'not recorded')}; {run.get('machine', 'machine not recorded')}, "
-                  f"{run.get('date', 'date not recorded')}).", ""]
+                  f"Reproduce: `{run['command']}` ({run['launch_seconds']:.0f} s for this launch, "
+                  f"{provenance_text(run)}).", ""]
     lines += ["Stage seconds are wall-clock between barriers on every rank (planning, exchange, forward, backward,",
               "log-prob return); `busy` is each rank's CPU time inside the model's forward/backward (a rank",
               "blocked in a collective burns none); `balance measured` = max / mean of busy; `balance planned` =",

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import git_commit, machine  # noqa: E402
+from bench_common import provenance  # noqa: E402
 from bench_e2e import data_flags, workload  # noqa: E402
 from bench_flex_ulysses import ratio  # noqa: E402
 
@@ -194,8 +194,7 @@ def main() -> None:
     if args.report_only:
         data = json.loads(out.with_suffix(".json").read_text())
     else:
-        data = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
-                "commit": git_commit(), "steps": args.steps, "results": {}}
+        data = {**provenance(), "steps": args.steps, "results": {}}
         for ranks in args.ranks:
             for model in args.models:
                 common = common_flags(model, args.steps)

@@ -60,7 +60,7 @@ from titanrl.parallel.flex_ulysses.workloads import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import git_commit, machine  # noqa: E402
+from bench_common import provenance  # noqa: E402
 
 SETTINGS = ((32, 64), (64, 128), (128, 256))  # (devices, global batch)
 METHODS = ("bucketing", "sp2", "sp4", "sp8", "flex", "flex_full")
@@ -477,7 +477,7 @@ def main() -> None:
         plot(args.out, data)
         print((args.out / "planner.md").read_text())
         return
-    data: dict = {"seeds": args.seeds, "milp_seconds": args.milp, "commit": git_commit(), "machine": machine(),
+    data: dict = {"seeds": args.seeds, "milp_seconds": args.milp, **provenance(),
                   "load": " / ".join(f"{x:.1f}" for x in os.getloadavg())}
     print("FlexRL settings, 1 response per prompt", flush=True)
     data["flexrl"] = run_flexrl(args.seeds, 1)

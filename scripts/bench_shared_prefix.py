@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import git_commit, machine  # noqa: E402
+from bench_common import provenance, provenance_text  # noqa: E402
 from bench_flex_ulysses import loss_fn, ratio, small_model_dir  # noqa: E402
 from bench_vision import build_batch  # noqa: E402
 
@@ -146,9 +146,8 @@ def report(res: dict) -> str:
         lines += tiny_section(t["off"], t["on"])
     if res.get("stages"):
         lines += stages_section(res)
-    lines += ["", f"Reproduce: `{res['command']}` ({res['seconds']:.0f} s, commit "
-                  f"{res.get('commit', 'not recorded')}; {res.get('machine', 'machine not recorded')}, "
-                  f"{res.get('date', 'date not recorded')}).", ""]
+    lines += ["", f"Reproduce: `{res['command']}` ({res['seconds']:.0f} s, "
+                  f"{provenance_text(res)}).", ""]
     return "\n".join(lines)
 
 
@@ -228,8 +227,7 @@ def main() -> None:
                 print(f"{batch} done", flush=True)
     res["seconds"] = time.time() - t0
     res["command"] = " ".join(["python", "scripts/bench_shared_prefix.py", *sys.argv[1:]])
-    res["commit"] = git_commit()
-    res["machine"], res["date"] = machine(), time.strftime("%Y-%m-%d")
+    res.update(provenance())
     text = report(res)
     if not opts.quick:
         (out / "shared_prefix.json").write_text(json.dumps(res, indent=1))

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import git_commit, machine  # noqa: E402
+from bench_common import provenance  # noqa: E402
 from bench_flex_ulysses import ratio  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,8 +150,7 @@ def main() -> None:
                                for k in SAME)
         results[mixture] = runs
         print(mixture, {m: runs[m]["median"] for m in ("off", "on")}, "max diff", runs["max_diff"], flush=True)
-    data = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
-            "steps": steps, "max_frames": args.max_frames, "results": results, "commit": git_commit()}
+    data = {**provenance(), "steps": steps, "max_frames": args.max_frames, "results": results}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(data, indent=1))
     out.with_suffix(".md").write_text(report(data))

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import git_commit, machine  # noqa: E402
+from bench_common import provenance, provenance_text  # noqa: E402
 from bench_flex_ulysses import home_ranks, loss_fn, make_trajectories, ratio, small_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,8 +157,7 @@ def launch(world: int, opts, out: Path) -> dict:
     res["launch_seconds"] = time.time() - t0
     res["command"] = " ".join(["python", "scripts/bench_vision.py", *opts.argv])
     res["activation_checkpoint"] = opts.ac
-    res["commit"] = git_commit()
-    res["machine"], res["date"] = machine(), time.strftime("%Y-%m-%d")
+    res.update(provenance())
     return res
 
 
@@ -200,9 +199,8 @@ def report(runs: list[dict]) -> str:
                     f"{r['vision/balance_planned']:.2f} | {r['vision/bytes_moved'] / 1e6:.1f} | "
                     f"{r['parallel/balance_measured']:.2f} | {r['parallel/exchange_bytes'] / 1e6:.1f} |")
             lines.append("")
-        lines += [f"Reproduce: `{run['command']}` ({run['launch_seconds']:.0f} s for this launch, commit "
-                  f"{run.get('commit', 'not recorded')}; {run.get('machine', 'machine not recorded')}, "
-                  f"{run.get('date', 'date not recorded')}).", ""]
+        lines += [f"Reproduce: `{run['command']}` ({run['launch_seconds']:.0f} s for this launch, "
+                  f"{provenance_text(run)}).", ""]
     return "\n".join(lines)
 
 

@@ -177,7 +177,7 @@ def busy_table(results: dict, ranks: str) -> list[str]:
 def targets(results: dict) -> list[str]:
     runs = results.get("2", {}).get("video-heavy")
     if not runs or "all" not in runs or BASELINE not in runs:
-        return ["- (video-heavy was not run)"]
+        return [f"- (not measured: this run has no `all` and `{BASELINE}` pair on video-heavy with 2 ranks)"]
     m_all, m_base = runs["all"]["median"], runs[BASELINE]["median"]
     speedup = m_base["step/wall_s"] / m_all["step/wall_s"]
     gap = m_all["step/wall_s"] / m_all["step/limit_s"]

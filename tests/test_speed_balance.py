@@ -206,8 +206,8 @@ def test_profile_speeds_refusals():
 
 @pytest.mark.slow
 def test_profile_speeds_at_start_up_give_a_slowed_rank_less_work(run_cache, tmp_path):
-    """balance.profile_speeds: rank 1 pinned to a core shared with three spinning processes measures slower at
-    start-up and is given less of the log-prob and update work."""
+    """balance.profile_speeds: rank 1 pinned to a core shared with a spinning process (about half its speed)
+    measures slower at start-up and is given less of the log-prob and update work."""
     import json
     import os
     import subprocess
@@ -222,7 +222,7 @@ def test_profile_speeds_at_start_up_give_a_slowed_rank_less_work(run_cache, tmp_
     wrapper.write_text('#!/bin/bash\nvar="PIN_${LOCAL_RANK}"\nexec taskset -c "${!var}" "$@"\n')
     wrapper.chmod(0o755)
     spinners = [subprocess.Popen(["taskset", "-c", str(core1), sys.executable, "-c", "while True: pass"])
-                for _ in range(3)]
+                for _ in range(1)]
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",

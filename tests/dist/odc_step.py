@@ -15,7 +15,6 @@ import argparse
 import os
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor

@@ -221,8 +221,7 @@ def test_profile_speeds_at_start_up_give_a_slowed_rank_less_work(run_cache, tmp_
     wrapper = tmp_path / "pin.sh"
     wrapper.write_text('#!/bin/bash\nvar="PIN_${LOCAL_RANK}"\nexec taskset -c "${!var}" "$@"\n')
     wrapper.chmod(0o755)
-    spinners = [subprocess.Popen(["taskset", "-c", str(core1), sys.executable, "-c", "while True: pass"])
-                for _ in range(1)]
+    spinner = subprocess.Popen(["taskset", "-c", str(core1), sys.executable, "-c", "while True: pass"])
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
@@ -232,9 +231,8 @@ def test_profile_speeds_at_start_up_give_a_slowed_rank_less_work(run_cache, tmp_
             cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1", "PIN_0": str(core0), "PIN_1": str(core1)},
             capture_output=True, text=True, timeout=900)
     finally:
-        for p in spinners:
-            p.kill()
-            p.wait()
+        spinner.kill()
+        spinner.wait()
     assert proc.returncode == 0, failure_report(proc)
     run_dir = tmp_path / "out" / "tiny_cpu"
     profile = json.loads((run_dir / "profile.json").read_text())

@@ -107,12 +107,14 @@ def observed_tokens_per_microbatch(run_dir: Path, world: int) -> int:
     return max(1, round(best))
 
 
-def observed_data(flavor: str, run_dir: Path):
+def observed_data(flavor_or_cfg, run_dir: Path):
     """The run's samples (memory.DataShape): the dataset's mean prompt and media tokens per prompt and the run's
-    mean response length (metrics: response/length_mean)."""
+    mean response length (metrics: response/length_mean). ``flavor_or_cfg``: "tiny" / "small" (CONFIGS) or the
+    run's JobConfig."""
     from titanrl import memory
 
-    prompt, media = dataset_means(flavor)
+    prompt, media = (dataset_means(flavor_or_cfg) if isinstance(flavor_or_cfg, str)
+                     else config_data_means(flavor_or_cfg))
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     lengths = [json.loads(line)["response/length_mean"] for line in lines]
     return memory.DataShape(prompt_tokens=prompt, media_tokens=media, response_tokens=sum(lengths) / len(lengths))
@@ -120,10 +122,16 @@ def observed_data(flavor: str, run_dir: Path):
 
 @functools.lru_cache(maxsize=None)
 def dataset_means(flavor: str) -> tuple[float, float]:
-    """(prompt tokens, media tokens) per prompt, means over the run's dataset (ShadowLoader's metadata table:
+    """config_data_means of the flavor's config (CONFIGS)."""
+    from titanrl.config import load_config
+
+    return config_data_means(load_config(REPO / CONFIGS[flavor], []))
+
+
+def config_data_means(cfg) -> tuple[float, float]:
+    """(prompt tokens, media tokens) per prompt, means over the config's dataset (ShadowLoader's metadata table:
     the tokens each image or video becomes after resizing, frame sampling and the 2x2 merge)."""
     from titanrl import assets
-    from titanrl.config import load_config
     from titanrl.data.prompt import PromptEncoder
     from titanrl.data.shadow.factory import media_settings
     from titanrl.data.shadow.metadata import load_metadata
@@ -131,7 +139,6 @@ def dataset_means(flavor: str) -> tuple[float, float]:
 
     import torch
 
-    cfg = load_config(REPO / CONFIGS[flavor], [])
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     model_dir, manifest = assets.model_dir(cfg, info), assets.manifest_path(cfg, info)
     table = load_metadata(manifest, media_settings(cfg, model_dir), PromptEncoder.from_pretrained(model_dir),

@@ -9,8 +9,9 @@
 3. ``rl_7b_shape_ac_{full,none}``: 3 steps of ``configs/qwen2_5_vl_7b.toml`` (bf16, flash, lb_micro, 8192 tokens
    per microbatch) on a random-init checkpoint at Qwen2.5-VL-7B's full width with 4 of its decoder layers and 4
    of its vision blocks (``make_tiny --size 7b-shape-4l``, 2.4 B parameters), with and without activation
-   checkpointing: the memory planner's predicted peak (at the config bound and at the tokens the run really put
-   in a microbatch) against the allocator's measured peak, and tokens/s.
+   checkpointing: the memory planner's predicted peak (at the config bound, and at the tokens the run really put
+   in a microbatch and the samples it really had: bench_memory.observed_data) against the allocator's measured
+   peak, and tokens/s.
 
 The rollout engine is vLLM when it imports, else ``hf`` (transformers generate, on the GPU); the loader is
 ``shadow`` when Ray imports, else ``centralized``: the JSON says which ran. Every run is ``python -m
@@ -23,6 +24,7 @@ shape) to check this script itself; its output is not a GPU result and --record 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -34,7 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]
-from bench_memory import observed_tokens_per_microbatch  # noqa: E402
+from bench_memory import observed_data, observed_tokens_per_microbatch  # noqa: E402
 
 TINY = "configs/tiny_cpu.toml"
 # The probe every step, recorded, never stopping the run: transformers places text after a video differently
@@ -97,8 +99,9 @@ def summarise_run(result: dict, argv: list[str], run_dir: Path) -> dict:
     device = "cuda" if cfg.model.attn_backend == "flash" else "cpu"
     bound = memory.predict(cfg, shape, 1, device=device)
     t_obs = observed_tokens_per_microbatch(run_dir, 1)
+    data = observed_data(cfg, run_dir)  # the run's samples (the bound assumes the longest, all-media ones)
     at_obs = memory.predict(parse_args([*argv, f"--balance.max_tokens_per_microbatch={t_obs}"]), shape, 1,
-                            device=device)
+                            device=device, data=data)
     measured = max(r["memory/measured_peak_bytes"] for r in rows)
     runtime = bound.term("runtime")
     probe = [r["probe/logprob_max_diff"] for r in rows if "probe/logprob_max_diff" in r]
@@ -111,6 +114,7 @@ def summarise_run(result: dict, argv: list[str], run_dir: Path) -> dict:
         "predicted_peak_bytes_bound": bound.total,
         "predicted_peak_bytes_logged": rows[-1]["memory/predicted_peak_bytes"],
         "observed_tokens_per_microbatch": t_obs,
+        "observed_data": dataclasses.asdict(data),
         "tokens_per_microbatch_bound": cfg.balance.max_tokens_per_microbatch,
         "predicted_peak_bytes_observed_T": at_obs.total,
         "runtime_term_bytes": runtime,

@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                          "check with the commit and settings it ran at; a later file's check replaces an earlier's)")
     ap.add_argument("--big-overrides", nargs="*", default=[], help="more overrides for the 7B-shaped runs, each as "
                     "--big-overrides=--section.key=value")
+    ap.add_argument("--suffix", default="", help="appended to the 7B-shaped checks' names (runs with other "
+                    "--big-overrides, e.g. _image_heavy with --big-overrides=--data.mixture=image-heavy)")
     ap.add_argument("--big-timeout", type=float, default=330.0, help="seconds for each 7B-shaped run")
     args = ap.parse_args(argv)
     if args.combine:
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                                                "--size", size], out, 300)
             record("make_checkpoint", r)
         for ac in args.ac:
-            name = f"rl_7b_shape_ac_{ac}"
+            name = f"rl_7b_shape_ac_{ac}{args.suffix}"
             big = train_argv(BIG, name, runs, [
                 *common, f"--model.path={ckpt}", f"--job.steps={2 if args.cpu_smoke else 3}",
                 f"--parallelism.activation_checkpoint={ac}", "--parallelism.ulysses=none",

@@ -8,7 +8,7 @@
    the weight push into it every step and the probe (engine vs trainer log-probs of the same tokens) every step;
 3. ``rl_7b_shape_ac_{full,none}``: 3 steps of ``configs/qwen2_5_vl_7b.toml`` (bf16, flash, lb_micro, 8192 tokens
    per microbatch) on a random-init checkpoint at Qwen2.5-VL-7B's full width with 4 of its decoder layers and 4
-   of its vision blocks (``make_tiny --size 7b-shape-4l``, 2.4 B parameters), with and without activation
+   of its vision blocks (``make_tiny --size 7b-shape-4l``, 2.15 B parameters), with and without activation
    checkpointing: the memory planner's predicted peak (at the config bound, and at the tokens the run really put
    in a microbatch and the samples it really had: bench_memory.observed_data) against the allocator's measured
    peak, and tokens/s.

@@ -11,8 +11,9 @@ multi-image and video sequences. One summary line per check:
    stream is this rank's ``p = 1`` region): log-probs identical to the unwrapped model, bit for
    bit; gradients within twice the unwrapped model's run-to-run spread, the largest of 4 reruns
    (FlashAttention's backward accumulates with atomics, so two identical runs differ in the last
-   bits; this bound has not yet run on a GPU);
-3. speed: forward + backward of long packed streams, ``flash`` vs ``sdpa``, bf16;
+   bits);
+3. speed: forward + backward of long packed streams, ``flash`` vs ``sdpa``, bf16, of the model and of the
+   attention op alone at Qwen2.5-VL-7B's head shape (with K/V repeated before the op or not);
 4. shared prefixes (``rl.shared_prefix``: a prompt once, then responses that each see the prompt and
    themselves): ``flash`` in bf16 against ``sdpa`` in fp32 on the same segments, output and q/k/v
    gradients within the error of the unshared ``flash`` computation (every response packed after its
@@ -167,6 +168,41 @@ def check_shared_prefix(device) -> tuple[bool, dict]:
     return ok, out
 
 
+def op_speed(device, heads=28, kv_heads=4, dim=128, repeats=10, dtype=torch.bfloat16,
+             shapes=((16384, 4), (32768, 2), (32768, 256))) -> dict:
+    """Forward + backward of the attention op alone at Qwen2.5-VL-7B's head shape (28 query, 4 KV heads of 128),
+    bf16: ``flash`` (flash_varlen as the model calls it: on a torch whose varlen_attn has no GQA flag it repeats
+    K/V first), the same kernel on K/V repeated outside the timer (what the repeat costs), and ``sdpa``."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    out = {"gqa_flag": "enable_gqa" in inspect.signature(varlen_attn).parameters}
+    for total, seqs in shapes:
+        cu = torch.arange(0, total + 1, total // seqs, dtype=torch.int32, device=device)
+        q = torch.randn(total, heads, dim, device=device, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(total, kv_heads, dim, device=device, dtype=dtype, requires_grad=True)
+                for _ in range(2))
+        rep = [t.detach().repeat_interleave(heads // kv_heads, dim=1).requires_grad_() for t in (k, v)]
+        cases = {"flash": (flash_varlen, make_varlen_meta(cu, causal=True, backend="flash"), k, v),
+                 "flash_kv_prerepeated": (flash_varlen, make_varlen_meta(cu, causal=True, backend="flash"), *rep),
+                 "sdpa": (sdpa_varlen, make_varlen_meta(cu, causal=True, backend="sdpa"), k, v)}
+        row = {}
+        for name, (fn, meta, kk, vv) in cases.items():
+            for i in range(2 + repeats):
+                if i == 2:
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                fn(q, kk, vv, meta, scale=dim ** -0.5).float().sum().backward()
+            torch.cuda.synchronize()
+            row[name] = (time.perf_counter() - t0) / repeats
+        out[f"{seqs}x{total // seqs}"] = row
+        print(f"[ok] attention op fwd+bwd bf16, 28/4 heads x 128, {seqs} x {total // seqs}: flash "
+              f"{1000 * row['flash']:.2f} ms, with K/V repeated beforehand {1000 * row['flash_kv_prerepeated']:.2f} "
+              f"ms, sdpa {1000 * row['sdpa']:.2f} ms (GQA flag: {out['gqa_flag']})", flush=True)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="")
@@ -227,6 +263,7 @@ def main() -> int:
         print(f"[ok] fwd+bwd bf16, {seqs} x {total // seqs} tokens packed: flash {1000 * times['flash']:.1f} ms, "
               f"sdpa {1000 * times['sdpa']:.1f} ms ({times['sdpa'] / times['flash']:.2f}x)", flush=True)
     results["speed_seconds"] = speed
+    results["op_speed_seconds"] = op_speed(device)
     passed, results["shared_prefix"] = check_shared_prefix(device)
     ok &= passed
     if opts.out:

@@ -169,17 +169,26 @@ def check_shared_prefix(device) -> tuple[bool, dict]:
 
 
 def op_speed(device, heads=28, kv_heads=4, dim=128, repeats=10, dtype=torch.bfloat16,
-             shapes=((16384, 4), (32768, 2), (32768, 256))) -> dict:
+             shapes=((16384, 4), (32768, 2), (32768, 256), "mixed")) -> dict:
     """Forward + backward of the attention op alone at Qwen2.5-VL-7B's head shape (28 query, 4 KV heads of 128),
     bf16: ``flash`` (flash_varlen as the model calls it: on a torch whose varlen_attn has no GQA flag it repeats
-    K/V first), the same kernel on K/V repeated outside the timer (what the repeat costs), and ``sdpa``."""
+    K/V first), the same kernel on K/V repeated outside the timer (what the repeat costs), and ``sdpa``.
+    ``shapes``: (tokens, sequences of equal length), or "mixed": 64 sequences of 64-1023 tokens (seed 0), as
+    RL packing gives (sdpa then makes one call per distinct length)."""
     import inspect
 
     from torch.nn.attention.varlen import varlen_attn
 
     out = {"gqa_flag": "enable_gqa" in inspect.signature(varlen_attn).parameters}
-    for total, seqs in shapes:
-        cu = torch.arange(0, total + 1, total // seqs, dtype=torch.int32, device=device)
+    for shape in shapes:
+        if shape == "mixed":
+            lengths = np.random.default_rng(0).integers(64, 1024, size=64).tolist()
+            label = f"mixed {len(lengths)} of 64-1023"
+        else:
+            lengths = [shape[0] // shape[1]] * shape[1]
+            label = f"{shape[1]}x{lengths[0]}"
+        total = sum(lengths)
+        cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device=device)
         q = torch.randn(total, heads, dim, device=device, dtype=dtype, requires_grad=True)
         k, v = (torch.randn(total, kv_heads, dim, device=device, dtype=dtype, requires_grad=True)
                 for _ in range(2))
@@ -196,8 +205,8 @@ def op_speed(device, heads=28, kv_heads=4, dim=128, repeats=10, dtype=torch.bflo
                 fn(q, kk, vv, meta, scale=dim ** -0.5).float().sum().backward()
             torch.cuda.synchronize()
             row[name] = (time.perf_counter() - t0) / repeats
-        out[f"{seqs}x{total // seqs}"] = row
-        print(f"[ok] attention op fwd+bwd bf16, 28/4 heads x 128, {seqs} x {total // seqs}: flash "
+        out[label] = row
+        print(f"[ok] attention op fwd+bwd bf16, 28/4 heads x 128, {label}: flash "
               f"{1000 * row['flash']:.2f} ms, with K/V repeated beforehand {1000 * row['flash_kv_prerepeated']:.2f} "
               f"ms, sdpa {1000 * row['sdpa']:.2f} ms (GQA flag: {out['gqa_flag']})", flush=True)
     return out
@@ -206,11 +215,19 @@ def op_speed(device, heads=28, kv_heads=4, dim=128, repeats=10, dtype=torch.bflo
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="")
+    p.add_argument("--op-only", action="store_true", help="only the attention op's speed (op_speed_seconds)")
     opts = p.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to check", file=sys.stderr)
         return 1
     device = torch.device("cuda")
+    if opts.op_only:
+        results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "op_speed_seconds": op_speed(device)}
+        if opts.out:
+            with open(opts.out, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     base = Qwen2_5_VLModel(ARGS).to(device)

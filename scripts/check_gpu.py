@@ -13,6 +13,9 @@
    in a microbatch and the samples it really had: bench_memory.observed_data) against the allocator's measured
    peak, and tokens/s.
 
+The engine sleeps while the training stages run (``rollout.sleep = "auto"``: on a CUDA device, colocated), so the
+probe every step also checks the weight push into a sleeping engine; the engine's memory without it:
+``--ac full --suffix _sleep_off --big-overrides=--rollout.sleep=off``.
 The rollout engine is vLLM when it imports, else ``hf`` (transformers generate, on the GPU); the loader is
 ``shadow`` when Ray imports, else ``centralized``: the JSON says which ran. Every run is ``python -m
 titanrl.train``, one process (a one-rank FSDP2 mesh: bf16 compute, fp32 master weights).
@@ -108,6 +111,7 @@ def summarise_run(result: dict, argv: list[str], run_dir: Path) -> dict:
     later = rows[1:] or rows  # the first step includes warm-up (kernels, allocator growth)
     result.update({
         "params": bound.params,
+        "engine_sleeps": cfg.engine_sleeps(device),
         "probe_max_diff": max(probe) if probe else None,
         "probe_steps": len(probe),
         "measured_peak_bytes": measured,

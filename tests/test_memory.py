@@ -171,6 +171,55 @@ def test_reference_offload_frees_the_gpu_term_and_is_offered_as_a_fix():
     assert memory.predict(cfg, args, 2, device="cpu").term("reference_model") == resident.term("reference_model")
 
 
+def test_a_sleeping_engine_counts_in_the_rollout_phase_only_and_is_offered_as_a_fix():
+    """rollout.sleep: on a CUDA device beside the training (auto) the engine's weights and KV cache are held only
+    around its calls, so the peak is resident + max(update, rollout); off keeps them resident and offers
+    --rollout.sleep=on as a fix; on a CPU nothing changes (host memory is the device) and 'on' is refused."""
+    cfg = load_config(REPO / "configs" / "small_cpu.toml", ["--rollout.engine=vllm"])
+    args = memory.flavor_shape("small")
+    asleep = memory.predict(cfg, args, 2, device="cuda")
+    engine = {t.name: t for t in asleep.terms if t.name.startswith("engine_")}
+    assert set(engine) == {"engine_weights", "engine_kv_cache"} and {t.phase for t in engine.values()} == {"rollout"}
+    resident = sum(t.bytes for t in asleep.terms if t.phase == "resident")
+    update = asleep.term("activations") + asleep.term("logprob_head")
+    rollout = sum(t.bytes for t in engine.values())
+    assert asleep.total == resident + max(update, rollout)
+    cfg.rollout.sleep = "off"
+    awake = memory.predict(cfg, args, 2, device="cuda")
+    assert awake.total == resident + update + rollout > asleep.total
+    assert any("--rollout.sleep=on" in fix for fix in memory.fixes(awake, cfg, awake.total - 1))
+    assert not any("--rollout.sleep" in fix for fix in memory.fixes(asleep, cfg, asleep.total - 1))
+    cfg.rollout.sleep = "auto"
+    cpu = memory.predict(cfg, args, 2, device="cpu")
+    assert {t.phase for t in cpu.terms if t.name.startswith("engine_")} == {"resident"}
+    cfg.rollout.sleep = "on"
+    with pytest.raises(ConfigError, match="rollout.sleep = 'on'.*runs on the cpu"):
+        memory.predict(cfg, args, 2, device="cpu")
+    # the hf engine's weights move with it; its generate KV cache was rollout-only already
+    cfg.rollout.engine, cfg.rollout.sleep = "hf", "auto"
+    hf = memory.predict(cfg, args, 2, device="cuda")
+    assert {t.phase for t in hf.terms if t.name.startswith("engine_")} == {"rollout"}
+
+
+def test_engine_sleeps_where_it_frees_device_memory_only():
+    cfg = load_config(REPO / "configs" / "tiny_cpu.toml")
+    assert cfg.rollout.sleep == "auto"
+    assert cfg.engine_sleeps("cuda") and not cfg.engine_sleeps("cpu")
+    cfg.rollout.sleep = "off"
+    assert not cfg.engine_sleeps("cuda")
+    cfg.rollout.sleep = "on"
+    assert cfg.engine_sleeps("cuda")
+    with pytest.raises(ConfigError, match="rollout.sleep = 'on'"):
+        cfg.engine_sleeps("cpu")
+    # disaggregated: the rollout ranks do not train; auto is off there and on is refused
+    dis = load_config(REPO / "configs" / "tiny_cpu.toml", ["--workflow.placement=disaggregated",
+                                                           "--workflow.rollout_ranks=1"])
+    assert not dis.engine_sleeps("cuda")
+    with pytest.raises(ConfigError, match="rollout ranks do not train"):
+        load_config(REPO / "configs" / "tiny_cpu.toml", ["--workflow.placement=disaggregated",
+                                                         "--workflow.rollout_ranks=1", "--rollout.sleep=on"])
+
+
 def test_reference_offload_without_a_reference_is_refused():
     with pytest.raises(ConfigError, match="rl.ref_offload = true but rl.kl_coef = 0"):
         load_config(REPO / "configs" / "tiny_cpu.toml", ["--rl.ref_offload=true", "--rl.kl_coef=0"])

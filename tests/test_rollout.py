@@ -207,6 +207,34 @@ def test_hf_baseline_engine(tiny_ckpt, requests_, tmp_path):
     engine.close()
 
 
+def test_hf_engine_sleeps_between_calls_and_takes_a_weight_push_asleep(tiny_ckpt, requests_, tmp_path):
+    """rollout.sleep with the hf engine: sleep() moves its weights to host memory (on this CPU machine they are
+    there already: this checks the calls, not the memory), a weight push while asleep writes the host copy, and
+    the next generate / score wake it with the pushed weights: the same samples and log-probs as an engine that
+    never slept. Built without sleep, sleep() does nothing."""
+    from titanrl.rollout.hf_engine import HFGenerateEngine
+
+    reqs = [requests_["text"], requests_["image"]]
+    new = perturbed_checkpoint(tiny_ckpt, tmp_path / "new")
+    sleeper = HFGenerateEngine(tiny_ckpt, fps=FPS, max_frames=MAX_FRAMES, sleep=True)
+    awake = HFGenerateEngine(tiny_ckpt, fps=FPS, max_frames=MAX_FRAMES)
+    assert sleeper.generate(reqs, seed=3, **SAMPLING) == awake.generate(reqs, seed=3, **SAMPLING)
+    sleeper.sleep()
+    assert sleeper._asleep and all(p.device.type == "cpu" for p in sleeper.model.parameters())
+    sleeper.load_weights(new)
+    assert sleeper._asleep  # the push did not wake it
+    awake.load_weights(new)
+    out = sleeper.generate(reqs, seed=4, **SAMPLING)
+    assert not sleeper._asleep and out == awake.generate(reqs, seed=4, **SAMPLING)
+    sleeper.sleep()
+    tokens = out[1][0].token_ids
+    assert sleeper.score(reqs[1], tokens) == awake.score(reqs[1], tokens)
+    awake.sleep()
+    assert not awake._asleep
+    sleeper.close()
+    awake.close()
+
+
 def test_hf_baseline_batches_prompts_like_one_at_a_time(tiny_ckpt, requests_):
     """batch_prompts > 1 (the fair baseline: prompts of different lengths left-padded into one
     generate call, media concatenated): greedy responses and their log-probs equal prompt-by-prompt

@@ -28,6 +28,16 @@ def test_unknown_key_fails_fast_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_engine_sleep_on_a_cpu_is_refused_before_anything_is_built(tmp_path):
+    """rollout.sleep = 'on' where it frees nothing (the CPU: host memory is the device) stops at start with the
+    key and the fix, before a model, an engine or a loader is built."""
+    proc = run_train(tmp_path, "--rollout.sleep=on", own_ray=True)
+    assert proc.returncode == 2
+    out = proc.stderr + proc.stdout
+    assert "rollout.sleep = 'on'" in out and "set rollout.sleep = 'auto' or 'off'" in out
+    assert "Traceback" not in proc.stderr and not (tmp_path / "cache").exists()
+
+
 def test_single_process_run_writes_config_and_metrics(tmp_path, run_cache):
     # as a user runs it: no data.ray_address (a private Ray instance)
     proc = run_train(tmp_path, "--job.steps=3", "--metrics.log_freq=2", "--metrics.progress=line", cache=run_cache,

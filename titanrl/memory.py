@@ -37,7 +37,8 @@ backward of the update stage's largest microbatch:
 - activations of one microbatch of T tokens (``activation_bytes``), and the log-prob head's fp32
   log-softmax over the vocabulary (``logits_bytes``);
 - the rollout engine in the same process: vLLM's weights (N b_p) and its KV cache
-  (``rollout.kv_cache_bytes``); the hf engine: its transformers copy of the weights (N b_p);
+  (``rollout.kv_cache_bytes``); the hf engine: its transformers copy of the weights (N b_p); all resident, or
+  in the rollout phase only when the engine sleeps while the training stages run (``rollout.sleep``, CUDA);
 - the reference model (``rl.kl_coef > 0``): a second, frozen FSDP model, 4 N / dp at rest (0 on a GPU with
   ``rl.ref_offload``: its shards are in host memory, and a unit is gathered only for its forward, as the
   policy's are);
@@ -426,11 +427,16 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
     terms.append(Term("logprob_head", logits_bytes(args, mix, tokens, b_p, entropy),
                       f"{mix.targets_per_token:.2f} targets/token x vocab {args.text.vocab_size} fp32 log-softmax"
                       + (" + exp (entropy)" if entropy else ""), "update"))
+    # a sleeping engine holds its weights (and vLLM its KV cache) on the device only around its calls
+    asleep = cfg.engine_sleeps(device)
+    engine_phase, slept = ("rollout", " (rollout.sleep: in host memory while training)") if asleep else ("resident", "")
     if cfg.rollout.engine == "vllm":
-        terms.append(Term("engine_weights", engine_b * n, f"vLLM weights {engine_b} N"))
-        terms.append(Term("engine_kv_cache", cfg.rollout.kv_cache_bytes, "rollout.kv_cache_bytes"))
+        terms.append(Term("engine_weights", engine_b * n, f"vLLM weights {engine_b} N{slept}", engine_phase))
+        terms.append(Term("engine_kv_cache", cfg.rollout.kv_cache_bytes,
+                          "rollout.kv_cache_bytes" + (" (rollout.sleep: freed while training)" if asleep else ""),
+                          engine_phase))
     else:
-        terms.append(Term("engine_weights", engine_b * n, f"hf engine weights {engine_b} N"))
+        terms.append(Term("engine_weights", engine_b * n, f"hf engine weights {engine_b} N{slept}", engine_phase))
         terms.append(Term("engine_generate_kv", hf_generate_kv_bytes(cfg, args, world, data),
                           "hf generate's KV cache: 2 L kv b x (prompts per rank x n) x (P + R)", "rollout"))
     if cfg.rl.kl_coef > 0 and cfg.rl.ref_offload and device == "cuda":
@@ -502,6 +508,10 @@ def fixes(plan: MemoryPlan, cfg: JobConfig, capacity: int) -> list[str]:
         found.append((plan.tokens_bytes(), "a smaller --balance.max_tokens_per_microbatch (alone it cannot fit)"))
     found.append((plan.term("engine_kv_cache") if any(t.name == "engine_kv_cache" for t in plan.terms) else 0,
                   "a smaller --rollout.kv_cache_bytes"))
+    engine = [t for t in plan.terms if t.name.startswith("engine_") and t.phase == "resident"]
+    if engine and plan.device == "cuda" and cfg.workflow.placement == "colocated":
+        found.append((sum(t.bytes for t in engine), "--rollout.sleep=on (the engine's memory goes back to the "
+                                                    "training stages between generations)"))
     if cfg.rl.kl_coef > 0:
         found.append((plan.term("reference_model"), "--rl.kl_coef=0 (no reference model)"
                       + ("" if plan.device != "cuda" or cfg.rl.ref_offload else

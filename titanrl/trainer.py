@@ -79,6 +79,7 @@ class Trainer:
 
     def _setup(self, cfg: JobConfig, info: DistInfo) -> None:
         cfg.validate_world_size(info.world_size)
+        self.engine_sleeps = cfg.engine_sleeps(info.device.type)  # rollout.sleep: refused here where it frees nothing
         # the step as a workflow: checked, and its functions found, before anything heavy is built
         self.workflow = resolve_workflow(cfg)
         self.placement = plan_placement(cfg.workflow.placement, info.world_size, cfg.workflow.rollout_ranks,
@@ -201,7 +202,7 @@ class Trainer:
         # world of its own (in this process it would make groups of the trainer's world, which the training
         # ranks do not join)
         self.engine = (build_rollout_engine(cfg, self.model_dir, info.rank, mm_limits=mm_limits_for(self.records),
-                                            own_process=self.placement.disaggregated)
+                                            own_process=self.placement.disaggregated, sleep=self.engine_sleeps)
                        if info.rank in self.placement.engines else None)
         if self.engine is not None:
             self._resources.callback(self.engine.close)

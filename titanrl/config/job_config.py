@@ -352,6 +352,15 @@ class RolloutConfig:
     ceil(max_new_tokens / tokens_per_update) steps, whose extra steps count against workflow.max_staleness."""
     kv_cache_bytes: int = 268_435_456
     """KV cache memory reserved by the vllm engine of each rank, in bytes."""
+    sleep: Literal["auto", "on", "off"] = "auto"
+    """Whether the engine gives its device memory back while the training stages run: after each generation it
+    sleeps (vllm: vLLM's sleep mode, level 1: its weights to host memory, its KV cache discarded; hf: its weights
+    to host memory) and wakes for the next call (generate, the probe, the weight push: vllm wakes to load the new
+    weights, hf loads them into its host copy). auto = on where that frees anything: the engine on a CUDA device
+    beside the training (workflow.placement = colocated); off otherwise. on = the same, and a run where it frees
+    nothing is refused (the CPU, whose memory the training shares; the disaggregated placement, whose rollout ranks
+    do not train). off = the engine stays resident. The memory planner counts a sleeping engine's terms in the
+    rollout phase only. Not yet run on a GPU."""
     num_threads: int = 0
     """CPU threads the engine computes with while it runs (0 = the process's torch setting; under
     torchrun with several ranks per machine that is OMP_NUM_THREADS, 1 unless set)."""
@@ -888,6 +897,10 @@ class JobConfig:
         elif tp > 1 and self.workflow.rollout_ranks % tp:
             found.append(f"rollout.tensor_parallel_size={tp} must divide workflow.rollout_ranks="
                          f"{self.workflow.rollout_ranks} (each engine spans that many rollout ranks)")
+        if self.rollout.sleep == "on" and self.workflow.placement == "disaggregated":
+            found.append("rollout.sleep = 'on' gives the engine's device memory to the training stages between "
+                         "generations, but under workflow.placement = 'disaggregated' the rollout ranks do not train: "
+                         "set rollout.sleep = 'auto' or 'off'")
         if self.data.slice_loading and self.data.loader != "shadow":
             found.append(
                 f"data.slice_loading=true fetches slices through ShadowLoader's preprocessors, but "
@@ -932,6 +945,22 @@ class JobConfig:
     def validate(self) -> None:
         """Raise one ConfigError listing every problem (a user fixes them all in one go)."""
         _raise_problems(self.problems())
+
+    def engine_sleeps(self, device: str) -> bool:
+        """Whether the rollout engine sleeps between generations (rollout.sleep) when it runs on ``device``
+        ("cpu" / "cuda"); ConfigError for rollout.sleep = 'on' where sleeping frees nothing."""
+        mode = self.rollout.sleep
+        if mode == "off" or self.workflow.placement != "colocated":
+            return False
+        if device != "cuda":
+            if mode == "on":
+                raise ConfigError(
+                    f"rollout.sleep = 'on' gives the engine's device memory to the training stages between "
+                    f"generations, but the engine runs on the {device} here, whose memory the training already "
+                    "shares: nothing to give back (vLLM's CPU platform has no sleep mode either); set rollout.sleep "
+                    "= 'auto' or 'off'")
+            return False
+        return True
 
     def data_parallel_degree(self, world_size: int) -> int:
         """The FSDP degree this config gives on ``world_size`` ranks."""

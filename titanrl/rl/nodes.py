@@ -4,7 +4,8 @@
 loader, the stage runner. ``batch`` is this rank's share of the step (``titanrl.workflow.executor.StepBatch``).
 
 - ``load_prompts``: the loader's step (planned on every rank from metadata) and this rank's prepared prompts;
-- ``generate``: ``rollout.n`` responses per prompt from the rank's engine, seeded by global position;
+- ``generate``: ``rollout.n`` responses per prompt from the rank's engine, seeded by global position; then the
+  engine sleeps (``rollout.sleep``: a no-op where it is off) until its next call;
 - ``score``: the reward of every response (on the rank that generated it);
 - ``group_advantages``: GRPO advantages per prompt group (a group is generated and scored on one rank);
 - ``old_logprobs`` / ``ref_logprobs``: per-token log-probs of the policy / the reference wherever the stage plan
@@ -69,6 +70,8 @@ def generate(batch, ctx):
         ) for k, s in enumerate(samples)]
     if r.tokens_per_update:
         groups = continue_partial(groups, batch, ctx, sampling, budget)
+    if ctx.engine is not None:  # rollout.sleep: its device memory to the training stages until its next call
+        ctx.engine.sleep()
     for trajs in groups.values():
         for t in trajs:
             t.response_text = ctx.encoder.tokenizer.decode(t.response_ids.tolist(), skip_special_tokens=True)

@@ -26,12 +26,16 @@ def build_rollout_engine(
     *,
     mm_limits: dict[str, int] | None = None,
     own_process: bool = False,
+    sleep: bool = False,
 ):
     """The rollout engine of ``cfg.rollout.engine`` for this rank, on the checkpoint in
     ``model_dir``. vLLM: every rank must call this at the same point (see vllm_engine).
 
     ``own_process``: vLLM's engine core in a child process (a torch.distributed world of its own; the
     disaggregated placement, where only some ranks build an engine); the HF engine runs in-process always.
+
+    ``sleep``: the engine gives its device memory back between generations (``engine.sleep()``, after each;
+    ``JobConfig.engine_sleeps`` decides).
 
     ``mm_limits``: most images/videos per prompt (``mm_limits_for(records)``; the trainer passes the run's);
     unset = read ``cfg.data.path`` (or ``cfg.data.manifest``) when it is a titanrl manifest, else 1 of each
@@ -63,6 +67,7 @@ def build_rollout_engine(
             seed=seed + rank,
             own_process=own_process,
             tensor_parallel_size=ro.tensor_parallel_size,
+            sleep=sleep,
         )
     if ro.engine == "hf":
         from titanrl.rollout.hf_engine import HFGenerateEngine
@@ -75,5 +80,6 @@ def build_rollout_engine(
             min_pixels=cfg.data.min_pixels,
             max_pixels=cfg.data.max_pixels,
             num_threads=ro.num_threads,
+            sleep=sleep,
         )
     raise ValueError(f"unknown rollout.engine {ro.engine!r}")

@@ -57,6 +57,7 @@ class HFGenerateEngine:
         num_threads: int = 0,
         banned_token_ids: Sequence[int] | None = None,
         batch_prompts: int = 1,
+        sleep: bool = False,
     ) -> None:
         from transformers import AutoTokenizer, GenerationConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -85,6 +86,7 @@ class HFGenerateEngine:
             self.model_dir, fps=fps, max_frames=max_frames, min_pixels=min_pixels, max_pixels=max_pixels
         )
         self._reference = read_headers(self.model_dir)
+        self._sleeps, self._asleep = sleep, False  # rollout.sleep
         self.start_s = time.perf_counter() - t0
 
     def _threads(self):
@@ -135,6 +137,7 @@ class HFGenerateEngine:
         seed: int,
     ) -> list[list[RolloutSample]]:
         out = []
+        self._wake()
         with self._threads(), torch.no_grad():
             for start in range(0, len(requests), self.batch_prompts):
                 batch = requests[start:start + self.batch_prompts]
@@ -194,12 +197,26 @@ class HFGenerateEngine:
         if not completion:
             return []
         ids = np.concatenate([np.asarray(request.prompt_ids, dtype=np.int64), np.asarray(completion, dtype=np.int64)])
+        self._wake()
         with self._threads(), torch.no_grad():
             logits = self.model(input_ids=torch.from_numpy(ids)[None].to(self.device),
                                 **self._vision_kwargs(request, ids)).logits[0]
         start = len(ids) - len(completion)
         lp = torch.log_softmax(logits[start - 1 : len(ids) - 1].float(), dim=-1)
         return lp.gather(-1, torch.tensor(completion, device=self.device)[:, None])[:, 0].tolist()
+
+    def sleep(self) -> None:
+        """Give the device memory back until the next generate or score (engine built with ``sleep=True``;
+        else nothing): the weights move to host memory (the caching allocator keeps the freed blocks for the
+        training stages); a weight push while asleep writes the host copy."""
+        if self._sleeps and not self._asleep:
+            self.model.to("cpu")
+            self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.model.to(self.device)
+            self._asleep = False
 
     def load_weights(self, hf_dir: str | Path) -> float:
         from safetensors import safe_open

@@ -123,7 +123,12 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, hf_dir: str | Path) -> float:
         """Replace the weights in place from ``hf_dir`` (HF names in *.safetensors, all or part of
-        the model); return the seconds it took, cache resets included."""
+        the model); return the seconds it took, cache resets included. Works on a sleeping engine."""
+        ...
+
+    def sleep(self) -> None:
+        """Give the engine's device memory back until its next call (``rollout.sleep``; a no-op for an engine
+        built without it). generate / score / load_weights wake it as they need."""
         ...
 
     def close(self) -> None: ...

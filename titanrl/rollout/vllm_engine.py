@@ -202,8 +202,11 @@ class VLLMEngine:
         banned_token_ids: Sequence[int] | None = None,
         own_process: bool = False,
         tensor_parallel_size: int = 1,
+        sleep: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir)
+        self._sleeps = sleep  # rollout.sleep: vLLM's sleep mode (CUDA / ROCm builds only)
+        self._asleep = False
         self.num_threads = num_threads
         if own_process:
             # the engine core (and its worker) in child processes: vLLM's default mode; spawned, not forked
@@ -257,6 +260,8 @@ class VLLMEngine:
             )
             if max_num_seqs is not None:
                 kwargs["max_num_seqs"] = max_num_seqs
+            if sleep:  # vLLM refuses it on a platform without sleep mode (its CPU build), naming the platform
+                kwargs["enable_sleep_mode"] = True
             if own_process and torch.cuda.is_available():
                 # the engine's workers take this rank's device and the next tensor_parallel_size - 1 (the ranks it
                 # spans); the variable is read by the spawned processes only (restored on leaving the block)
@@ -329,6 +334,23 @@ class VLLMEngine:
         check_prompt_ids(expected, got, what=f"request {index}" + (f" (key {request.key!r})" if request.key else ""),
                          image_token_id=self.image_token_id, video_token_id=self.video_token_id)
 
+    # -- sleep ------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Give the device memory back until the next call (engine built with ``sleep=True``; else nothing):
+        vLLM's sleep level 1, its weights to host memory and its KV cache discarded (level 2 would drop the weights
+        too, but a parameter the weight push does not write would then come back as garbage)."""
+        if self._sleeps and not self._asleep:
+            with self._call():
+                self.llm.sleep(level=1)
+            self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            with self._call():
+                self.llm.wake_up()
+            self._asleep = False
+
     # -- RolloutEngine ----------------------------------------------------------------------
 
     def generate(
@@ -343,6 +365,7 @@ class VLLMEngine:
     ) -> list[list[RolloutSample]]:
         if not requests:
             return []
+        self._wake()
         prompts = [self._prompt(r, r.response_prefix or None) for r in requests]
         params = [
             self._SamplingParams(
@@ -375,6 +398,7 @@ class VLLMEngine:
         completion_ids = [int(t) for t in completion_ids]
         if not completion_ids:
             return []
+        self._wake()
         params = self._SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, logprobs=None)
         with self._call():
             (out,) = self.llm.generate([self._prompt(request, completion_ids)], params, use_tqdm=False)
@@ -393,6 +417,7 @@ class VLLMEngine:
                 raise WeightsMismatchError(f"{hf_dir}: tensors in several files: {sorted(dup)[:5]}")
             update.update(part)
         check_update(self._reference, update, where=str(hf_dir), packed=self.packed_modules)
+        self._wake()  # the worker loads into its device parameters (back from host memory first: level 1)
         with self._call():
             self.llm.collective_rpc(_reload_worker, args=([str(f) for f in files],))
             # Stale vision embeddings / KV blocks computed with the old weights must go, or the

@@ -416,3 +416,14 @@ def test_a_response_continued_from_its_prefix_equals_the_whole_generation(vllm_e
             assert np.allclose(h.logprobs + tail.logprobs, w.logprobs, atol=TOL)
             continued += 1
         assert continued >= 2, type(engine).__name__
+
+
+@pytest.mark.slow
+def test_vllm_engine_with_sleep_asks_vllm_for_its_sleep_mode(tiny_ckpt):
+    """rollout.sleep reaches vLLM as enable_sleep_mode (what its sleep() / wake_up() need): vLLM's CPU build has
+    no sleep mode and refuses it by name, before anything is loaded (the trainer never asks for it on a CPU:
+    JobConfig.engine_sleeps)."""
+    from titanrl.rollout.vllm_engine import VLLMEngine
+
+    with pytest.raises(ValueError, match="Sleep mode is not supported on current platform"):
+        VLLMEngine(tiny_ckpt, sleep=True)

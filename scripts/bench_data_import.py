@@ -31,7 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_common import git_commit  # noqa: E402
+from bench_common import provenance, provenance_text  # noqa: E402
 ROWS = (1000, 10000)
 WORLDS = (1, 2)
 
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
     from titanrl.data.synth import generate_dataset
     from titanrl.models.make_tiny import make_tiny_checkpoint
 
-    commit = git_commit()
+    prov = provenance()
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> dict:
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "ranks"}),
                       {k: round(ranks[0][k], 2) for k in ("import_s", "loader_s", "first_batch_s", "rss_peak_mib")},
                       flush=True)
-    return {"commit": commit, "rows": rows}
+    return {**prov, "rows": rows}
 
 
 def write(result: dict, out_dir: Path) -> None:
@@ -130,7 +130,7 @@ def write(result: dict, out_dir: Path) -> None:
     lines = [
         "# Loader start-up on a Parquet dataset with embedded images",
         "",
-        f"Commit measured: `{result['commit']}`. Written by `scripts/bench_data_import.py`; never hand-edited.",
+        f"Measured: {provenance_text(result)}. Written by `scripts/bench_data_import.py`; never hand-edited.",
         "",
         "verl-schema Parquet (`python -m titanrl.data.synth --mixture arithmetic --format verl`: one embedded PNG",
         "per row, 64 rows per row group), the default config's data settings, torchrun on gloo with one thread per",

@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_common import PeakRSS, git_commit  # noqa: E402
+from bench_common import PeakRSS, provenance, provenance_text  # noqa: E402
 WORLDS = (1, 2, 4)
 
 
@@ -125,7 +125,7 @@ def main() -> None:
         return
     from titanrl.models.make_tiny import make_tiny_checkpoint
 
-    commit = git_commit()
+    prov = provenance()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / f"model_{args.size}"
@@ -138,13 +138,13 @@ def main() -> None:
             ranks = launch(ckpt, work, world, mode, check=mode == "meta")
             rows.append({"world": world, "mode": mode, "ranks": ranks})
             print(world, mode, [round(r["load_mib"]) for r in ranks], flush=True)
-    result = {"commit": commit, "size": args.size, "checkpoint_mib": ckpt_mib, "rows": rows}
+    result = {**prov, "size": args.size, "checkpoint_mib": ckpt_mib, "rows": rows}
     out_dir = Path(args.out_dir)
     (out_dir / "load.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [
         "# Host memory while loading the policy and the reference model",
         "",
-        f"Commit measured: `{commit}`. Written by `scripts/bench_load.py`; never hand-edited.",
+        f"Measured: {provenance_text(result)}. Written by `scripts/bench_load.py`; never hand-edited.",
         "",
         f"The `{args.size}` random Qwen2.5-VL checkpoint ({ckpt_mib:.0f} MiB of safetensors), policy + reference",
         "built as the trainer builds them, torchrun on gloo (CPU). `load MiB`: a rank's peak resident memory during",

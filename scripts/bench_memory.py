@@ -39,7 +39,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_common import HeapSampler, git_commit  # noqa: E402
+from bench_common import HeapSampler, git_commit, provenance, provenance_text  # noqa: E402
 CONFIGS = {"tiny": "configs/tiny_cpu.toml", "small": "configs/small_cpu.toml"}
 
 
@@ -190,7 +190,8 @@ def run(args: argparse.Namespace) -> None:
     from titanrl import memory
     from titanrl.config import load_config
 
-    args.commit = args.planner_commit = git_commit()  # the code the children run: taken before the first case
+    args.measured = provenance()  # the code the children run (and where, when): taken before the first case
+    args.planner_commit = args.measured["commit"]
     rows = []
     tmp = Path(args.workdir)
     for flavor in args.models:
@@ -305,15 +306,15 @@ def findings(rows: list[dict]) -> str:
 def write(rows: list[dict], args: argparse.Namespace) -> None:
     from titanrl.memory import fmt_bytes
 
-    commit = args.commit
+    measured = args.measured
     out = REPO / "benchmarks"
-    planner = getattr(args, "planner_commit", commit)
-    (out / "memory.json").write_text(json.dumps({"commit": commit, "planner_commit": planner, "steps": args.steps,
+    planner = getattr(args, "planner_commit", measured["commit"])
+    (out / "memory.json").write_text(json.dumps({**measured, "planner_commit": planner, "steps": args.steps,
                                                  "device": "cpu", "rows": rows}, indent=1) + "\n")
     lines = [
         "# Memory planner: predicted vs measured peak per rank (CPU)",
         "",
-        f"Commit measured: `{commit}`; predictions by the planner at `{planner}`. Written by `scripts/bench_memory.py` (`nice -n 19`, {args.steps} steps, "
+        f"Measured: {provenance_text(measured)}; predictions by the planner at `{planner}`. Written by `scripts/bench_memory.py` (`nice -n 19`, {args.steps} steps, "
         "checkpoints off, 2 shared CPU cores). Measured = the largest peak RSS over the ranks (`getrusage`) of "
         "`titanrl.train`; predicted = `titanrl.memory.predict` with its *runtime* term set to the measured "
         "constant of the same case: peak RSS after building the Trainer minus the planner's terms resident then "
@@ -407,7 +408,8 @@ def main() -> None:
     args, rest = p.parse_known_args()
     if args.rewrite:
         data = json.loads((REPO / "benchmarks" / "memory.json").read_text())
-        args.commit, args.steps = data["commit"], data["steps"]
+        args.measured = {k: data[k] for k in ("commit", "machine", "date") if k in data}
+        args.steps = data["steps"]
         args.planner_commit = git_commit()  # predictions recomputed from the stored measurements
         write([add_observed(r, Path(args.workdir)) for r in data["rows"]], args)
         return

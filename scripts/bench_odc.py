@@ -7,8 +7,8 @@
     python scripts/bench_odc.py --strategies lb_mini+flex --merge    # or some rows
     python scripts/bench_odc.py --report-only                        # rewrite odc.md from odc.json
 
-Every row records the commit it measured; ``--merge`` keeps the rows of ``benchmarks/odc.json`` this run does
-not produce (the report names each table's commit).
+Every row records the commit, machine and date it measured; ``--merge`` keeps the rows of ``benchmarks/odc.json``
+this run does not produce (the report names each table's).
 
 Real compute of the ``small`` model (random init, FSDP2 on gloo) through the trainer's own
 ``StageRunner``: one update minibatch (forward, backward, gradient clipping, AdamW) of an RL step's
@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_common import PeakRSS, git_commit  # noqa: E402
+from bench_common import PeakRSS, provenance, provenance_text  # noqa: E402
 STRATEGIES = ("native", "lb_micro", "lb_mini", "lb_micro+flex", "lb_mini+flex")
 
 
@@ -149,7 +149,7 @@ def launch(world: int, strategy: str, batch: str, opts, out: Path) -> dict:
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-6000:])
         raise SystemExit(f"{strategy} on {world} ranks ({batch}) failed")
-    return {**json.loads(out.read_text()), "commit": opts.commit}
+    return {**json.loads(out.read_text()), **opts.provenance}
 
 
 def merged(kept: list[dict], rows: list[dict]) -> list[dict]:
@@ -174,10 +174,10 @@ def report(rows: list[dict]) -> str:
             sub = {r["strategy"]: r for r in rows if r["batch"] == batch and r["world"] == world}
             first = next(iter(sub.values()))
             kind = "one thread each: wall-clock" if world == 2 else "4 processes on 2 cores: CPU time only"
-            commits = ", ".join(dict.fromkeys(r.get("commit", "not recorded") for r in sub.values()))
+            measured = " / ".join(dict.fromkeys(provenance_text(r) for r in sub.values()))
             lines += [f"## {batch}, {world} ranks ({kind}; activation checkpointing: "
                       f"{first.get('activation_checkpoint', 'none')})", "",
-                      f"Commit {commits}; reproduce: `python scripts/bench_odc.py --batches {batch} --worlds {world} "
+                      f"Measured: {measured}; reproduce: `python scripts/bench_odc.py --batches {batch} --worlds {world} "
                       "--merge`.", "",
                       f"{len(first['lengths'])} trajectories, {first['total_tokens']} tokens (longest "
                       f"{', '.join(str(x) for x in first['lengths'][:4])}), budget {first['max_tokens']} tokens "
@@ -228,7 +228,7 @@ def main() -> None:
     p.add_argument("--merge", action="store_true", help="keep the rows of benchmarks/odc.json this run does not make")
     p.add_argument("--report-only", action="store_true", help="rewrite the .md from the committed .json")
     opts = p.parse_args()
-    opts.commit = git_commit()
+    opts.provenance = provenance()
     if opts.worker:
         worker(opts)
         return

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import git_commit  # noqa: E402
+from bench_common import provenance, provenance_text  # noqa: E402
 from bench_flex_ulysses import ratio  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,7 +269,7 @@ def report(res: dict) -> str:
              "image prompts in the same order, same RL hyper-parameters (see the script's docstring); CPU, this 2-core",
              f"machine, fp32; TRL {res['versions'].get('trl', '?')} (`use_vllm=False`, and with `use_vllm=True, "
              "vllm_mode=colocate` where a `trl_vllm` row is shown), titanrl with its default config"
-             f"{', commit ' + res['commit'] if 'commit' in res else ''}.", "",
+             f", {provenance_text(res)}.", "",
              "Seconds per step: median wall-clock of steps 3 on. Reward and accuracy: mean over the 5 steps ending at",
              "the step shown. One seed per run.", "",
              "| run | s / step | vs TRL | tokens / s | " + " | ".join(f"reward @{m}" for m in marks) + " | "
@@ -364,7 +364,7 @@ def main() -> None:
             else:
                 raise SystemExit(f"unknown run {key!r}; expected some of {list(RUN_LABELS)}")
             print(f"[bench_peer] {key}: {runs[key]['step_s']:.2f} s/step", flush=True)
-    res = {"runs": runs, "versions": versions, "seconds": time.time() - t0, "commit": git_commit(),
+    res = {"runs": runs, "versions": versions, "seconds": time.time() - t0, **provenance(),
            "command": " ".join(["python", "scripts/bench_peer.py", *sys.argv[1:]])}
     text = report(res)
     if not opts.quick:

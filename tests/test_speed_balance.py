@@ -150,8 +150,13 @@ def test_two_ranks_of_unequal_speed_equal_one_rank(run_cache, tmp_path):
     for rec in records:
         assert 0.1 < rec["balance/planned_share/rank1"] < 0.3 < 0.7 < rec["balance/planned_share/rank0"]
         assert rec["balance/busy_ratio/update"] >= 1.0
-    assert records[2]["cost/linear_coef"] > 0 and "cost/predicted_s" not in records[1]
-    assert records[3]["cost/predicted_s"] > 0 and records[3]["cost/measured_s"] > 0
+    # the refit (step 3) has a positive coefficient; which of the two is non-negative least squares' call: on this
+    # tiny model the h**2 and h columns are nearly collinear, and CI has fitted either one to 0
+    fitted = records[2]
+    assert "cost/predicted_s" not in records[1] and fitted["cost/attention_coef"] + fitted["cost/linear_coef"] > 0
+    assert min(fitted["cost/attention_coef"], fitted["cost/linear_coef"]) >= 0
+    # step 4 is planned by the fitted model, and it predicts the busiest rank's seconds to within a factor of 2
+    assert 0.5 < records[3]["cost/predicted_s"] / records[3]["cost/measured_s"] < 2.0, records[3]
 
 
 def test_rank_sums_count_a_sharded_sequence_by_its_degree():

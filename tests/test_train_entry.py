@@ -126,3 +126,76 @@ def test_a_file_that_kills_the_decoder_is_skipped_and_counted(tmp_path, run_cach
     assert f"skipping sample {first['id']!r}: decoder_crash" in line and name in line, proc.stdout[-3000:]
     metrics = json.loads((tmp_path / "out" / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["data/skipped"] == 1
+
+
+LOCK_PROBE_REWARD = '''
+import os
+from pathlib import Path
+
+from titanrl.config.errors import ConfigError
+from titanrl.rl.rewards import exact_match_with_format
+from titanrl.run_lock import check_free
+
+
+def reward(response, record):
+    # called by the live run's reward worker (another process): does the run hold its own folder?
+    out = Path(os.environ["LOCK_PROBE_OUT"])
+    if not out.exists():
+        try:
+            check_free(Path(os.environ["LOCK_PROBE_DIR"]))
+            seen = "free"
+        except ConfigError as err:
+            seen = str(err)
+        out.with_suffix(".tmp").write_text(seen)
+        out.with_suffix(".tmp").rename(out)
+    return exact_match_with_format(response, record)
+'''
+
+
+@pytest.mark.slow
+def test_a_live_run_holds_its_folder_and_a_second_run_there_stops_at_once(tmp_path, run_cache):
+    """While a run is training, its folder is held (seen from its own reward worker, another process); a second
+    run (2 ranks) given the same folder stops in seconds with exit 2 and one line naming the folder and the live run's pid,
+    before it writes anything there; once the live run is killed (-9), the folder is free again (the kernel drops
+    the lock with the process: no stale lock)."""
+    import os
+    import signal
+    import time
+
+    from train_runs import run_env
+
+    from titanrl.config.errors import ConfigError
+    from titanrl.run_lock import check_free, hold
+
+    (tmp_path / "lock_probe.py").write_text(LOCK_PROBE_REWARD)
+    run_dir, probe = tmp_path / "out" / "tiny_cpu", tmp_path / "probe.txt"
+    env = {"PYTHONPATH": str(tmp_path), "LOCK_PROBE_DIR": str(run_dir), "LOCK_PROBE_OUT": str(probe)}
+    live = subprocess.Popen(train_cmd(tmp_path / "out", run_cache, "--job.steps=200", "--checkpoint.enable=false",
+                                      "--rl.reward=lock_probe:reward"),
+                            env=run_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not probe.exists() and live.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert probe.exists(), f"the live run never scored a response (exit {live.poll()})"
+        held = probe.read_text()
+        assert f"the run folder {run_dir} is in use by a live run (pid {live.pid} on " in held, held
+        logs = sorted(p.name for p in (run_dir / "logs").iterdir())
+        assert logs == ["rank0.log"]  # the second run has 2 ranks: writing there, it would add rank1.log
+        t0 = time.monotonic()
+        second = run(train_cmd(tmp_path / "out", run_cache, "--job.steps=2", nproc=2), check=False, timeout=120)
+        assert time.monotonic() - t0 < 30
+        console = second.stdout + second.stderr
+        # its first rank exits 2 (a config error), torchrun ends the other and reports that exit
+        assert second.returncode != 0 and "failed (exitcode: 2) local_rank: 0" in console, console[-3000:]
+        lines = [x for x in console.splitlines() if "in use by a live run" in x]
+        assert len(lines) == 1 and f"pid {live.pid} on " in lines[0] and "--job.dump_folder or --job.name" in lines[0]
+        assert "titanrl/" not in console  # no traceback of ours (torchrun prints its own)
+        assert sorted(p.name for p in (run_dir / "logs").iterdir()) == logs and live.poll() is None
+    finally:
+        os.killpg(live.pid, signal.SIGKILL)
+        live.wait()
+    check_free(run_dir)  # nothing holds it any more
+    with hold(run_dir), pytest.raises(ConfigError, match="in use by a live run"):
+        check_free(run_dir)  # another open of the file, in this process, sees the hold too

@@ -48,6 +48,16 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = parse_args_or_exit(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", "0"))
+    from titanrl.config.errors import ConfigError
+    from titanrl.run_lock import check_free
+
+    try:  # before this run writes anything there (its logs): another live run may own the folder
+        check_free(cfg.run_dir)
+    except ConfigError as err:
+        if int(os.environ.get("LOCAL_RANK", "0")):
+            time.sleep(3)  # the host's first rank says it: torchrun ends the others once it exits
+        say(str(err), error=True)
+        return 2
     if not cfg.metrics.verbose:
         route_output(cfg.run_dir / "logs", rank)
     if rank == 0:
@@ -56,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
             say(f"[titanrl] third-party output (vLLM, Ray, torch) goes to {log_path().parent}/rank<N>.log; "
                 "--metrics.verbose=true shows it here")
 
-    from titanrl.config.errors import ConfigError
     from titanrl.distributed import init_distributed, shutdown
 
     # one process in bfloat16 (or offloading the reference): a one-rank group, so FSDP2 and its mixed-precision

@@ -39,6 +39,7 @@ from titanrl.rl.step_metrics import step_metrics
 from titanrl.rl.timing import BusyClock, StageTimer
 from titanrl.rl.weight_sync import WeightPusher, remove_stale_push_folders
 from titanrl.rollout import build_rollout_engine, mm_limits_for
+from titanrl.run_lock import hold as hold_run_dir
 from titanrl.workflow.abort import RunControl
 from titanrl.workflow.coordinator import redistribute
 from titanrl.workflow.executor import Executor
@@ -107,7 +108,8 @@ class Trainer:
         self.control = RunControl(info.rank)
         self._resources.callback(self.control.close)
         if info.is_main:
-            cfg.run_dir.mkdir(parents=True, exist_ok=True)
+            # held until this process ends (every rank of a later run checks it first: titanrl.run_lock)
+            self._resources.callback(hold_run_dir(cfg.run_dir).close)
             save_resolved(cfg, cfg.run_dir / "config.toml")
         if cfg.balance.profile_speeds and info.world_size > 1:
             self.rank_speeds = self._profile_speeds(cfg, info)

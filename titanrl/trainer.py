@@ -108,7 +108,7 @@ class Trainer:
         self.control = RunControl(info.rank)
         self._resources.callback(self.control.close)
         if info.is_main:
-            # held until this process ends (every rank of a later run checks it first: titanrl.run_lock)
+            # held until the trainer closes or this process ends (a later run checks it first: titanrl.run_lock)
             self._resources.callback(hold_run_dir(cfg.run_dir).close)
             save_resolved(cfg, cfg.run_dir / "config.toml")
         if cfg.balance.profile_speeds and info.world_size > 1:

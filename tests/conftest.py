@@ -61,3 +61,18 @@ def pytest_sessionfinish(session, exitstatus):
     from train_runs import stop_ray_cluster
 
     stop_ray_cluster()
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A one-rank gloo process group in this process (FSDP2 shards as DTensors) and its ``dp_shard`` mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process already")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    finally:
+        dist.destroy_process_group()

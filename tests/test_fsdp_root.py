@@ -6,10 +6,7 @@ first 7B-shaped run, benchmarks/gpu_check.json), and freed by a stage without ba
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from titanrl.models.packed import pack_sequences
@@ -19,27 +16,16 @@ from titanrl.parallel.odc import reshard_root_after
 from titanrl.parallel.parallelize import apply_fsdp
 
 
-@pytest.fixture
-def one_rank_group():
-    if dist.is_initialized():
-        pytest.skip("a process group exists in this process already")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
-    finally:
-        dist.destroy_process_group()
-
-
 def gathered(model: Qwen2_5_VLModel) -> bool:
     """The root's parameters are plain tensors while gathered, DTensor shards otherwise."""
     return not isinstance(model.output.weight, DTensor)
 
 
-def test_the_root_stays_gathered_after_forward_and_a_stage_without_backward_frees_it(one_rank_group, tiny_ckpt):
+def test_the_root_stays_gathered_after_forward_and_a_stage_without_backward_frees_it(one_rank_mesh, tiny_ckpt):
     args = Qwen2_5_VLArgs.from_pretrained(tiny_ckpt)
     model = Qwen2_5_VLModel(args)
     load_hf_weights(model, tiny_ckpt)
-    apply_fsdp(model, one_rank_group, param_dtype=torch.bfloat16)
+    apply_fsdp(model, one_rank_mesh, param_dtype=torch.bfloat16)
     ids = np.random.default_rng(0).integers(0, 900, 24)
     batch = pack_sequences([make_sequence_input(args, ids, [], None)])
     assert not gathered(model)

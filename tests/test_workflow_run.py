@@ -45,10 +45,11 @@ def test_ppo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
     """PPO (critic, GAE, clipped value loss) with the critic under the actor's modes - FlexUlysses sharding
     sequences over up to 4 ranks (a small token budget forces it), lb_micro, vision balancing, slice-aware loading
     on the video mixture: actor and critic parameters, per-token log-probs, values, returns and advantages of 4
-    ranks equal 1 rank after 2 steps. (PPO under the default lb_mini: the SIGTERM resume test.)"""
+    ranks equal 1 rank after 2 steps. (PPO under the default lb_mini: the SIGTERM resume test.) Both optimizers
+    use torch's fused AdamW kernel here (``optimizer.implementation``: the other tests run the default foreach)."""
     common = ["--rl.algorithm=ppo", "--job.steps=2", "--checkpoint.enable=false", "--metrics.dump_tensors",
-              "--rl.old_logprobs=recompute", "--data.mixture=video-heavy", "--parallelism.ulysses=flex",
-              "--balance.strategy=lb_micro", "--parallelism.vision_balance=true"]
+              "--rl.old_logprobs=recompute", "--optimizer.implementation=fused", "--data.mixture=video-heavy",
+              "--parallelism.ulysses=flex", "--balance.strategy=lb_micro", "--parallelism.vision_balance=true"]
     for name, nproc, extra in (("one", None, []), ("four", 4, ["--balance.max_tokens_per_microbatch=48"])):
         run(train_cmd(tmp_path / name, run_cache, *common, *extra, nproc=nproc))
     sharded = metrics(tmp_path / "four" / "tiny_cpu")

@@ -25,7 +25,7 @@ backward of the update stage's largest microbatch:
   0 at the peak: the optimizer step's ``zero_grad(set_to_none=True)`` leaves none, and the minibatch's last
   backward writes each unit's shard as it frees that unit's larger unsharded gradient). Without FSDP
   (one rank) there is no cast: parameters, gradients and compute are fp32 whatever ``model.dtype`` says;
-- AdamW (``foreach``): exp_avg and exp_avg_sq in the parameters' dtype, fp32: 8 N / dp;
+- AdamW (every ``optimizer.implementation``): exp_avg and exp_avg_sq in the parameters' dtype, fp32: 8 N / dp;
 - ``lb_mini`` (``parallel/odc.py``): every FSDP unit stays all-gathered for the minibatch (N b_p) and the
   unreduced gradients accumulate unsharded; FSDP2 accumulates unsynchronised gradients in the reduce
   dtype, fp32 (4 N). ``lb_micro`` / ``native``: the root unit (embeddings, output, norms: never

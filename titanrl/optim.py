@@ -14,10 +14,24 @@ def build_optimizer(cfg: JobConfig, params, *, lr: float | None = None) -> torch
     o = cfg.optimizer
     if o.name != "AdamW":
         raise ValueError(f"optimizer.name={o.name!r}: only 'AdamW' is supported")
-    return torch.optim.AdamW(
+    kernel = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
+    if o.implementation not in kernel:
+        raise ValueError(f"optimizer.implementation={o.implementation!r}: one of {sorted(kernel)}")
+    opt = torch.optim.AdamW(
         params, lr=o.lr if lr is None else lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-        foreach=True
+        **kernel[o.implementation]
     )
+    # A checkpoint's param groups bring back the settings they were saved with (torch's load_state_dict, which
+    # DCP's set_optimizer_state_dict calls): the config's constant hyper-parameters and kernel win on resume.
+    # The learning rate is the checkpointed schedule's.
+    configured = {k: opt.defaults[k] for k in ("betas", "eps", "weight_decay", "foreach", "fused")}
+
+    def keep_configured(optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            group.update(configured)
+
+    opt.register_load_state_dict_post_hook(keep_configured)
+    return opt
 
 
 def lr_factor(step: int, *, warmup_steps: int, decay_steps: int, decay_type: str, min_lr_factor: float) -> float:

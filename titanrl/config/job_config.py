@@ -540,7 +540,8 @@ class OptimizerConfig:
     name: Literal["AdamW"] = "AdamW"
     """Optimizer class."""
     lr: float = 1e-3
-    """Peak learning rate (reached after lr_scheduler.warmup_steps)."""
+    """Peak learning rate (reached after lr_scheduler.warmup_steps). A resume continues the checkpoint's
+    schedule, its peak included; betas, eps, weight_decay and implementation are this config's."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam (beta1, beta2)."""
     eps: float = 1e-8

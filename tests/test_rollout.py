@@ -145,6 +145,39 @@ def test_request_seed_depends_on_seed_and_request_only(requests_):
     assert all(0 <= request_seed(s, image) < 2**62 for s in (0, 1, 2**40))
 
 
+def test_the_final_close_skips_only_the_garbage_collections():
+    """``VLLMEngine.close(collect=False)`` (the trainer's, at the end of its process) runs vLLM's shutdown with
+    ``gc.collect`` / ``gc.unfreeze`` doing nothing; both are restored afterwards, also after an error."""
+    import gc
+    import weakref
+
+    from titanrl.rollout.vllm_engine import _without_collections
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    collect, unfreeze = gc.collect, gc.unfreeze
+    gc.disable()  # no automatic collection in between
+    try:
+        with pytest.raises(RuntimeError):
+            with _without_collections():
+                ref = cycle()
+                assert gc.collect() == 0 and ref() is not None  # not collected
+                gc.unfreeze()
+                raise RuntimeError("shutdown failed")
+        assert (gc.collect, gc.unfreeze) == (collect, unfreeze)
+        assert ref() is not None
+        gc.collect()
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 def test_prompt_check_names_the_difference():
     check_prompt_ids(np.array([1, 2, 3]), [1, 2, 3], what="r", image_token_id=9, video_token_id=8)
     with pytest.raises(PromptMismatchError, match=r"lengths 4 \(engine\) vs 3 \(request\).*2 image.*1 image.*index 2"):

@@ -206,8 +206,8 @@ class Trainer:
         self.engine = (build_rollout_engine(cfg, self.model_dir, info.rank, mm_limits=mm_limits_for(self.records),
                                             own_process=self.placement.disaggregated, sleep=self.engine_sleeps)
                        if info.rank in self.placement.engines else None)
-        if self.engine is not None:
-            self._resources.callback(self.engine.close)
+        if self.engine is not None:  # the trainer's close ends its process: no garbage collection of vLLM's heap
+            self._resources.callback(self.engine.close, collect=False)
         # The loader (ShadowLoader by default, or the centralized baseline) plans every step's global
         # batch from metadata on every rank and materializes only this rank's prompts, ahead of use.
         self.loader = build_loader(cfg, info, self.model_dir, self.manifest, assign=self.assign_prompts,

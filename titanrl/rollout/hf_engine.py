@@ -237,7 +237,7 @@ class HFGenerateEngine:
                 params[target].copy_(tensor)
         return time.perf_counter() - t0
 
-    def close(self) -> None:
+    def close(self, *, collect: bool = True) -> None:  # nothing to collect: the model goes with its reference
         self.model = None
 
 

@@ -131,7 +131,10 @@ class RolloutEngine(Protocol):
         built without it). generate / score / load_weights wake it as they need."""
         ...
 
-    def close(self) -> None: ...
+    def close(self, *, collect: bool = True) -> None:
+        """Shut the engine down. ``collect=False``: the process ends next, so work that only gives memory back
+        (garbage collections) may be skipped."""
+        ...
 
 
 @contextmanager

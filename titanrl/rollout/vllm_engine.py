@@ -449,7 +449,8 @@ class VLLMEngine:
 
         ``collect=False`` (the process ends next, nothing is reused): the same shutdown without its
         garbage collections. vLLM's shutdown un-freezes the heap it froze at start-up and collects it
-        three times, ~4.5 s of CPU per rank on the tiny 2-rank run, for memory the process's exit frees."""
+        twice, and this close once more: ~3 s per rank on the tiny 2-rank run (2-3 s of its wall time), for
+        memory the process's exit frees."""
         llm = getattr(self, "llm", None)
         if llm is None:
             return

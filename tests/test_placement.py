@@ -52,7 +52,13 @@ def test_the_config_refuses_placements_that_name_no_ranks():
     cfg.validate_world_size(4)  # 2 + 2
     assert cfg.workflow.training_ranks(4) == 2
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=2 runs one vLLM engine over several ranks"):
-        load_config(TINY, ["--rollout.tensor_parallel_size=2"])
+        load_config(TINY, ["--rollout.tensor_parallel_size=2", "--rollout.engine=hf"])
+    with pytest.raises(ConfigError, match="partial rollouts"):  # colocated T > 1 runs the ranks' prompts together
+        load_config(TINY, ["--rollout.tensor_parallel_size=2", "--rollout.tokens_per_update=1"])
+    colocated_tp = load_config(TINY, ["--rollout.tensor_parallel_size=2"])
+    colocated_tp.validate_world_size(4)
+    with pytest.raises(ConfigError, match="must divide the 3 ranks"):
+        colocated_tp.validate_world_size(3)
     with pytest.raises(ConfigError, match="must divide workflow.rollout_ranks=3"):
         load_config(TINY, ["--rollout.tensor_parallel_size=2", "--workflow.placement=disaggregated",
                            "--workflow.rollout_ranks=3"])

@@ -96,7 +96,27 @@ def titanrl_model(ckpt: Path):
     return model.eval()
 
 
-def titanrl_logprobs(model, items: list[tuple[RolloutRequest, list[int]]]) -> list[torch.Tensor]:
+def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float, top_p: float,
+                     banned: tuple[int, ...]) -> torch.Tensor:
+    """By hand: the log-prob of each token under the distribution an engine samples from: the vision pad tokens
+    banned (the engines' logit bias), the logits divided by the temperature, then truncated to the smallest set of
+    most likely tokens whose probability reaches top_p (at least one kept), renormalised."""
+    z = logits.double().clone()
+    z[:, list(banned)] -= 100.0  # vLLM's logit bias; the hf engine suppresses them outright (e^-100: the same)
+    z = z / temperature
+    probs = torch.softmax(z, dim=-1)
+    order = probs.argsort(dim=-1, descending=True)
+    before = probs.gather(-1, order).cumsum(-1) - probs.gather(-1, order)  # mass of the more likely tokens
+    drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, before >= top_p)
+    z = z.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None])[:, 0].float()
+
+
+def titanrl_logprobs(model, items: list[tuple[RolloutRequest, list[int]]], *,
+                     sampled: dict | None = None) -> list[torch.Tensor]:
+    """titanrl's log-probs of the completions: the model's (``sampled=None``: what the probe compares), or those of
+    the distribution the engines sampled from with ``sampled = dict(temperature, top_p)`` (their behaviour
+    log-probs, by hand: ``sampled_logprobs``)."""
     from titanrl.models.packed import pack_sequences
     from titanrl.models.qwen2_5_vl.inputs import make_sequence_input
     from titanrl.models.qwen2_5_vl.model import LogprobTargets
@@ -112,8 +132,14 @@ def titanrl_logprobs(model, items: list[tuple[RolloutRequest, list[int]]]) -> li
     batch = pack_sequences(seqs)
     pos = torch.from_numpy(np.concatenate(positions))
     with torch.no_grad():
-        out = model(batch, LogprobTargets(positions=pos, token_ids=batch.input_ids[pos + 1]))
-    return list(torch.split(out.logprobs, [len(c) for _, c in items]))
+        if sampled is None:
+            logprobs = model(batch, LogprobTargets(positions=pos, token_ids=batch.input_ids[pos + 1])).logprobs
+        else:
+            logits = model.logits(model(batch).hidden[pos])
+            banned = (model.args.image_token_id, model.args.video_token_id)
+            logprobs = sampled_logprobs(logits, batch.input_ids[pos + 1], temperature=sampled["temperature"],
+                                        top_p=sampled["top_p"], banned=banned)
+    return list(torch.split(logprobs, [len(c) for _, c in items]))
 
 
 def perturbed_checkpoint(ckpt: Path, outdir: Path, scale: float = 0.5) -> Path:
@@ -229,10 +255,11 @@ def test_hf_baseline_engine(tiny_ckpt, requests_, tmp_path):
         for s in g:
             assert 1 <= len(s.token_ids) == len(s.logprobs) <= 8 and s.finish_reason in ("stop", "length")
     model = titanrl_model(tiny_ckpt)
-    ours = titanrl_logprobs(model, [(r, g[0].token_ids) for r, g in zip(reqs, out)])
-    for r, g, mine in zip(reqs, out, ours):
-        assert (mine - torch.tensor(g[0].logprobs)).abs().max() < TOL
-        assert np.allclose(probe_logprobs(engine, r, g[0].token_ids), g[0].logprobs, atol=TOL)
+    pairs = [(r, g[0].token_ids) for r, g in zip(reqs, out)]
+    for (r, ids), g, mine, raw in zip(pairs, out, titanrl_logprobs(model, pairs, sampled=SAMPLING),
+                                      titanrl_logprobs(model, pairs)):
+        assert (mine - torch.tensor(g[0].logprobs)).abs().max() < TOL  # the distribution it sampled from
+        assert np.allclose(probe_logprobs(engine, r, ids), raw.numpy(), atol=TOL)  # the model's own
     new = perturbed_checkpoint(tiny_ckpt, tmp_path / "new")
     engine.load_weights(new)
     ours = titanrl_logprobs(titanrl_model(new), [(reqs[1], out[1][0].token_ids)])[0]
@@ -291,7 +318,7 @@ def test_hf_baseline_batches_prompts_like_one_at_a_time(tiny_ckpt, requests_):
     model = titanrl_model(tiny_ckpt)
     pairs = [(reqs[i], s.token_ids) for i in (0, 1, 3) for s in sampled[i]] + [(reqs[0], batched[0][0].token_ids)]
     theirs = [s.logprobs for i in (0, 1, 3) for s in sampled[i]] + [batched[0][0].logprobs]
-    for ours, lp in zip(titanrl_logprobs(model, pairs), theirs):
+    for ours, lp in zip(titanrl_logprobs(model, pairs, sampled=SAMPLING), theirs):
         assert (ours - torch.tensor(lp)).abs().max() < TOL
 
 
@@ -364,7 +391,7 @@ def test_vllm_weight_update_matches_titanrl(vllm_engine, tiny_ckpt, requests_, t
 
     after = vllm_engine.generate(reqs, seed=21, **SAMPLING)
     items = [(r, s.token_ids) for r, g in zip(reqs, after) for s in g]
-    ours = titanrl_logprobs(model, items)
+    ours = titanrl_logprobs(model, items, sampled=SAMPLING)
     theirs = [torch.tensor(s.logprobs) for g in after for s in g]
     err = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
     print(f"update: load {seconds:.3f} s, max |titanrl - vLLM| {err:.2e} over {len(items)} samples")
@@ -391,6 +418,59 @@ def test_vllm_weight_update_matches_titanrl(vllm_engine, tiny_ckpt, requests_, t
     again = vllm_engine.generate(reqs, seed=21, **SAMPLING)
     assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in before]
     assert max(abs(a - b) for g, h in zip(again, before) for s, t in zip(g, h) for a, b in zip(s.logprobs, t.logprobs)) < TOL
+
+
+@pytest.mark.slow
+def test_behaviour_logprobs_are_those_of_the_tempered_truncated_distribution(vllm_engine, tiny_ckpt, requests_):
+    """Off-policy importance weights divide by the engine's log-probs: they must be of the distribution the tokens
+    were drawn from. At temperature 0.7 and top_p 0.9 both engines report exactly the hand computation (ban, divide
+    by the temperature, truncate to the nucleus, renormalise; <= 1e-4 in float32), which differs from the model's
+    untempered log-probs by far more."""
+    from titanrl.rollout.hf_engine import HFGenerateEngine
+
+    sampling = dict(n=3, temperature=0.7, top_p=0.9, max_new_tokens=8)
+    reqs = [requests_["text"], requests_["image"]]
+    model = titanrl_model(tiny_ckpt)
+    for engine in (vllm_engine, HFGenerateEngine(tiny_ckpt, fps=FPS, max_frames=MAX_FRAMES)):
+        out = engine.generate(reqs, seed=41, **sampling)
+        pairs = [(r, s.token_ids) for r, g in zip(reqs, out) for s in g]
+        reported = [torch.tensor(s.logprobs) for g in out for s in g]
+        hand = titanrl_logprobs(model, pairs, sampled=sampling)
+        untempered = titanrl_logprobs(model, pairs)
+        err = max((a - b).abs().max().item() for a, b in zip(hand, reported))
+        gap = max((a - b).abs().max().item() for a, b in zip(untempered, reported))
+        print(f"{type(engine).__name__}: |hand - engine| {err:.2e}, |untempered - engine| {gap:.2e}")
+        assert err < TOL and gap > 0.1
+
+
+@pytest.mark.slow
+def test_vllm_takes_weights_from_memory_and_checks_them_first(vllm_engine, tiny_ckpt, requests_, tmp_path):
+    """update_weights (the trainer's push: tensors by reference, no file) equals load_weights of the same weights;
+    a declared layout that does not fit is refused before anything loads; a stream that breaks its declaration
+    stops with the tensor named."""
+    from safetensors.torch import load_file
+
+    from titanrl.rollout.weights import tensors_layout
+
+    reqs = list(requests_.values())
+    new = perturbed_checkpoint(tiny_ckpt, tmp_path / "new")
+    vllm_engine.load_weights(new)
+    from_files = vllm_engine.generate(reqs, seed=51, **SAMPLING)
+    vllm_engine.load_weights(tiny_ckpt)
+    tensors = load_file(str(new / "model.safetensors"))
+    vllm_engine.update_weights(tensors_layout(tensors.items()), iter(tensors.items()))
+    assert vllm_engine.generate(reqs, seed=51, **SAMPLING) == from_files
+    wrong = dict(tensors_layout(tensors.items()))
+    wrong["lm_head.weight"] = dataclasses.replace(wrong["lm_head.weight"], shape=(1, 1))
+    with pytest.raises(WeightsMismatchError, match="shape mismatch.*lm_head"):
+        vllm_engine.update_weights(wrong, iter(tensors.items()))
+    assert vllm_engine.generate(reqs, seed=51, **SAMPLING) == from_files  # nothing loaded
+    from titanrl.rollout.weights import checked_stream
+
+    layout = tensors_layout(tensors.items())
+    with pytest.raises(WeightsMismatchError, match="ended without 1 declared tensor"):
+        list(checked_stream(iter(list(tensors.items())[:-1]), layout))
+    vllm_engine.load_weights(tiny_ckpt)
 
 
 @pytest.mark.slow

@@ -159,16 +159,3 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, t
         for key in ("loss", "reward/mean", "kl", "entropy", "grad_norm"):
             assert ma[step][key] == mb[step][key], (step, key)
 
-
-def test_stale_push_folders_of_dead_processes_are_removed(tmp_path):
-    from titanrl.rl.weight_sync import remove_stale_push_folders
-
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale = tmp_path / f"titanrl-job-none-{dead.pid}"
-    live = tmp_path / f"titanrl-job-none-{os.getpid()}"
-    other = tmp_path / "titanrl-notes"
-    for folder in (stale, live, other):
-        (folder / "slot0").mkdir(parents=True)
-    assert remove_stale_push_folders(tmp_path) == [stale]
-    assert not stale.exists() and live.exists() and other.exists()

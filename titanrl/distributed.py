@@ -184,3 +184,48 @@ def build_ulysses_groups(rank: int, world: int, degrees: Sequence[int], device: 
         if 0 <= rank < world:
             groups[tuple(next(b for b in blocks if rank in b))] = mine
     return groups
+
+
+def block_group(rank: int, world: int, size: int, timeout_s: float | None = None):
+    """This rank's process group among the aligned blocks of ``size`` consecutive ranks (every rank calls it;
+    None for ``size`` 1)."""
+    if size <= 1:
+        return None
+    blocks = [list(range(b, b + size)) for b in range(0, world, size)]
+    mine, _ = dist.new_subgroups_by_enumeration(blocks, timeout=_timeout(timeout_s))
+    return mine
+
+
+_STATELESS_PREFIX = "titanrl-stateless"
+
+
+def host_store(timeout_s: float) -> dist.TCPStore:
+    """A TCP store this process hosts on a free port (``.port``), for a ``stateless_group`` it is rank 0 of."""
+    return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def stateless_group(address: tuple[str, int], rank: int, world: int, device: torch.device, timeout_s: float,
+                    store: dist.TCPStore | None = None):
+    """A process group outside torch.distributed's world (nothing registered, no default group touched), so that
+    processes of other worlds can join it: vLLM's workers and the rank that sends them weights. Rank 0 hosts the
+    store (``host_store``, passed as ``store``); the others reach it at ``address``. NCCL on a CUDA device, gloo on
+    the CPU; use it with ``broadcast_from_first``. Every member blocks here until all have joined."""
+    timeout = timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout)
+    store = dist.PrefixStore(_STATELESS_PREFIX, store)
+    if device.type == "cuda":
+        group = dist.ProcessGroupNCCL(store, rank, world)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, world, timeout)
+    # the first collective connects every pair: fail here, not in the first push
+    broadcast_from_first(group, torch.zeros(1, device=device))
+    return group
+
+
+def broadcast_from_first(group, tensor: torch.Tensor) -> None:
+    """``tensor`` from the group's rank 0 to every member, in place (a group of ``stateless_group``)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    group.broadcast([tensor], opts).wait()

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from titanrl import assets, memory
 from titanrl.checkpoint import (CallbackState, ModelState, OptimizerState, RNGState, SchedulerState,
@@ -23,7 +24,7 @@ from titanrl.console import log_path, say
 from titanrl.data.manifest import SampleRecord, read_manifest
 from titanrl.data.prompt import PromptEncoder
 from titanrl.data.shadow import SampleMeta, build_loader
-from titanrl.distributed import DistInfo, build_dp_mesh, build_ulysses_groups, new_group
+from titanrl.distributed import DistInfo, block_group, build_dp_mesh, build_ulysses_groups, new_group
 from titanrl.metrics import MetricsLogger, format_summary
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel
 from titanrl.optim import build_lr_scheduler, build_optimizer
@@ -37,8 +38,9 @@ from titanrl.rl.reward_runner import RewardRunner
 from titanrl.rl.stages import StageRunner, build_cost_model
 from titanrl.rl.step_metrics import step_metrics
 from titanrl.rl.timing import BusyClock, StageTimer
-from titanrl.rl.weight_sync import WeightPusher, remove_stale_push_folders
+from titanrl.rl.weight_sync import WeightPusher
 from titanrl.rollout import build_rollout_engine, mm_limits_for
+from titanrl.rollout.launch import engine_launch
 from titanrl.run_lock import hold as hold_run_dir
 from titanrl.workflow.abort import RunControl
 from titanrl.workflow.coordinator import redistribute
@@ -200,24 +202,30 @@ class Trainer:
                              "critic_optimizer": OptimizerState(self.critic, self.critic_optimizer),
                              "critic_lr_scheduler": SchedulerState(self.critic_lr_scheduler)}
 
-        # disaggregated: vLLM's engine core runs in a child process of the rollout rank, with a torch.distributed
-        # world of its own (in this process it would make groups of the trainer's world, which the training
-        # ranks do not join)
-        self.engine = (build_rollout_engine(cfg, self.model_dir, info.rank, mm_limits=mm_limits_for(self.records),
-                                            own_process=self.placement.disaggregated, sleep=self.engine_sleeps)
-                       if info.rank in self.placement.engines else None)
-        if self.engine is not None:  # the trainer's close ends its process: no garbage collection of vLLM's heap
+        # where each engine runs (titanrl.rollout.launch): colocated in the ranks' processes, each on its rank's device
+        # (vLLM's external launcher; an engine over rollout.tensor_parallel_size ranks shares their process group);
+        # disaggregated, vLLM's engine core in a child process of the rollout rank, with a torch.distributed world of
+        # its own (in this process it would make groups of the trainer's world, which the training ranks do not join)
+        self.engine = None
+        tp = cfg.rollout.tensor_parallel_size
+        tp_group = (block_group(info.rank, info.world_size, tp, timeout)
+                    if not self.placement.disaggregated and cfg.rollout.engine == "vllm" else None)
+        if info.rank in self.placement.engines:
+            launch = engine_launch(info.rank, info.local_rank, info.world_size, tp, info.device.type,
+                                   process_group=dist.is_initialized(), own_process=self.placement.disaggregated,
+                                   local_world=int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size)))
+            self.engine = build_rollout_engine(cfg, self.model_dir, info.rank, mm_limits=mm_limits_for(self.records),
+                                               launch=launch, tp_group=tp_group, sleep=self.engine_sleeps)
+            # the trainer's close ends its process: no garbage collection of vLLM's heap
             self._resources.callback(self.engine.close, collect=False)
+            print(f"[titanrl] rank {info.rank} engine layout: {getattr(self.engine, 'layout', None)}", flush=True)
         # The loader (ShadowLoader by default, or the centralized baseline) plans every step's global
         # batch from metadata on every rank and materializes only this rank's prompts, ahead of use.
         self.loader = build_loader(cfg, info, self.model_dir, self.manifest, assign=self.assign_prompts,
                                    encoder=self.encoder)
         self._resources.callback(lambda: self.loader.close(collective=self._close_collective))
-        if info.local_rank == 0:  # what runs killed on this machine left in shared memory
-            remove_stale_push_folders()
-        self.pusher = WeightPusher(cfg.job.name, self.args, self.model_dir, info, self.param_dtype,
-                                   placement=self.placement)
-        self._resources.callback(lambda: self.pusher.close(collective=self._close_collective))
+        self.pusher = WeightPusher(self.args, info, self.param_dtype, placement=self.placement, timeout_s=timeout)
+        self._resources.callback(self.pusher.close)
         m = cfg.metrics
         self.metrics = MetricsLogger(
             cfg.run_dir, enabled=info.is_main, jsonl=m.jsonl, tensorboard=m.tensorboard, total_steps=cfg.job.steps,
@@ -340,7 +348,7 @@ class Trainer:
         expected_response = self.cfg.rollout.n * self.cfg.rollout.max_new_tokens
         costs = [m.num_tokens * self.cfg.rollout.n + expected_response for m in metas]
         generating = list(self.placement.engines)
-        tp = self.placement.tp
+        tp = self.placement.engine_share
         speeds = ([sum(self.rank_speeds[e + j] for j in range(tp)) for e in generating]
                   if self.rank_speeds else None)
         out: list[list[int]] = [[] for _ in range(world)]

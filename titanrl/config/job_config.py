@@ -377,10 +377,12 @@ class RolloutConfig:
     seed: int | None = None
     """Sampling seed of the engine; none = derived from job.seed."""
     tensor_parallel_size: int = 1
-    """vLLM tensor parallelism: one engine spans this many rollout ranks (their devices run its workers, vLLM's
-    own processes; the engine's first rank hands its outputs on), so generation runs data-parallel over
-    workflow.rollout_ranks / tensor_parallel_size engines. Needs workflow.placement = 'disaggregated' and
-    rollout.engine = 'vllm'."""
+    """vLLM tensor parallelism: one engine spans this many ranks of one machine, and generation runs
+    data-parallel over the engines. Colocated: the engine runs inside those ranks' processes (vLLM's external
+    launcher, a worker on each rank's device); each rank still generates its own prompts, the block's prompts in one
+    engine call. Disaggregated: the engine's workers are vLLM's own processes on the devices of that many rollout
+    ranks, and the block's first rank generates for them (workflow.rollout_ranks / tensor_parallel_size engines).
+    Needs rollout.engine = 'vllm'; colocated, not with partial rollouts (rollout.tokens_per_update)."""
 
     def problems(self) -> list[str]:
         found = []
@@ -893,14 +895,15 @@ class JobConfig:
                 "parallelism.ulysses = 'none' with unequal speeds, or equal speeds"
             )
         tp = self.rollout.tensor_parallel_size
-        if tp > 1 and (self.workflow.placement != "disaggregated" or self.rollout.engine != "vllm"):
-            found.append(
-                f"rollout.tensor_parallel_size={tp} runs one vLLM engine over several ranks with its workers in "
-                "processes of their own, which the disaggregated placement's engines are (colocated, each rank's "
-                "engine lives in the rank's process): set workflow.placement = 'disaggregated' and "
-                "rollout.engine = 'vllm', or rollout.tensor_parallel_size = 1"
-            )
-        elif tp > 1 and self.workflow.rollout_ranks % tp:
+        if tp > 1 and self.rollout.engine != "vllm":
+            found.append(f"rollout.tensor_parallel_size={tp} runs one vLLM engine over several ranks: set "
+                         "rollout.engine = 'vllm', or rollout.tensor_parallel_size = 1")
+        elif tp > 1 and self.workflow.placement == "colocated" and self.rollout.tokens_per_update:
+            found.append(f"rollout.tensor_parallel_size={tp} colocated runs the prompts of {tp} ranks in one engine "
+                         "call, but partial rollouts (rollout.tokens_per_update) continue each rank's unfinished "
+                         "responses in calls of their own: set rollout.tokens_per_update = 0, or use "
+                         "workflow.placement = 'disaggregated'")
+        elif tp > 1 and self.workflow.placement == "disaggregated" and self.workflow.rollout_ranks % tp:
             found.append(f"rollout.tensor_parallel_size={tp} must divide workflow.rollout_ranks="
                          f"{self.workflow.rollout_ranks} (each engine spans that many rollout ranks)")
         if self.rollout.sleep == "on" and self.workflow.placement == "disaggregated":
@@ -983,6 +986,10 @@ class JobConfig:
         if self.balance.rank_speeds and len(self.balance.rank_speeds) != world_size:
             found.append(f"balance.rank_speeds names {len(self.balance.rank_speeds)} ranks, but the job has "
                          f"{world_size}: one speed per rank")
+        tp = self.rollout.tensor_parallel_size
+        if self.workflow.placement == "colocated" and world_size % tp:
+            found.append(f"rollout.tensor_parallel_size = {tp} must divide the {world_size} ranks (each engine spans "
+                         f"{tp} of them)")
         world_size = self.workflow.training_ranks(world_size)
         dp = self.data_parallel_degree(world_size)
         if dp != world_size:

@@ -37,9 +37,9 @@ def trajectory_record(t) -> dict:
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from titanrl.rl.weight_sync import stream_full_state
+    from titanrl.rl.weight_sync import gather_full_state
 
-    return {name: tensor.float().clone() for name, tensor in stream_full_state(model, None, keep=True)}
+    return {name: tensor.float().cpu().clone() for name, tensor in gather_full_state(model, None)}
 
 
 def dump_step(run_dir: Path, step: int, trajs: Sequence, models: dict[str, torch.nn.Module], *, is_main: bool,

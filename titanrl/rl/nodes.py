@@ -30,7 +30,7 @@ from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
 from titanrl.rl.grpo import ValueLossOutput, aggregate
 from titanrl.rl.grpo import group_advantages as grpo_advantages
 from titanrl.rl.slice_loading import StepSlices
-from titanrl.rollout import RolloutRequest, probe_logprobs
+from titanrl.rollout import RolloutRequest
 
 
 # ---------------------------------------------------------------------------------- data, rollout, reward
@@ -59,7 +59,8 @@ def generate(batch, ctx):
     sampling = dict(temperature=r.temperature, top_p=r.top_p,
                     seed=(r.seed if r.seed is not None else ctx.cfg.job.seed) * 1_000_003 + batch.step)
     budget = min(r.tokens_per_update or r.max_new_tokens, r.max_new_tokens)
-    results = ctx.engine.generate(requests, n=r.n, max_new_tokens=budget, **sampling) if requests else []
+    # (an engine over several ranks runs their prompts together: every rank of it calls, with prompts or none)
+    results = ctx.engine.generate(requests, n=r.n, max_new_tokens=budget, **sampling) if ctx.engine is not None else []
     groups = {}
     for (group, prompt), samples in zip(batch.prompts, results):
         # the engine holds the weights of the updates done so far: that is every token's version
@@ -265,12 +266,13 @@ def probe(trajs, ctx) -> float:
         engines = ctx.placement.engines
         share = engines.index(ctx.info.rank) if ctx.engine is not None else -1
         items = [every[r] for i, r in enumerate(ctx.placement.train) if i % len(engines) == share]
-    diffs = []
-    for it in items:
-        if it is not None:
-            request, response_ids, ours = it
-            theirs = torch.tensor(probe_logprobs(ctx.engine, request, response_ids))
-            diffs.append(float((ours - theirs).abs().max()) if len(theirs) else 0.0)
+    items = [it for it in items if it is not None]
+    if ctx.engine is None:
+        return -1.0
+    # one engine call (an engine over several ranks scores their probes together: every rank of it calls)
+    scored = ctx.engine.score_many([(request, response_ids) for request, response_ids, _ in items])
+    diffs = [float((ours - torch.tensor(theirs)).abs().max()) if len(theirs) else 0.0
+             for (_, _, ours), theirs in zip(items, scored)]
     return max(diffs, default=-1.0)
 
 

@@ -1,26 +1,29 @@
-"""Push the trainer's current weights into the rollout engines without restarting them.
+"""The trainer's current weights into the rollout engines, in memory, without restarting them.
 
-The weights stream: parameter by parameter, every rank takes part in unsharding it (FSDP2's
-``DTensor.full_tensor``, a collective), cast to the parameter dtype before it leaves the device;
-only one rank per machine (local rank 0) keeps it, converts it to its HF name and adds it to the
-shard being written into shared memory (``HFShardWriter``: at most ``SHARD_BYTES`` pending); the
-others drop it at once. So the extra host memory of a push is, per machine, the files themselves
-plus one shard, and per non-writing rank one parameter - not a full fp32 copy of the model per rank
-(28 GB per rank at 7B). After a barrier each rank's engine reloads in place from that directory.
-A directory per push (alternating between two) keeps an engine from ever reading a half-written file.
+Gather: the model's FSDP2 shards are cast to the engine's dtype on their device and all-gathered in buckets
+(``bucket_bytes`` of full tensors: one ``all_gather_into_tensor`` per bucket, not one collective per parameter),
+then converted to HF names (``full_state``). At most one bucket of full tensors exists at a time, on the training
+device: nothing goes through host memory on a GPU, and nothing is written to a file.
 
-Disaggregated placement (the engines on ranks that hold no model): each training rank sends its own FSDP
-shard of every entry (cast to the parameter dtype) point-to-point to one rollout rank per machine, which
-concatenates the shards into the full tensor and writes it the same way; then every rollout rank's engine
-reloads from its machine's folder. No rank gathers the model before it leaves the training ranks.
+Colocated: every rank joins the gathers and hands each full tensor straight to its own engine
+(``engine.update_weights``: vLLM's layer-wise in-place reload, in the rank's process); an engine over T ranks
+(``rollout.tensor_parallel_size``) gets the full tensors on each of its ranks and vLLM's loaders keep each rank's part.
+
+Disaggregated (the engines on ranks that hold no model, their workers in processes of their own): the training
+ranks gather as above, and the first training rank broadcasts each bucket over a process group made for the push
+(``titanrl.distributed.stateless_group``: NCCL on GPU, gloo on CPU) whose other members are every engine's
+workers; the rollout ranks only tell their engines to receive (``engine.receive_weights``).
+
+Before the first push each engine checks the update's names, shapes and dtypes against the checkpoint it started
+from (a reload that fails half-way would kill vLLM). ``write_hf`` is the same gather into HF safetensors files:
+``checkpoint.export_hf``, not the push.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -28,35 +31,136 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from titanrl.distributed import DistInfo, all_gather_objects, barrier
+from titanrl.distributed import (DistInfo, all_gather_objects, broadcast_from_first, host_store,
+                                 stateless_group)
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
-from titanrl.models.qwen2_5_vl.state_dict_adapter import HFShardWriter, clean_name
+from titanrl.models.qwen2_5_vl.state_dict_adapter import HFShardWriter, Qwen2_5_VLStateDictAdapter, clean_name
+from titanrl.rollout.weights import TensorInfo, safetensors_dtype
 
-SHARD_BYTES = 256 << 20  # what the writer holds before a shard goes to the file (bounds host memory)
+BUCKET_BYTES = 256 << 20  # full tensors per gather (and per broadcast): bounds the push's extra device memory
+SHARD_BYTES = 256 << 20  # what write_hf holds before a shard goes to the file
 
 
-def stream_full_state(model: torch.nn.Module, dtype: torch.dtype | None, *, keep: bool
-                      ) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """(name, unsharded tensor) for every entry of the model's state dict, one at a time, in the same
-    order on every rank (each sharded entry is a collective every rank must join). Floating tensors are
-    cast to ``dtype`` on their device first; ranks with ``keep=False`` get None and hold nothing."""
+def _shard_dim0(value: torch.Tensor) -> bool:
+    """Whether ``value`` is sharded on dim 0 over a 1-D mesh (FSDP2), the layout the bucketed gather handles."""
+    if not isinstance(value, DTensor) or value.device_mesh.ndim != 1:
+        return False
+    (placement,) = value.placements
+    return isinstance(placement, Shard) and placement.dim == 0
+
+
+def _rows(full: int, world: int, rank: int) -> int:
+    """Rows of dim 0 that ``rank`` holds of ``full`` sharded over ``world`` (torch.chunk's split: FSDP2's, DTensor's)."""
+    chunk = -(-full // world)
+    return max(0, min(chunk, full - rank * chunk))
+
+
+def _gather_bucket(entries: list[tuple[str, DTensor]], dtype: torch.dtype | None) -> list[tuple[str, torch.Tensor]]:
+    """One all-gather for the full tensors of ``entries`` (dim-0 shards on one mesh): each rank's shards padded to
+    the chunk size and laid end to end as bytes."""
+    mesh = entries[0][1].device_mesh
+    world, me = mesh.size(), mesh.get_local_rank()
+    locals_, layouts, size = [], [], 0
+    for name, value in entries:
+        local = value.to_local().detach()
+        if dtype is not None and local.is_floating_point():
+            local = local.to(dtype)  # before the gather: bf16 moves half the bytes of fp32 masters
+        full0, rest = value.shape[0], tuple(value.shape[1:])
+        chunk = -(-full0 // world)
+        row = local.element_size() * (int(torch.Size(rest).numel()) if rest else 1)
+        if local.shape[0] != _rows(full0, world, me):
+            raise ValueError(f"{name}: shard of {local.shape[0]} rows, expected {_rows(full0, world, me)}")
+        locals_.append(local)
+        layouts.append((name, full0, rest, local.dtype, row, chunk, size))
+        size += chunk * row
+    device = locals_[0].device
+    mine = torch.zeros(size, dtype=torch.uint8, device=device)
+    for local, (_, _, _, _, row, _, offset) in zip(locals_, layouts):
+        if local.numel():
+            mine[offset:offset + local.shape[0] * row] = local.contiguous().reshape(-1).view(torch.uint8)
+    del locals_
+    if world == 1:
+        gathered = mine
+    else:
+        gathered = torch.empty(world * size, dtype=torch.uint8, device=device)
+        dist.all_gather_single(gathered, mine, group=mesh.get_group())
+    del mine
+    out = []
+    for name, full0, rest, dt, row, _, offset in layouts:
+        parts = [gathered[r * size + offset:r * size + offset + _rows(full0, world, r) * row] for r in range(world)]
+        flat = parts[0] if world == 1 else torch.cat(parts)
+        out.append((name, flat.view(dt).reshape(full0, *rest)))
+    return out
+
+
+def gather_full_state(model: torch.nn.Module, dtype: torch.dtype | None, *, keep: bool = True,
+                      bucket_bytes: int = BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(titanrl name, full tensor on the model's device) of every state-dict entry, in state-dict order on every
+    rank (the gathers are collectives every rank of the model's mesh must join). Floating tensors are cast to
+    ``dtype``; dim-0 shards are gathered ``bucket_bytes`` of full tensors at a time. ``keep=False``: the rank joins
+    the gathers and gets None (a full tensor is never copied off its device here)."""
+    pending: list[tuple[str, DTensor]] = []
+    pending_bytes = 0
+
+    def flush():
+        nonlocal pending, pending_bytes
+        done = _gather_bucket(pending, dtype) if pending else []
+        pending, pending_bytes = [], 0
+        return done
+
     for name, value in model.state_dict().items():
+        name = clean_name(name)
+        if _shard_dim0(value):
+            if pending and value.device_mesh is not pending[0][1].device_mesh:
+                yield from ((n, t if keep else None) for n, t in flush())
+            pending.append((name, value))
+            itemsize = value.element_size() if dtype is None or not value.is_floating_point() else \
+                torch.empty((), dtype=dtype).element_size()
+            pending_bytes += value.numel() * itemsize
+            if pending_bytes >= bucket_bytes:
+                yield from ((n, t if keep else None) for n, t in flush())
+            continue
+        yield from ((n, t if keep else None) for n, t in flush())
         value = value.detach()
-        if dtype is not None and value.is_floating_point():
-            value = value.to(dtype)  # before the gather: bf16 parameters move half the bytes of fp32 masters
         if isinstance(value, DTensor):
-            value = value.full_tensor()
-        yield clean_name(name), (value.to("cpu") if keep else None)
-        del value
+            value = value.full_tensor()  # another layout (replicated, or a 2-D mesh): DTensor's own gather
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        yield name, value if keep else None
+    yield from ((n, t if keep else None) for n, t in flush())
+
+
+def hf_layout(model: torch.nn.Module, args: Qwen2_5_VLArgs, dtype: torch.dtype | None) -> dict[str, TensorInfo]:
+    """HF name -> full shape and dtype of every tensor the push sends, in the order it sends them (no data
+    moves: meta tensors through the same name conversion)."""
+    adapter = Qwen2_5_VLStateDictAdapter(args)
+    out: dict[str, TensorInfo] = {}
+    for name, value in model.state_dict().items():
+        dt = dtype if dtype is not None and value.is_floating_point() else value.dtype
+        meta = torch.empty(value.shape, dtype=dt, device="meta")
+        for hf, t in adapter.to_hf({clean_name(name): meta}).items():
+            out[hf] = TensorInfo(tuple(t.shape), safetensors_dtype(t.dtype))
+    return out
+
+
+def hf_state(model: torch.nn.Module, args: Qwen2_5_VLArgs, dtype: torch.dtype | None, *, keep: bool = True,
+             bucket_bytes: int = BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """``gather_full_state`` under HF names (what engines and HF files take)."""
+    adapter = Qwen2_5_VLStateDictAdapter(args)
+    for name, tensor in gather_full_state(model, dtype, keep=keep, bucket_bytes=bucket_bytes):
+        if tensor is None:  # keep=False: the gathers only
+            yield name, None
+        else:
+            yield from adapter.to_hf({name: tensor}).items()
 
 
 def write_hf(model: torch.nn.Module, args: Qwen2_5_VLArgs, outdir: Path, *,
              dtype: torch.dtype | None, writer_rank: bool, assets_from: Path | None,
              shard_bytes: int = SHARD_BYTES) -> HFShardWriter | None:
-    """Stream the model's full weights into an HF directory written by the ranks with ``writer_rank``
-    (the others take part in the gathers only). Returns the writer (for its counters) on writers."""
+    """The model's full weights as an HF directory written by the ranks with ``writer_rank`` (the others take part
+    in the gathers only). Returns the writer (for its counters) on writers."""
     writer = HFShardWriter(outdir, args, dtype=dtype, shard_bytes=shard_bytes) if writer_rank else None
-    for name, tensor in stream_full_state(model, dtype, keep=writer is not None):
+    for name, tensor in gather_full_state(model, dtype, keep=writer is not None):
         if writer is not None:
             writer.add(name, tensor)
     if writer is not None:
@@ -64,167 +168,157 @@ def write_hf(model: torch.nn.Module, args: Qwen2_5_VLArgs, outdir: Path, *,
     return writer
 
 
-def _sharded(value: torch.Tensor) -> bool:
-    """Whether every training rank holds a different part of ``value`` (FSDP2: dim 0); otherwise the first
-    training rank's copy is the tensor."""
-    if not isinstance(value, DTensor) or all(p.is_replicate() for p in value.placements):
-        return False
-    if any(not (p.is_replicate() or (isinstance(p, Shard) and p.dim == 0)) for p in value.placements):
-        raise ValueError(f"the weight push sends shards of dim 0 only, not {value.placements}")
-    return True
+@dataclass(frozen=True)
+class Bucket:
+    """What one broadcast of the disaggregated push carries: (HF name, shape, safetensors dtype, byte offset)."""
+    entries: tuple[tuple[str, tuple[int, ...], str, int], ...]
+    nbytes: int
 
 
-def shard_layout(model: torch.nn.Module, dtype: torch.dtype | None) -> list[tuple[str, tuple, tuple, str, bool]]:
-    """(name, full shape, this rank's shard shape, dtype, sharded) of every state-dict entry."""
-    out = []
-    for name, value in model.state_dict().items():
-        sharded = _sharded(value)
-        local = value.to_local() if isinstance(value, DTensor) else value
-        dt = dtype if dtype is not None and value.is_floating_point() else value.dtype
-        out.append((clean_name(name), tuple(value.shape), tuple(local.shape), str(dt).removeprefix("torch."),
-                    sharded))
-    return out
+def plan_buckets(layout: dict[str, TensorInfo], bucket_bytes: int = BUCKET_BYTES) -> list[Bucket]:
+    """Consecutive tensors of ``layout`` (in its order) grouped into byte buckets of about ``bucket_bytes``; the
+    sender and every receiver compute the same plan from the same layout."""
+    buckets, entries, offset = [], [], 0
+    for name, info in layout.items():
+        entries.append((name, info.shape, info.dtype, offset))
+        offset += info.nbytes
+        if offset >= bucket_bytes:
+            buckets.append(Bucket(tuple(entries), offset))
+            entries, offset = [], 0
+    if entries:
+        buckets.append(Bucket(tuple(entries), offset))
+    return buckets
 
 
-def send_shards(model: torch.nn.Module, dtype: torch.dtype | None, writers: list[int], *, first: bool) -> int:
-    """This training rank's shard of every entry, in state-dict order, to every writer (``first``: this rank
-    also sends the entries that are not sharded). Returns the bytes sent."""
+def send_buckets(tensors: Iterator[tuple[str, torch.Tensor]], buckets: list[Bucket], group,
+                 device: torch.device) -> int:
+    """The first training rank: the full tensors into the plan's byte buckets, each broadcast to the engines'
+    workers as it fills (one bucket of extra memory). Returns the bytes sent."""
     sent = 0
-    for value in model.state_dict().values():
-        value = value.detach()
-        if not (_sharded(value) or first):
-            continue
-        local = value.to_local() if isinstance(value, DTensor) else value
-        if dtype is not None and local.is_floating_point():
-            local = local.to(dtype)
-        if local.numel() == 0:
-            continue
-        local = local.contiguous()
-        for r in [dist.isend(local, dst=w) for w in writers]:
-            r.wait()
-        sent += local.numel() * local.element_size() * len(writers)
+    stream = iter(tensors)
+    for bucket in buckets:
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        for name, shape, _, offset in bucket.entries:
+            got, tensor = next(stream)
+            if got != name or tuple(tensor.shape) != tuple(shape):
+                raise RuntimeError(f"weight push out of order: sent {got} {tuple(tensor.shape)}, planned {name} {shape}")
+            nbytes = tensor.numel() * tensor.element_size()
+            buf[offset:offset + nbytes] = tensor.contiguous().reshape(-1).view(torch.uint8)
+        broadcast_from_first(group, buf)
+        sent += bucket.nbytes
     return sent
 
 
-def receive_full_state(layouts: list[list[tuple]], senders: list[int], device: torch.device
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    """On a writer: (name, full tensor on the CPU) of every entry, put together from the shards ``senders``
-    send (``layouts[i]``: what ``shard_layout`` gave on ``senders[i]``)."""
-    for e, (name, shape, _, dt, sharded) in enumerate(layouts[0]):
-        dtype = getattr(torch, dt)
-        parts = []
-        for i, src in enumerate(senders if sharded else senders[:1]):
-            local = layouts[i][e][2]
-            if 0 in local:
-                continue
-            buf = torch.empty(local, dtype=dtype, device=device)
-            dist.recv(buf, src=src)
-            parts.append(buf.cpu())
-        yield name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+def receive_buckets(buckets: list[Bucket], group, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """An engine worker (or an in-process engine): the full tensors of every bucket the first training rank
+    broadcasts, as (HF name, tensor on ``device``)."""
+    from titanrl.rollout.weights import torch_dtype
 
-
-def _shm_base() -> Path:
-    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-
-
-def remove_stale_push_folders(base: Path | None = None) -> list[Path]:
-    """Remove the push folders (``titanrl-<job>-...-<pid>``) whose owning process is gone: what runs killed on
-    this machine (kill -9, an OOM kill) left in shared memory. The owner is the pid the name ends with (the
-    torchrun agent, or the process of a one-process run); a pid that lives again but started after the folder
-    was made is another process, so its folder is stale too. Returns what was removed."""
-    import psutil
-
-    removed = []
-    for folder in (base or _shm_base()).glob("titanrl-*"):
-        pid_text = folder.name.rsplit("-", 1)[-1]
-        if not folder.is_dir() or not pid_text.isdigit():
-            continue
-        try:
-            alive = psutil.Process(int(pid_text)).create_time() <= folder.stat().st_mtime + 1.0
-        except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError):
-            alive = False
-        if not alive:
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    return removed
-
-
-def shm_root(job_name: str) -> Path:
-    """The node-local folder the ranks of one job push weights through: unique per job on the node.
-
-    Under torchrun the local ranks share their elastic agent (the parent process), whose pid no other
-    live job on the node has; ``TORCHELASTIC_RUN_ID`` alone is not enough (it is "none" without
-    ``--rdzv-id``). A plain ``python -m titanrl.train`` is one process: its own pid (its parent may be
-    a shell or init, shared with other jobs)."""
-    base = _shm_base()
-    if "LOCAL_WORLD_SIZE" in os.environ:
-        job = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-{os.getppid()}"
-    else:
-        job = str(os.getpid())
-    return base / f"titanrl-{job_name}-{job}"
+    for bucket in buckets:
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        broadcast_from_first(group, buf)
+        for name, shape, dt, offset in bucket.entries:
+            info = TensorInfo(tuple(shape), dt)
+            yield name, buf[offset:offset + info.nbytes].view(torch_dtype(dt)).reshape(shape)
 
 
 class WeightPusher:
-    def __init__(self, job_name: str, args: Qwen2_5_VLArgs, model_dir: Path, info: DistInfo, dtype: torch.dtype,
-                 placement=None) -> None:
-        self.root = shm_root(job_name)
-        self.args, self.model_dir, self.info, self.dtype = args, model_dir, info, dtype
+    """The trainer's weight push (see the module doc); every rank calls ``push`` at the same point."""
+
+    def __init__(self, args: Qwen2_5_VLArgs, info: DistInfo, dtype: torch.dtype, placement=None, *,
+                 timeout_s: float = 600.0, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.args, self.info, self.dtype = args, info, dtype
         self.placement = placement  # titanrl.workflow.placement.Placement; None: colocated
+        self.timeout_s, self.bucket_bytes = timeout_s, bucket_bytes
         self.pushes = 0
-        self._layouts: list | None = None
-        self._writers: list[int] | None = None
+        self.bytes_pushed = 0
+        self._layout: dict[str, TensorInfo] | None = None
+        self._buckets: list[Bucket] | None = None
+        self._group = None  # disaggregated: the push's own process group (first training rank + engine workers)
 
-    def _disaggregated_setup(self, model) -> None:
-        """Once (every rank): the training ranks' shard layouts and the writing rollout rank of each machine."""
-        mine = (socket.gethostname(), shard_layout(model, self.dtype) if model is not None else None)
-        every = all_gather_objects(mine)
-        self._layouts = [every[r][1] for r in self.placement.train]
-        first_on_host: dict[str, int] = {}
-        for r in self.placement.rollout:
-            first_on_host.setdefault(every[r][0], r)
-        self._writers = sorted(first_on_host.values())
+    @property
+    def disaggregated(self) -> bool:
+        return self.placement is not None and self.placement.disaggregated
 
-    def export(self, model: torch.nn.Module | None) -> Path:
-        target = self.root / f"slot{self.pushes % 2}"
-        disaggregated = self.placement is not None and self.placement.disaggregated
-        if disaggregated and self._writers is None:
-            self._disaggregated_setup(model)
-        # one writer per machine; the others wait at the barrier
-        writer_rank = self.info.rank in self._writers if disaggregated else self.info.local_rank == 0
-        if writer_rank and target.exists():
-            shutil.rmtree(target)
-        if not disaggregated:
-            write_hf(model, self.args, target, dtype=self.dtype, writer_rank=writer_rank,
-                     assets_from=self.model_dir)
-        else:
-            if model is not None:
-                send_shards(model, self.dtype, self._writers, first=self.info.rank == self.placement.train[0])
-            if writer_rank:
-                writer = HFShardWriter(target, self.args, dtype=self.dtype, shard_bytes=SHARD_BYTES)
-                for name, tensor in receive_full_state(self._layouts, list(self.placement.train), self.info.device):
-                    writer.add(name, tensor)
-                writer.close(self.model_dir)
-        barrier()
-        self.pushes += 1
-        return target
+    def _disaggregated_setup(self, model, engine) -> None:
+        """Once (every rank): the layout from the first training rank, and the push's process group, which the
+        first training rank hosts and every engine's workers join."""
+        placement = self.placement
+        first = placement.train[0]
+        mine = None
+        if self.info.rank == first:
+            store = host_store(self.timeout_s)
+            mine = (_reachable_address(), store.port, hf_layout(model, self.args, self.dtype))
+        every = all_gather_objects((mine, engine.workers if engine is not None else 0, socket.gethostname()))
+        host, port, self._layout = every[first][0]
+        if every[self.info.rank][2] == every[first][2]:
+            host = "127.0.0.1"  # the store listens on every interface: on its own machine, loopback
+        self._buckets = plan_buckets(self._layout, self.bucket_bytes)
+        workers = [n for _, n, _ in every]
+        world = 1 + sum(workers)
+        if self.info.rank == first:
+            self._group = stateless_group((host, port), 0, world, self.info.device, self.timeout_s, store=store)
+        elif engine is not None:
+            engine.check_update(self._layout)  # before joining: a rejected update stops the run here
+            engine.join_weight_group((host, port), world, 1 + sum(workers[:self.info.rank]), self.timeout_s)
 
     def push(self, model: torch.nn.Module | None, engine) -> dict[str, float]:
         """Every rank: the model's new weights into every engine (``model`` / ``engine`` None where a rank of a
-        disaggregated placement holds none)."""
+        disaggregated placement holds none). Returns the seconds of the gathers and of the engine's load."""
         t0 = time.perf_counter()
-        path = self.export(model)
-        t1 = time.perf_counter()
-        if engine is not None:
-            engine.load_weights(path)
-        t2 = time.perf_counter()
-        # a rank without the model only waits in the export (for the training ranks' update, then their shards)
-        return {**({"sync/export_s": t1 - t0} if model is not None else {}),
-                **({"sync/load_s": t2 - t1} if engine is not None else {})}
+        if self.disaggregated:
+            if self._buckets is None:
+                self._disaggregated_setup(model, engine)
+            if model is not None:
+                keep = self.info.rank == self.placement.train[0]
+                tensors = hf_state(model, self.args, self.dtype, keep=keep, bucket_bytes=self.bucket_bytes)
+                if keep:
+                    self.bytes_pushed += send_buckets(tensors, self._buckets, self._group, self.info.device)
+                else:
+                    for _ in tensors:  # the gathers only
+                        pass
+                return {"sync/gather_s": time.perf_counter() - t0}
+            if engine is not None:
+                engine.receive_weights(self._buckets)
+                return {"sync/load_s": time.perf_counter() - t0}
+            return {}
+        if self._layout is None:
+            self._layout = hf_layout(model, self.args, self.dtype)
+        gathered = _Timed(hf_state(model, self.args, self.dtype, bucket_bytes=self.bucket_bytes))
+        engine.update_weights(self._layout, gathered)
+        self.pushes += 1
+        self.bytes_pushed += sum(i.nbytes for i in self._layout.values())
+        return {"sync/gather_s": gathered.seconds, "sync/load_s": time.perf_counter() - t0 - gathered.seconds}
 
-    def close(self, *, collective: bool = True) -> None:
-        """Remove this job's push folder (local rank 0, after the others are done with it; after a failure,
-        ``collective=False``, without waiting for them)."""
-        if collective:
-            barrier()
-        if self.info.local_rank == 0 and self.root.exists():
-            shutil.rmtree(self.root, ignore_errors=True)
+    def close(self) -> None:
+        self._group = None
+
+
+class _Timed:
+    """An iterator's own time (the gathers), apart from its consumer's (the engine's load)."""
+
+    def __init__(self, it) -> None:
+        self.it, self.seconds = iter(it), 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        try:
+            return next(self.it)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def _reachable_address() -> str:
+    """This host's address for the push group's store: VLLM_HOST_IP when set (vLLM's own rule for the address
+    its workers use), else the host name's address."""
+    import os
+
+    if os.environ.get("VLLM_HOST_IP"):
+        return os.environ["VLLM_HOST_IP"]
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

@@ -2,7 +2,7 @@
 
     engine = build_rollout_engine(cfg, model_dir, rank)           # vLLM (default) or HF generate
     groups = engine.generate(requests, n=4, temperature=1.0, top_p=1.0, max_new_tokens=32, seed=s)
-    WeightPusher(...).push(model, engine)                         # after each update (titanrl.rl.weight_sync)
+    WeightPusher(...).push(model, engine)                         # after each update, in memory (titanrl.rl.weight_sync)
     probe_logprobs(engine, requests[0], groups[0][0].token_ids)   # compare with the trainer's
 
 Heavy imports (vllm, transformers) happen inside the engine constructors only.

@@ -25,14 +25,17 @@ def build_rollout_engine(
     rank: int,
     *,
     mm_limits: dict[str, int] | None = None,
-    own_process: bool = False,
+    launch=None,
+    tp_group=None,
     sleep: bool = False,
 ):
     """The rollout engine of ``cfg.rollout.engine`` for this rank, on the checkpoint in
     ``model_dir``. vLLM: every rank must call this at the same point (see vllm_engine).
 
-    ``own_process``: vLLM's engine core in a child process (a torch.distributed world of its own; the
-    disaggregated placement, where only some ranks build an engine); the HF engine runs in-process always.
+    ``launch``: where vLLM runs (``titanrl.rollout.launch.engine_launch``: in the rank's process with vLLM's
+    external launcher, or its engine core and workers in child processes for the disaggregated placement, where only
+    some ranks build an engine); unset: this process alone. ``tp_group``: the process group of the ranks an
+    in-process engine spans (``rollout.tensor_parallel_size`` > 1). The HF engine runs in-process always.
 
     ``sleep``: the engine gives its device memory back between generations (``engine.sleep()``, after each;
     ``JobConfig.engine_sleeps`` decides).
@@ -65,8 +68,8 @@ def build_rollout_engine(
             max_pixels=cfg.data.max_pixels,
             num_threads=ro.num_threads,
             seed=seed + rank,
-            own_process=own_process,
-            tensor_parallel_size=ro.tensor_parallel_size,
+            launch=launch,
+            tp_group=tp_group,
             sleep=sleep,
         )
     if ro.engine == "hf":

@@ -27,7 +27,7 @@ import torch
 from titanrl.data.preprocess import MediaSettings, media_to_patches
 from titanrl.models.qwen2_5_vl.state_dict_adapter import canonical_hf_name
 from titanrl.rollout.types import RolloutRequest, RolloutSample, request_seed, torch_threads
-from titanrl.rollout.weights import check_update, read_headers, weight_files
+from titanrl.rollout.weights import TensorInfo, check_update, checked_stream, read_headers, weight_files
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -170,13 +170,15 @@ class HFGenerateEngine:
                 pad_token_id=self.pad_id,
                 eos_token_id=sorted(self.eos_ids),
                 return_dict_in_generate=True,
-                output_logits=True,  # raw logits: log-probs before temperature, like vLLM
+                # the scores generate sampled from (after the suppressed tokens, temperature and top-p): the behaviour
+                # log-probs, like vLLM's processed log-probs
+                output_scores=True,
                 use_cache=True,
                 **sampling,
                 **kwargs,
             )
         new = res.sequences[:, width:]  # row i * n + j: request i's sample j
-        logits = torch.stack(res.logits, dim=1).float()  # [len(requests) * n, steps, V]
+        logits = torch.stack(res.scores, dim=1).float()  # [len(requests) * n, steps, V]
         lps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None])[..., 0].cpu()
         new = new.cpu()
         out = []
@@ -191,6 +193,9 @@ class HFGenerateEngine:
                 samples.append(RolloutSample(toks[:end], lps[row, :end].tolist(), reason, text))
             out.append(samples)
         return out
+
+    def score_many(self, items) -> list[list[float]]:
+        return [self.score(request, ids) for request, ids in items]
 
     def score(self, request: RolloutRequest, completion_ids: Sequence[int]) -> list[float]:
         completion = [int(t) for t in completion_ids]
@@ -218,24 +223,48 @@ class HFGenerateEngine:
             self.model.to(self.device)
             self._asleep = False
 
+    workers = 1  # a weight push over the push's process group reaches this process itself
+
+    def check_update(self, layout, where: str = "weight push") -> None:
+        check_update(self._reference, layout, where=where)
+
+    def update_weights(self, layout, tensors) -> float:
+        """The weights in place from (HF name, tensor) pairs (declared by ``layout``, checked first); a sleeping
+        engine's host copy takes them."""
+        t0 = time.perf_counter()
+        self.check_update(layout)
+        params = dict(self.model.state_dict())
+        with torch.no_grad():
+            for name, tensor in checked_stream(tensors, layout):
+                target = _hf_param_name(name)
+                if target not in params:
+                    raise KeyError(f"{name} has no parameter {target} in the HF model")
+                params[target].copy_(tensor)
+        return time.perf_counter() - t0
+
     def load_weights(self, hf_dir: str | Path) -> float:
         from safetensors import safe_open
 
-        t0 = time.perf_counter()
-        check_update(self._reference, read_headers(hf_dir), where=str(hf_dir))
-        params = dict(self.model.state_dict())
-        updates = {}
-        for path in weight_files(hf_dir):
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    target = _hf_param_name(name)
-                    if target not in params:
-                        raise KeyError(f"{hf_dir}: {name} has no parameter {target} in the HF model")
-                    updates[target] = f.get_tensor(name)
-        with torch.no_grad():
-            for target, tensor in updates.items():
-                params[target].copy_(tensor)
-        return time.perf_counter() - t0
+        layout = read_headers(hf_dir)
+
+        def tensors():
+            for path in weight_files(hf_dir):
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+
+        return self.update_weights(layout, tensors())
+
+    def join_weight_group(self, address, world: int, first: int, timeout_s: float) -> None:
+        from titanrl.distributed import stateless_group
+
+        self._weight_group = stateless_group(address, first, world, self.device, timeout_s)
+
+    def receive_weights(self, buckets) -> float:
+        from titanrl.rl.weight_sync import receive_buckets
+
+        layout = {name: TensorInfo(tuple(shape), dt) for b in buckets for name, shape, dt, _ in b.entries}
+        return self.update_weights(layout, receive_buckets(buckets, self._weight_group, self.device))
 
     def close(self, *, collect: bool = True) -> None:  # nothing to collect: the model goes with its reference
         self.model = None

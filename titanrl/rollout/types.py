@@ -12,7 +12,7 @@ import hashlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Literal, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Iterator, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -121,10 +121,27 @@ class RolloutEngine(Protocol):
         """log p(completion_ids[i] | prompt, completion_ids[:i]) under the engine's weights."""
         ...
 
-    def load_weights(self, hf_dir: str | Path) -> float:
-        """Replace the weights in place from ``hf_dir`` (HF names in *.safetensors, all or part of
-        the model); return the seconds it took, cache resets included. Works on a sleeping engine."""
+    def score_many(self, items: Sequence[tuple[RolloutRequest, Sequence[int]]]) -> list[list[float]]:
+        """``score`` of several pairs in one call (every rank of an engine over several ranks calls it)."""
         ...
+
+    def check_update(self, layout: Mapping[str, Any], where: str = "weight push") -> None:
+        """WeightsMismatchError unless every tensor of ``layout`` (HF name -> TensorInfo) fits the engine's model."""
+        ...
+
+    def update_weights(self, layout: Mapping[str, Any], tensors: Iterable[tuple[str, Any]]) -> float:
+        """Replace the weights in place from in-memory (HF name, tensor) pairs that ``layout`` declares (all or
+        part of the model); return the seconds it took, cache resets included. Works on a sleeping engine."""
+        ...
+
+    def load_weights(self, hf_dir: str | Path) -> float:
+        """``update_weights`` from an HF directory's *.safetensors (tests, tools; the trainer's push writes no
+        files)."""
+        ...
+
+    workers: int
+    """Processes that receive a push over the push's process group (``join_weight_group`` / ``receive_weights``:
+    the disaggregated placement)."""
 
     def sleep(self) -> None:
         """Give the engine's device memory back until its next call (``rollout.sleep``; a no-op for an engine

@@ -42,7 +42,7 @@ import time
 import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -58,7 +58,9 @@ from titanrl.rollout.types import (
     request_seed,
     torch_threads,
 )
-from titanrl.rollout.weights import QWEN2_5_VL_PACKED_MODULES, check_update, read_header, read_headers, weight_files
+from titanrl.rollout.launch import EngineLaunch, engine_launch
+from titanrl.rollout.weights import (QWEN2_5_VL_PACKED_MODULES, TensorInfo, check_update, checked_stream,
+                                     read_header, read_headers, weight_files)
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +136,33 @@ def _packed_modules(model: Any) -> dict:
     return dict(getattr(model, "packed_modules_mapping", {}) or {})
 
 
-def _reload_worker(worker: Any, files: list[str]) -> None:
-    """Runs inside vLLM's worker (collective_rpc): stream tensors from safetensors files into the
-    model with vLLM's layer-wise in-place reload (plain model.load_weights breaks prepacked
-    CPU GEMM weights). Files are passed by path: rpc arguments may not carry tensors intact."""
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _worker_layout(worker: Any) -> dict[str, Any]:
+    """Runs inside vLLM's worker: the device it bound and its place in vLLM's groups."""
+    from vllm.distributed import parallel_state as ps
+
+    return {"device": str(worker.device), "rank": int(worker.rank), "local_rank": int(worker.local_rank),
+            "tp_ranks": list(ps.get_tp_group().ranks), "world_ranks": list(ps.get_world_group().ranks),
+            "backend": str(worker.parallel_config.distributed_executor_backend)}
+
+
+def _reload(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Runs inside vLLM's worker: (HF name, tensor) pairs into the model with vLLM's layer-wise in-place reload
+    (plain model.load_weights breaks prepacked CPU GEMM weights)."""
+    _quiet_derived_buffer_warnings(worker.model_runner.get_model())
+    worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+
+
+def _reload_tensors(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """In the rank's process (in-process engines): the tensors arrive as they are, by reference."""
+    _reload(worker, tensors)
+
+
+def _reload_files(worker: Any, files: list[str]) -> None:
+    """An engine in child processes, from safetensors files (``load_weights``; the trainer's push sends none)."""
     from safetensors import safe_open
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -146,8 +171,22 @@ def _reload_worker(worker: Any, files: list[str]) -> None:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
 
-    _quiet_derived_buffer_warnings(worker.model_runner.get_model())
-    worker.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+    _reload(worker, tensors())
+
+
+def _join_weight_group(worker: Any, address: tuple[str, int], world: int, first: int, timeout_s: float) -> None:
+    """Runs inside each of the engine's workers: join the weight push's process group as rank first + its own."""
+    from titanrl.distributed import stateless_group
+
+    worker._titanrl_weight_group = stateless_group(address, first + int(worker.rank), world, worker.device,
+                                                   timeout_s)
+
+
+def _receive_weights(worker: Any, buckets: list) -> None:
+    """Runs inside each of the engine's workers: the buckets the first training rank broadcasts, into the model."""
+    from titanrl.rl.weight_sync import receive_buckets
+
+    _reload(worker, receive_buckets(buckets, worker._titanrl_weight_group, worker.device))
 
 
 class _DerivedBufferFilter(logging.Filter):
@@ -213,14 +252,28 @@ class VLLMEngine:
         enable_prefix_caching: bool = True,
         max_num_seqs: int | None = None,
         banned_token_ids: Sequence[int] | None = None,
-        own_process: bool = False,
-        tensor_parallel_size: int = 1,
+        launch: EngineLaunch | None = None,
+        tp_group: Any = None,
         sleep: bool = False,
     ) -> None:
+        import torch.distributed as dist
+
         self.model_dir = Path(model_dir)
         self._sleeps = sleep  # rollout.sleep: vLLM's sleep mode (CUDA / ROCm builds only)
         self._asleep = False
         self.num_threads = num_threads
+        # where it runs (titanrl.rollout.launch); unset: this process alone, on device 0
+        process_group = dist.is_available() and dist.is_initialized()
+        if launch is None:
+            launch = engine_launch(dist.get_rank() if process_group else 0, 0,
+                                   dist.get_world_size() if process_group else 1, 1, _device_type(),
+                                   process_group=process_group)
+        self.launch = launch
+        # tensor parallelism inside the ranks (colocated): the ranks sharing the engine submit the same requests
+        self.tp_group = tp_group if launch.in_process and launch.tensor_parallel_size > 1 else None
+        if launch.in_process and launch.tensor_parallel_size > 1 and tp_group is None:
+            raise ValueError("an engine over several ranks needs their process group (tp_group)")
+        own_process = not launch.in_process
         if own_process:
             # the engine core (and its worker) in child processes: vLLM's default mode; spawned, not forked
             # (this process runs gloo and Ray threads); apply_model's function is pickled to them
@@ -244,10 +297,8 @@ class VLLMEngine:
         self.mm_processor_kwargs = mm_kwargs or None
         self.mm_limits = dict(mm_limits or {"image": 1, "video": 1})
 
-        import torch.distributed as dist
-
         # Whose default process group will vLLM use? Ours to tear down only if vLLM made it.
-        self._owns_process_group = not (dist.is_available() and dist.is_initialized())
+        self._owns_process_group = not process_group
         t0 = time.perf_counter()
         with self._threads(), _contain_global_state():
             from vllm import LLM, SamplingParams
@@ -269,19 +320,24 @@ class VLLMEngine:
                 # partial request with Generator.set_offset, which CPU generators do not support
                 # ("CPU Generator does not use offset"): schedule whole prompts only.
                 enable_chunked_prefill=False,
-                tensor_parallel_size=tensor_parallel_size,
+                tensor_parallel_size=launch.tensor_parallel_size,
+                # behaviour log-probs of the distribution the tokens were sampled from: after the logit bias,
+                # the temperature and top-p (what importance weights of off-policy tokens divide by)
+                logprobs_mode="processed_logprobs",
             )
+            if launch.in_process:  # in child processes vLLM picks its executor (mp over several workers)
+                kwargs["distributed_executor_backend"] = launch.backend
             if max_num_seqs is not None:
                 kwargs["max_num_seqs"] = max_num_seqs
             if sleep:  # vLLM refuses it on a platform without sleep mode (its CPU build), naming the platform
                 kwargs["enable_sleep_mode"] = True
-            if own_process and torch.cuda.is_available():
+            if launch.visible_devices:
                 # the engine's workers take this rank's device and the next tensor_parallel_size - 1 (the ranks it
                 # spans); the variable is read by the spawned processes only (restored on leaving the block)
                 visible = os.environ.get("CUDA_VISIBLE_DEVICES")
                 devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-                first = torch.cuda.current_device()
-                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[first:first + tensor_parallel_size])
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[i] for i in launch.visible_devices)
+            os.environ.update(launch.env)  # external_launcher: vLLM's worker reads RANK / LOCAL_RANK (restored)
             try:
                 self.llm = LLM(**kwargs)
             finally:
@@ -293,6 +349,8 @@ class VLLMEngine:
         # Fused modules of the engine's model: partial updates must cover them whole.
         packed = self.llm.apply_model(_packed_modules)
         self.packed_modules = (packed[0] if packed else None) or dict(QWEN2_5_VL_PACKED_MODULES)
+        # what vLLM's workers took: device, rank, tensor-parallel group (checked by tests, logged by the trainer)
+        self.layout = self.llm.collective_rpc(_worker_layout)
 
     def busy_outside_s(self) -> float:
         """Seconds the engine worked for this rank outside this process: the wall time of calls into an engine
@@ -358,11 +416,13 @@ class VLLMEngine:
                 self.llm.sleep(level=1)
             self._asleep = True
 
-    def _wake(self) -> None:
+    def _wake(self, tags: tuple[str, ...] | None = None) -> None:
+        """Wake what the next call needs: everything (generation), or only ``("weights",)`` (a weight push: the KV
+        cache stays released until the next generation, vLLM's RL pattern)."""
         if self._asleep:
             with self._call():
-                self.llm.wake_up()
-            self._asleep = False
+                self.llm.wake_up(tags=list(tags) if tags else None)
+            self._asleep = tags is not None
 
     # -- RolloutEngine ----------------------------------------------------------------------
 
@@ -376,25 +436,28 @@ class VLLMEngine:
         max_new_tokens: int,
         seed: int,
     ) -> list[list[RolloutSample]]:
-        if not requests:
+        if not requests and self.tp_group is None:
             return []
+        sampling = (n, temperature, top_p, max_new_tokens, seed)
+        every, start = self._lockstep([(r, sampling) for r in requests])
         self._wake()
-        prompts = [self._prompt(r, r.response_prefix or None) for r in requests]
+        prompts = [self._prompt(r, r.response_prefix or None) for r, _ in every]
         params = [
             self._SamplingParams(
-                n=n,
-                temperature=temperature,
-                top_p=top_p,
+                n=n_,
+                temperature=temperature_,
+                top_p=top_p_,
                 top_k=0,
-                max_tokens=max_new_tokens,
+                max_tokens=max_new_tokens_,
                 logprobs=0,
-                seed=request_seed(seed, r),
+                seed=request_seed(seed_, r),
                 logit_bias=self.logit_bias,
             )
-            for r in requests
+            for r, (n_, temperature_, top_p_, max_new_tokens_, seed_) in every
         ]
         with self._call():
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        outputs = outputs[start:start + len(requests)]
         result = []
         for i, (request, out) in enumerate(zip(requests, outputs)):
             self._check(request, out.prompt_token_ids, i, extra=request.response_prefix)
@@ -408,18 +471,74 @@ class VLLMEngine:
         return result
 
     def score(self, request: RolloutRequest, completion_ids: Sequence[int]) -> list[float]:
-        completion_ids = [int(t) for t in completion_ids]
-        if not completion_ids:
-            return []
+        return self.score_many([(request, completion_ids)])[0]
+
+    def score_many(self, items: Sequence[tuple[RolloutRequest, Sequence[int]]]) -> list[list[float]]:
+        """``score`` of several (request, completion) pairs in one engine call (every rank of an engine over
+        several ranks calls it, with its own pairs or none)."""
+        items = [(r, [int(t) for t in ids]) for r, ids in items]
+        every, start = self._lockstep([(r, ids) for r, ids in items if ids])
+        if not every:
+            return [[] for _ in items]
         self._wake()
         params = self._SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, logprobs=None)
         with self._call():
-            (out,) = self.llm.generate([self._prompt(request, completion_ids)], params, use_tqdm=False)
-        self._check(request, out.prompt_token_ids, 0, extra=completion_ids)
-        start = len(out.prompt_token_ids) - len(completion_ids)
-        return [float(out.prompt_logprobs[start + i][t].logprob) for i, t in enumerate(completion_ids)]
+            outs = self.llm.generate([self._prompt(r, ids) for r, ids in every], params, use_tqdm=False)
+        scored = iter(outs[start:])
+        result = []
+        for i, (request, ids) in enumerate(items):
+            if not ids:
+                result.append([])
+                continue
+            out = next(scored)
+            self._check(request, out.prompt_token_ids, i, extra=ids)
+            first = len(out.prompt_token_ids) - len(ids)
+            result.append([float(out.prompt_logprobs[first + j][t].logprob) for j, t in enumerate(ids)])
+        return result
+
+    def _lockstep(self, mine: list) -> tuple[list, int]:
+        """An engine over several ranks in their processes (vLLM's external launcher) runs one schedule on every
+        one of them: each rank submits the items of all of them, in rank order. Returns those items and where this
+        rank's start (alone: its own, at 0)."""
+        if self.tp_group is None:
+            return mine, 0
+        import torch.distributed as dist
+
+        parts: list = [None] * self.launch.tensor_parallel_size
+        dist.all_gather_object(parts, mine, group=self.tp_group)
+        index = self.launch.engine_ranks.index(self.launch.rank)
+        return [x for part in parts for x in part], sum(len(p) for p in parts[:index])
+
+    # -- weights ----------------------------------------------------------------------------
+
+    @property
+    def workers(self) -> int:
+        """The engine's worker processes that take a weight push (one per tensor-parallel rank in child
+        processes; in the rank's process, none of their own)."""
+        return 0 if self.launch.in_process else self.launch.tensor_parallel_size
+
+    def check_update(self, layout: Mapping[str, TensorInfo], where: str = "weight push") -> None:
+        """WeightsMismatchError naming what does not fit, before anything loads (a reload that fails half-way kills
+        the engine)."""
+        check_update(self._reference, layout, where=where, packed=self.packed_modules)
+
+    def update_weights(self, layout: Mapping[str, TensorInfo], tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """The weights in place from (HF name, tensor) pairs, in memory (an engine in the rank's process: they
+        reach vLLM's worker by reference, on their device); ``layout`` declares them (names, shapes, dtypes: checked
+        first, and each tensor against it as it arrives). Returns the seconds it took, cache resets included."""
+        if not self.launch.in_process:
+            raise ValueError("an engine in child processes receives a push over its weight group "
+                             "(join_weight_group / receive_weights)")
+        t0 = time.perf_counter()
+        self.check_update(layout)
+        self._wake(("weights",))  # the worker loads into its device parameters (its KV cache may stay asleep)
+        with self._call():
+            self.llm.collective_rpc(_reload_tensors, args=(checked_stream(tensors, layout),))
+        self._after_update()
+        return time.perf_counter() - t0
 
     def load_weights(self, hf_dir: str | Path) -> float:
+        """The weights of an HF directory's safetensors (all or part of the model)."""
         t0 = time.perf_counter()
         files = weight_files(hf_dir)
         update: dict = {}
@@ -429,18 +548,49 @@ class VLLMEngine:
             if dup:
                 raise WeightsMismatchError(f"{hf_dir}: tensors in several files: {sorted(dup)[:5]}")
             update.update(part)
-        check_update(self._reference, update, where=str(hf_dir), packed=self.packed_modules)
-        self._wake()  # the worker loads into its device parameters (back from host memory first: level 1)
+        self.check_update(update, where=str(hf_dir))
+        if self.launch.in_process:
+            from safetensors import safe_open
+
+            def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+                for path in files:
+                    with safe_open(str(path), framework="pt") as f:
+                        for name in f.keys():
+                            yield name, f.get_tensor(name)
+
+            self._wake(("weights",))
+            with self._call():
+                self.llm.collective_rpc(_reload_tensors, args=(tensors(),))
+        else:
+            self._wake(("weights",))
+            with self._call():
+                self.llm.collective_rpc(_reload_files, args=([str(f) for f in files],))
+        self._after_update()
+        return time.perf_counter() - t0
+
+    def join_weight_group(self, address: tuple[str, int], world: int, first: int, timeout_s: float) -> None:
+        """The engine's workers (ranks ``first`` ..) join the weight push's process group hosted at ``address``."""
         with self._call():
-            self.llm.collective_rpc(_reload_worker, args=([str(f) for f in files],))
-            # Stale vision embeddings / KV blocks computed with the old weights must go, or the
-            # next request with a seen image hits "Encoder cache miss" (or reuses old KV).
+            self.llm.collective_rpc(_join_weight_group, args=(tuple(address), world, first, timeout_s))
+
+    def receive_weights(self, buckets: list) -> float:
+        """The engine's workers receive a push over their weight group (the sender broadcasts ``buckets``)."""
+        t0 = time.perf_counter()
+        self._wake(("weights",))
+        with self._call():
+            self.llm.collective_rpc(_receive_weights, args=(list(buckets),))
+        self._after_update()
+        return time.perf_counter() - t0
+
+    def _after_update(self) -> None:
+        # Stale vision embeddings / KV blocks computed with the old weights must go, or the next request with a seen
+        # image hits "Encoder cache miss" (or reuses old KV).
+        with self._call():
             self.llm.llm_engine.reset_encoder_cache()
             if not self.llm.reset_prefix_cache():
                 raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
             self.llm.reset_mm_cache()
         self.weight_version += 1
-        return time.perf_counter() - t0
 
     def close(self, *, collect: bool = True) -> None:
         """Shut the engine down and free its memory. Call it explicitly: vLLM's own shutdown

@@ -25,6 +25,39 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype string: F32, BF16, ...
 
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n * _ITEMSIZE[self.dtype]
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def safetensors_dtype(dtype) -> str:
+    """The safetensors code (F32, BF16, ...) of a torch dtype."""
+    name = str(dtype).removeprefix("torch.")
+    for code, torch_name in _SAFETENSORS_DTYPES.items():
+        if torch_name == name:
+            return code
+    raise ValueError(f"no safetensors code for {dtype}")
+
+
+def torch_dtype(code: str):
+    """The torch dtype of a safetensors code."""
+    import torch
+
+    return getattr(torch, _SAFETENSORS_DTYPES[code])
+
+
+def tensors_layout(tensors) -> dict[str, TensorInfo]:
+    """HF name -> TensorInfo of in-memory (name, tensor) pairs."""
+    return {name: TensorInfo(tuple(t.shape), safetensors_dtype(t.dtype)) for name, t in tensors}
+
 
 def weight_files(hf_dir: str | Path) -> list[Path]:
     """The *.safetensors files of an HF model directory (sharded with an index, or not)."""
@@ -143,3 +176,20 @@ def check_update(
         raise WeightsMismatchError(
             f"{where}: rejected weight update, nothing was loaded: " + "; ".join(problems)
         )
+
+
+def checked_stream(tensors, layout: Mapping[str, TensorInfo]):
+    """(name, tensor) pairs as they come, each checked against the ``layout`` the update declared (and checked with
+    ``check_update`` before the first); a stream that ends early or carries another tensor is an error of the
+    sender's."""
+    seen = set()
+    for name, tensor in tensors:
+        info = layout.get(name)
+        if info is None or tuple(tensor.shape) != tuple(info.shape) or safetensors_dtype(tensor.dtype) != info.dtype:
+            raise WeightsMismatchError(f"weight stream: {name} {tuple(tensor.shape)} {tensor.dtype} is not what the "
+                                       f"update declared ({info})")
+        seen.add(name)
+        yield name, tensor
+    if len(seen) != len(layout):
+        missing = sorted(set(layout) - seen)
+        raise WeightsMismatchError(f"weight stream ended without {len(missing)} declared tensor(s), e.g. {missing[:5]}")

@@ -2,9 +2,11 @@
 
 ``colocated``: every group is every rank (each rank generates, then trains). ``disaggregated``: the first
 ``rollout_ranks`` ranks form the ``rollout`` group (engines, rewards), the others the ``train`` group (models,
-FSDP over those ranks only); ``all`` is every rank. With vLLM tensor parallelism over ``tp`` ranks, every
-``tp``-th rollout rank holds an engine (``engines``) and generation runs data-parallel over those. Plain data: the
-trainer makes the process groups.
+FSDP over those ranks only); ``all`` is every rank. With vLLM tensor parallelism over ``tp`` ranks: colocated, each
+block of ``tp`` ranks shares one engine in their processes and every rank still generates its own prompts (the
+engine runs the block's prompts together); disaggregated, every ``tp``-th rollout rank holds an engine (its workers
+in child processes on the block's devices) and generation runs data-parallel over those (``engines``). Plain data:
+the trainer makes the process groups.
 """
 
 from __future__ import annotations
@@ -22,8 +24,14 @@ class Placement:
 
     @property
     def engines(self) -> tuple[int, ...]:
-        """The ranks that hold an engine and generate (the first of each ``tp`` rollout ranks)."""
-        return self.rollout[::self.tp]
+        """The ranks that generate, each with prompts of its own: colocated every rank; disaggregated the first of
+        each ``tp`` rollout ranks (the one that holds the engine)."""
+        return self.rollout[::self.tp] if self.disaggregated else self.rollout
+
+    @property
+    def engine_share(self) -> int:
+        """Ranks whose devices run one generating rank's share of the engines (its speed is theirs summed)."""
+        return self.tp if self.disaggregated else 1
 
     @property
     def disaggregated(self) -> bool:
@@ -40,7 +48,8 @@ class Placement:
 
     def describe(self) -> str:
         if not self.disaggregated:
-            return f"colocated on {self.world} rank(s)"
+            engines = f" ({self.world // self.tp} engines of {self.tp} ranks)" if self.tp > 1 else ""
+            return f"colocated on {self.world} rank(s){engines}"
         engines = f" ({len(self.engines)} engines of {self.tp} ranks)" if self.tp > 1 else ""
         return (f"disaggregated: rollout on ranks {_span(self.rollout)}{engines}, training on ranks "
                 f"{_span(self.train)}")
@@ -53,9 +62,9 @@ def _span(ranks: tuple[int, ...]) -> str:
 def plan_placement(kind: str, world: int, rollout_ranks: int = 0, tp: int = 1) -> Placement:
     everyone = tuple(range(world))
     if kind == "colocated":
-        if tp != 1:
-            raise ValueError("vLLM tensor parallelism over ranks needs the disaggregated placement")
-        return Placement(kind, world, everyone, everyone)
+        if world % tp:
+            raise ValueError(f"rollout.tensor_parallel_size = {tp} must divide the {world} ranks")
+        return Placement(kind, world, everyone, everyone, tp)
     if kind != "disaggregated":
         raise ValueError(f"unknown workflow.placement {kind!r}")
     if not 1 <= rollout_ranks < world:

@@ -174,6 +174,15 @@ class Bucket:
     entries: tuple[tuple[str, tuple[int, ...], str, int], ...]
     nbytes: int
 
+    def to_wire(self) -> list:
+        """Plain lists (what vLLM's rpc serialisation carries to its workers intact)."""
+        return [[[name, list(shape), dt, offset] for name, shape, dt, offset in self.entries], self.nbytes]
+
+    @classmethod
+    def from_wire(cls, wire) -> "Bucket":
+        entries, nbytes = wire
+        return cls(tuple((name, tuple(shape), dt, int(offset)) for name, shape, dt, offset in entries), int(nbytes))
+
 
 def plan_buckets(layout: dict[str, TensorInfo], bucket_bytes: int = BUCKET_BYTES) -> list[Bucket]:
     """Consecutive tensors of ``layout`` (in its order) grouped into byte buckets of about ``bucket_bytes``; the

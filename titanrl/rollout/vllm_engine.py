@@ -184,8 +184,9 @@ def _join_weight_group(worker: Any, address: tuple[str, int], world: int, first:
 
 def _receive_weights(worker: Any, buckets: list) -> None:
     """Runs inside each of the engine's workers: the buckets the first training rank broadcasts, into the model."""
-    from titanrl.rl.weight_sync import receive_buckets
+    from titanrl.rl.weight_sync import Bucket, receive_buckets
 
+    buckets = [Bucket.from_wire(b) for b in buckets]
     _reload(worker, receive_buckets(buckets, worker._titanrl_weight_group, worker.device))
 
 
@@ -578,7 +579,7 @@ class VLLMEngine:
         t0 = time.perf_counter()
         self._wake(("weights",))
         with self._call():
-            self.llm.collective_rpc(_receive_weights, args=(list(buckets),))
+            self.llm.collective_rpc(_receive_weights, args=([b.to_wire() for b in buckets],))
         self._after_update()
         return time.perf_counter() - t0
 

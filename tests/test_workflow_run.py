@@ -121,6 +121,18 @@ def test_a_reward_raising_on_one_rank_ends_every_rank_with_one_named_line(run_ca
     assert elapsed < 240, elapsed
 
 
+def _started(argv: list[str], out: Path, env: dict | None = None, steps: int = 2) -> subprocess.Popen:
+    """A run in the background, once its metrics hold ``steps`` steps (console captured)."""
+    proc = subprocess.Popen(argv, cwd=ROOT, env=run_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    log = out / "tiny_cpu" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (log.exists() and len(log.read_text().splitlines()) >= steps):
+        assert proc.poll() is None and time.monotonic() < deadline, f"the run never reached step {steps}"
+        time.sleep(0.1)
+    return proc
+
+
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
 def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, tmp_path, placement):
     """With PPO, so the critic, its optimizer and LR schedule are in the checkpoint too. Disaggregated (1 rollout +
@@ -134,13 +146,7 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, t
 
     # the run stopped has its own Ray instance (rank 0's daemons must survive torchrun's SIGTERM to the group)
     out = tmp_path / "stopped"
-    proc = subprocess.Popen(train_cmd(out, run_cache, *common, nproc=2, own_ray=True), cwd=ROOT, env=run_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = out / "tiny_cpu" / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while not (log.exists() and len(log.read_text().splitlines()) >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run never reached step 2"
-        time.sleep(0.1)
+    proc = _started(train_cmd(out, run_cache, *common, nproc=2, own_ray=True), out)
     proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers, during step 3
     console, _ = proc.communicate(timeout=300)
     assert "[titanrl] stopped by SIGTERM after step 3: checkpoint at" in console, console[-3000:]
@@ -159,3 +165,104 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, t
         for key in ("loss", "reward/mean", "kl", "entropy", "grad_norm"):
             assert ma[step][key] == mb[step][key], (step, key)
 
+
+
+STALLING_REWARD = '''
+import os
+import time
+
+from titanrl.rl.rewards import exact_match_with_format
+
+
+def reward(response, record):
+    while os.path.exists(os.environ["TITANRL_TEST_STALL"]):  # the test's marker: a grader that hangs
+        time.sleep(0.2)
+    return exact_match_with_format(response, record)
+'''
+
+
+def _tree(pid: int) -> list:
+    import psutil
+
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _alive(procs: list) -> list[str]:
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_sigterm_in_a_step_longer_than_the_grace_abandons_it_and_the_rerun_resumes(run_cache, tmp_path):
+    """A grader that hangs in step 3 (2 ranks under torchrun; job.preempt_grace_s 25, torchrun kills 30 s after it
+    forwards SIGTERM): SIGTERM to the launcher ends every process of the run (ranks, engines, reward workers, the
+    Ray daemons rank 0 started) within 40 s, the console says the step was abandoned and which checkpoint stands
+    (step 2, the last periodic one), and the rerun resumes from it and equals an uninterrupted run on steps 3-4."""
+    (tmp_path / "stalling_reward.py").write_text(STALLING_REWARD)
+    marker = tmp_path / "stall"
+    env = {"PYTHONPATH": str(tmp_path), "TITANRL_TEST_STALL": str(marker)}
+    common = ["--job.steps=4", "--checkpoint.interval=2", "--metrics.dump_tensors", "--rl.reward_timeout_s=300",
+              "--rl.reward=stalling_reward:reward"]
+    run(train_cmd(tmp_path / "straight", run_cache, *common, nproc=2), env=env)
+    out = tmp_path / "stopped"
+    proc = _started(train_cmd(out, run_cache, *common, nproc=2, own_ray=True), out, env)
+    marker.touch()  # step 3's grader hangs
+    time.sleep(3.0)
+    procs = _tree(proc.pid)  # the launcher, the ranks and everything they started
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    console, _ = proc.communicate(timeout=120)
+    while _alive(procs) and time.monotonic() - t0 < 40:
+        time.sleep(0.5)
+    assert not _alive(procs), (time.monotonic() - t0, _alive(procs))
+    assert time.monotonic() - t0 < 40
+    assert re.search(r"SIGTERM during step 3: abandoned .*job.preempt_grace_s=25 s\); the last checkpoint, .*step-2, "
+                     "stands", console), console[-3000:]
+    assert sorted(d.name for d in (out / "tiny_cpu" / "checkpoint").iterdir()) == ["step-2"]
+    marker.unlink()
+    resumed = run(train_cmd(out, run_cache, *common, nproc=2), env=env)
+    assert "resumed from step 2" in resumed.stdout + resumed.stderr
+    a, b = load_dumps(tmp_path / "straight" / "tiny_cpu"), load_dumps(out / "tiny_cpu")
+    for step in (3, 4):
+        diff = max_differences(a[step], b[step])
+        assert "params/policy" in diff and all(v == 0.0 for v in diff.values()), (step, diff)
+
+
+def test_kill_9_of_every_rank_leaves_no_process_behind(run_cache, tmp_path):
+    """A disaggregated asynchronous run (1 rollout rank, its vLLM engine core and worker in processes of their own;
+    1 training rank; rank 0's own Ray): kill -9 of both ranks leaves no process of the run after 30 s (each
+    process a rank started dies with it: the parent-death signal). A half-written checkpoint folder is removed at
+    the next start, named on the console."""
+    argv = train_cmd(tmp_path / "out", run_cache, "--job.steps=50", "--checkpoint.interval=2",
+                     "--workflow.placement=disaggregated", "--workflow.rollout_ranks=1", "--workflow.mode=async",
+                     nproc=2, own_ray=True)
+    proc = _started(argv, tmp_path / "out")
+    procs = _tree(proc.pid)
+    names = " ".join(" ".join(p.cmdline()) for p in procs[1:])
+    assert "EngineCore" in names or "VLLM" in names or len(procs) > 4, names  # the engine's processes are there
+    ranks = [p for p in procs[1:] if p.ppid() == proc.pid]
+    assert len(ranks) == 2
+    for rank in ranks:
+        rank.kill()
+    proc.communicate(timeout=60)
+    t0 = time.monotonic()
+    while _alive(procs) and time.monotonic() - t0 < 30:
+        time.sleep(0.5)
+    assert not _alive(procs), _alive(procs)
+    # a save cut off half-way (no .metadata) is not resumed, and goes
+    half = tmp_path / "out" / "tiny_cpu" / "checkpoint" / "step-99"
+    half.mkdir(parents=True)
+    (half / "__0_0.distcp").write_bytes(b"partial")
+    rerun = run(train_cmd(tmp_path / "out", run_cache, "--job.steps=3", "--checkpoint.interval=2",
+                          "--workflow.placement=disaggregated", "--workflow.rollout_ranks=1",
+                          "--workflow.mode=async", nproc=2))
+    assert f"removed {half}: a checkpoint save cut off" in rerun.stdout + rerun.stderr
+    assert not half.exists()

@@ -154,8 +154,32 @@ def _new_session() -> None:
             pass  # already a session / group leader
 
 
+DIE_WITH_PARENT_ENV = "TITANRL_DIE_WITH_PARENT"
+
+
+def _die_with_parent() -> None:
+    """A process started with TITANRL_DIE_WITH_PARENT=1 (every process a trainer rank starts, and theirs: the
+    variable is inherited) is killed when its parent dies (Linux's parent-death signal, SIGKILL): a rank killed with
+    -9 takes its vLLM engine core, the core's workers and its reward workers with it within moments, instead of
+    leaving them busy-polling under init. The signal follows the thread that started the process, and the trainer's
+    processes are started from their main threads."""
+    if os.environ.get(DIE_WITH_PARENT_ENV) != "1" or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died while the signal was being armed
+        os._exit(1)
+
+
 def install() -> None:
     """Idempotent; cheap (no imports). Set TITANRL_NO_PLATFORM_COMPAT=1 to turn it off."""
+    _die_with_parent()
     _new_session()
     if os.environ.get(_DISABLE_ENV) == "1":
         return

@@ -9,6 +9,7 @@ saved under a per-rank key: DCP deduplicates identical non-tensor keys across ra
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -140,3 +141,18 @@ def build_checkpoint_manager(
         sd_adapter=None,
         base_folder="",
     )
+
+
+def remove_incomplete(folder: Path) -> list[Path]:
+    """Remove the ``step-N`` folders a save left half-written (a process killed while saving): DCP writes its
+    ``.metadata`` last, so a folder without it never held a complete checkpoint (torchtitan's resume skips it; this
+    keeps it from being counted among ``checkpoint.keep_latest_k``). Returns what it removed."""
+    import shutil
+
+    removed = []
+    if folder.is_dir():
+        for d in sorted(folder.glob("step-*")):
+            if d.is_dir() and d.name.removeprefix("step-").isdigit() and not (d / ".metadata").is_file():
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d)
+    return removed

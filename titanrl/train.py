@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = parse_args_or_exit(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", "0"))
+    from titanrl._platform_compat import DIE_WITH_PARENT_ENV
+
+    # every process this rank starts (vLLM's engine core and its workers, reward workers, compile workers) and theirs
+    # die with it, also when it is killed with -9 (the start-up hook arms the parent-death signal)
+    os.environ[DIE_WITH_PARENT_ENV] = "1"
     from titanrl.config.errors import ConfigError
     from titanrl.run_lock import check_free
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from titanrl import assets, memory
 from titanrl.checkpoint import (CallbackState, ModelState, OptimizerState, RNGState, SchedulerState,
-                                build_checkpoint_manager)
+                                build_checkpoint_manager, remove_incomplete)
 from titanrl.config import ConfigError, JobConfig, config_to_dict, save_resolved
 from titanrl.console import log_path, say
 from titanrl.data.manifest import SampleRecord, read_manifest
@@ -252,6 +252,9 @@ class Trainer:
         )
         self._resources.callback(self.checkpointer.close)
         self._saved_in_flight: dict = {}
+        if info.is_main and cfg.checkpoint.enable:
+            for folder in remove_incomplete(cfg.checkpoint_dir):
+                say(f"[titanrl] removed {folder}: a checkpoint save cut off before it finished (no .metadata)")
         if cfg.checkpoint.enable and cfg.checkpoint.resume and self.checkpointer.load():
             self._restore_in_flight()
             # The engine started from the initial checkpoint: give it the resumed weights.
@@ -260,6 +263,7 @@ class Trainer:
                 say(f"[titanrl] resumed from step {self.step}")
         self.first_step = self.step + 1  # of this process (a resumed run starts past 1)
         self.history: list[dict[str, float]] = []  # every step's metrics, for the end-of-run summary
+        self._step_seconds: list[float] = []  # wall seconds of this process's steps (SIGTERM's estimate)
 
     def _build_model(self, mesh, *, trainable: bool, value_head: bool = False, path=None,
                      offload: bool = False) -> Qwen2_5_VLModel:
@@ -390,17 +394,24 @@ class Trainer:
         """Steps until job.steps, or until a SIGTERM (then a checkpoint of the step that ends, exit 0). A failure
         tells the other ranks (``titanrl.workflow.abort``) and tears down without waiting for any of them."""
         history = self.history
-        self.control.handle_sigterm()
+        self.control.handle_sigterm(self.cfg.job.preempt_grace_s, self._time_to_stop, self._abandon_line)
         self.control.watch(cleanup=lambda: self.close(collective=False))
         self.stopped_by_signal = False
         try:
             while self.step < self.cfg.job.steps:
+                self._step_started = time.monotonic()
                 metrics = self.rl_step()
+                self._step_seconds.append(time.monotonic() - self._step_started)
                 history.append(metrics)
                 if self.step % self.cfg.metrics.log_freq == 0 or self.step == self.cfg.job.steps:
                     self.metrics.log(self.step, metrics)
                 stop = self.control.should_stop()
-                self.checkpointer.save(self.step, last_step=self.step == self.cfg.job.steps or stop)
+                t_save = time.monotonic()
+                self._step_started = None  # between steps: only the save remains
+                last = self.step == self.cfg.job.steps or stop
+                self.checkpointer.save(self.step, last_step=last)
+                if self.cfg.checkpoint.enable and (last or self.step % self.cfg.checkpoint.interval == 0):
+                    self._save_seconds = time.monotonic() - t_save
                 if stop:
                     self.stopped_by_signal = True
                     if self.info.is_main:
@@ -418,6 +429,29 @@ class Trainer:
             raise
         self.close()
         return history
+
+    _step_started: float | None = None
+    _save_seconds: float = 0.0
+
+    def _time_to_stop(self) -> float | None:
+        """SIGTERM's question (``job.preempt_grace_s``): seconds the current step still needs (from the median of the
+        last steps; None before one has ended) plus its checkpoint's (the last save's)"""
+        started = self._step_started
+        if started is None:
+            return self._save_seconds
+        if not self._step_seconds:
+            return None
+        median = sorted(self._step_seconds[-5:])[len(self._step_seconds[-5:]) // 2]
+        return max(median - (time.monotonic() - started), 0.0) + self._save_seconds
+
+    def _abandon_line(self) -> str:
+        complete = sorted(int(d.name.removeprefix("step-")) for d in self.cfg.checkpoint_dir.glob("step-*")
+                          if (d / ".metadata").is_file() and d.name.removeprefix("step-").isdigit()) \
+            if self.cfg.checkpoint.enable and self.cfg.checkpoint_dir.is_dir() else []
+        where = (f"the last checkpoint, {self.cfg.checkpoint_dir / f'step-{complete[-1]}'}, stands; rerun the command "
+                 "to resume" if complete else "no checkpoint was saved yet")
+        return (f"SIGTERM during step {self.step + 1}: abandoned (it would not end and save within "
+                f"job.preempt_grace_s={self.cfg.job.preempt_grace_s:g} s); {where}")
 
     def summary(self, wall_s: float) -> str:
         """What the run reached and where its outputs are (printed by the entry point at the end)."""

@@ -53,6 +53,11 @@ class JobRunConfig:
     collective_timeout_s: float = 600.0
     """How long a rank waits in one collective (another rank died or hangs) before the run ends with an error
     naming the stage and the rank (gloo); with NCCL, PyTorch's watchdog aborts the rank after this long."""
+    preempt_grace_s: float = 25.0
+    """Seconds a SIGTERM leaves before the launcher kills (torchrun and SLURM's KillWait: 30, less a margin). On
+    SIGTERM the run finishes the current step and saves it when the step's remaining time (from the median step) plus
+    the last save's time fit in this; otherwise it abandons the step at once and the last periodic checkpoint
+    stands. Either way every process of the run is gone within it."""
 
     def problems(self) -> list[str]:
         found = []
@@ -64,6 +69,8 @@ class JobRunConfig:
             found.append(f"job.steps must be >= 1, got {self.steps}")
         if self.collective_timeout_s <= 0:
             found.append(f"job.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if self.preempt_grace_s < 0:
+            found.append(f"job.preempt_grace_s must be >= 0 (0: abandon the step at once), got {self.preempt_grace_s}")
         return found
 
 

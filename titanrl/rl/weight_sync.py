@@ -37,7 +37,7 @@ from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.models.qwen2_5_vl.state_dict_adapter import HFShardWriter, Qwen2_5_VLStateDictAdapter, clean_name
 from titanrl.rollout.weights import TensorInfo, safetensors_dtype
 
-BUCKET_BYTES = 256 << 20  # full tensors per gather (and per broadcast): bounds the push's extra device memory
+BUCKET_BYTES = 128 << 20  # full tensors per gather (and per broadcast): bounds the push's extra device memory
 SHARD_BYTES = 256 << 20  # what write_hf holds before a shard goes to the file
 
 
@@ -55,9 +55,11 @@ def _rows(full: int, world: int, rank: int) -> int:
     return max(0, min(chunk, full - rank * chunk))
 
 
-def _gather_bucket(entries: list[tuple[str, DTensor]], dtype: torch.dtype | None) -> list[tuple[str, torch.Tensor]]:
+def _gather_bucket(entries: list[tuple[str, DTensor]], dtype: torch.dtype | None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """One all-gather for the full tensors of ``entries`` (dim-0 shards on one mesh): each rank's shards padded to
-    the chunk size and laid end to end as bytes."""
+    the chunk size and laid end to end as bytes. Each full tensor is put together as it is taken (one at a time
+    beside the gathered bytes)."""
     mesh = entries[0][1].device_mesh
     world, me = mesh.size(), mesh.get_local_rank()
     locals_, layouts, size = [], [], 0
@@ -85,12 +87,10 @@ def _gather_bucket(entries: list[tuple[str, DTensor]], dtype: torch.dtype | None
         gathered = torch.empty(world * size, dtype=torch.uint8, device=device)
         dist.all_gather_single(gathered, mine, group=mesh.get_group())
     del mine
-    out = []
     for name, full0, rest, dt, row, _, offset in layouts:
         parts = [gathered[r * size + offset:r * size + offset + _rows(full0, world, r) * row] for r in range(world)]
         flat = parts[0] if world == 1 else torch.cat(parts)
-        out.append((name, flat.view(dt).reshape(full0, *rest)))
-    return out
+        yield name, flat.view(dt).reshape(full0, *rest)
 
 
 def gather_full_state(model: torch.nn.Module, dtype: torch.dtype | None, *, keep: bool = True,
@@ -104,7 +104,7 @@ def gather_full_state(model: torch.nn.Module, dtype: torch.dtype | None, *, keep
 
     def flush():
         nonlocal pending, pending_bytes
-        done = _gather_bucket(pending, dtype) if pending else []
+        done = _gather_bucket(pending, dtype) if pending else iter(())
         pending, pending_bytes = [], 0
         return done
 

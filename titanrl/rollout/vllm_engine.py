@@ -1,13 +1,14 @@
-"""vLLM rollout engine: one in-process vLLM engine per data-parallel rank.
+"""vLLM rollout engine: one vLLM engine per data-parallel rank (or per T ranks with tensor parallelism).
 
-The engine lives in the rank's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no engine-core
-or worker processes, 2-7 s to start on the tiny model (plus ~5 s for the first ``import vllm``),
-and weights are reloaded in place from a safetensors file (``load_weights``).
-What that costs, and how it is contained:
+Where it runs is ``titanrl.rollout.launch``'s: colocated, in the rank's own process through vLLM's external
+launcher (no engine-core or worker processes, 2-7 s to start on the tiny model plus ~5 s for the first
+``import vllm``; the worker binds the rank's device); disaggregated, its engine core and workers in child processes.
+Weights arrive in memory (``update_weights``: tensors by reference into vLLM's layer-wise reload; or, in child
+processes, over the push's process group: ``receive_weights``). What that costs, and how it is contained:
 
 - vLLM's worker calls ``torch.distributed``: in a torchrun rank it finds the trainer's process
-  group and makes its own (size-1) groups from it -- ``new_group`` is collective, so **every
-  rank must build its engine at the same point** (the trainer's init). Outside torchrun it starts
+  group and makes its own groups from it (tensor-parallel blocks of T ranks) -- ``new_group`` is collective, so
+  **every rank must build its engine at the same point** (the trainer's init). Outside torchrun it starts
   a world-of-one group over a ``file://`` store in the temp dir: no TCP port is opened, so
   several engines on one machine never collide on ports.
 - While it starts, vLLM reseeds the global RNGs, replaces ``torch.set_num_threads`` with a no-op

@@ -10,11 +10,17 @@ line names the cause, and nothing waits out ``job.collective_timeout_s``. When i
 watcher writes every thread's Python stack into the rank's log: where a rank that hangs was stuck is what the
 failing rank's timeout cannot say.
 
-**SIGTERM** (what a cluster scheduler sends before preemption, and torchrun forwards to its workers):
-the handler only sets a flag. At the end of each step the ranks agree (one all-reduce) whether any was
-asked to stop; if so every rank saves a checkpoint of that step and the run ends with exit code 0 and
-a line saying where the checkpoint is. A SIGTERM that arrives because another rank failed (torchrun
-stops the siblings of a failed worker) is a failure, not a stop: the store says so.
+**SIGTERM** (what a cluster scheduler sends before preemption, and torchrun forwards to its workers, killing them
+30 s later): the launcher's grace is ``job.preempt_grace_s``. A thread of every rank wakes on the signal at once
+(``signal.set_wakeup_fd``: the main thread may be blocked in a collective, where Python's handler cannot run) and
+the first rank to wake decides for all, through the store: **finish** when the current step's remaining time (the
+median step less what has run) plus the last checkpoint save fit in the grace, else **abandon**. Finish: at the end
+of the step the ranks agree (one all-reduce) to stop, every rank saves a checkpoint of that step and the run ends
+with exit code 0 and a line saying where the checkpoint is; if that still overruns the grace, the thread ends the
+process at its deadline. Abandon: every rank writes one line and ends at once (exit 143); the last periodic
+checkpoint stands (a save cut off half-way has no DCP metadata and is removed at the next start). Processes a rank
+started die with it (``titanrl._platform_compat``: the parent-death signal). A SIGTERM that arrives because another
+rank failed (torchrun stops the siblings of a failed worker) is a failure, not a stop: the store says so.
 """
 
 from __future__ import annotations
@@ -25,10 +31,14 @@ import signal
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Callable
 
 KEY = "titanrl/abort"
 COUNT_KEY = "titanrl/abort_count"
+PREEMPT_KEY = "titanrl/preempt"
+PREEMPT_COUNT_KEY = "titanrl/preempt_count"
+ABANDON_EXIT = 143  # 128 + SIGTERM: what a process ended by the signal reports
 
 
 def _store():
@@ -57,6 +67,12 @@ class RunControl:
         self._done = threading.Event()
         self._cleanup: Callable[[], None] | None = None
         self._previous = None
+        self._previous_fd = -1
+        self._wakeup: tuple[int, int] | None = None
+        self._preempt_thread: threading.Thread | None = None
+        self._followed = False
+        self._grace_s = 25.0
+        self._time_to_stop = self._abandon_line = None
 
     # -------------------------------------------------------------------- failure
 
@@ -98,6 +114,8 @@ class RunControl:
 
     def _watch(self) -> None:
         while not self._done.wait(self.poll_s):
+            if self._preempt_thread is None and self._preempt_decision() is not None:
+                self._follow(self._preempt_decision())  # a SIGTERM reached another rank only
             if self.announced or self._done.is_set() or self.cause_elsewhere() is None:
                 continue
             print(f"[titanrl] rank {self.rank} stopping: {self.failed_elsewhere}; where its threads are:",
@@ -114,29 +132,116 @@ class RunControl:
                 os._exit(1)
 
     def close(self) -> None:
-        """Stop the watcher and wait for it: a daemon thread still inside a store call when the interpreter
+        """Stop the watchers and wait for them: a daemon thread still inside a store call when the interpreter
         finalises aborts the process."""
         self._done.set()
-        thread = getattr(self, "_thread", None)
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=10.0)
+        if self._wakeup is not None:
+            os.write(self._wakeup[1], b"\0")  # the SIGTERM thread reads it and sees _done
+        for thread in (getattr(self, "_thread", None), self._preempt_thread):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=10.0)
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+            signal.set_wakeup_fd(self._previous_fd)
             self._previous = None
+        if self._wakeup is not None:
+            for fd in self._wakeup:
+                os.close(fd)
+            self._wakeup = None
 
     # -------------------------------------------------------------------- SIGTERM
 
-    def handle_sigterm(self) -> None:
-        """SIGTERM sets ``stop_requested`` (main thread only, as Python requires)."""
+    def handle_sigterm(self, grace_s: float = 25.0, time_to_stop: Callable[[], float | None] | None = None,
+                       abandon_line: Callable[[], str] | None = None) -> None:
+        """Take SIGTERM (main thread only, as Python requires): a thread wakes on it at once and decides, for every
+        rank, to finish the step (``time_to_stop()``: the seconds the step and its checkpoint still need, None if
+        unknown, within ``grace_s``) or to abandon it (``abandon_line()``: what the rank says as it ends)."""
         if threading.current_thread() is not threading.main_thread():
             return
+        self._grace_s, self._time_to_stop, self._abandon_line = grace_s, time_to_stop, abandon_line
 
-        def handler(signum, frame):  # noqa: ARG001
-            self.stop_requested = True
-            print(f"[titanrl] rank {self.rank}: SIGTERM, stopping after this step with a checkpoint",
-                  file=sys.stderr, flush=True)
+        def handler(signum, frame):  # noqa: ARG001 - the decision is the thread's; the flag is for the step loop
+            pass
 
+        self._wakeup = os.pipe()
+        os.set_blocking(self._wakeup[1], False)
         self._previous = signal.signal(signal.SIGTERM, handler)
+        self._previous_fd = signal.set_wakeup_fd(self._wakeup[1], warn_on_full_buffer=False)
+        self._preempt_thread = threading.Thread(target=self._on_sigterm, name="titanrl-sigterm", daemon=True)
+        self._preempt_thread.start()
+
+    def _on_sigterm(self) -> None:
+        while True:
+            try:
+                byte = os.read(self._wakeup[0], 1)
+            except OSError:
+                return
+            if self._done.is_set() or not byte:
+                return
+            if byte[0] == signal.SIGTERM:
+                break
+        woke = time.monotonic()
+        if self.cause_elsewhere() is not None:  # torchrun stopping the siblings of a failed rank: not a preemption
+            return
+        needed = self._time_to_stop() if self._time_to_stop is not None else None
+        mine = "finish" if needed is not None and needed <= self._grace_s else "abandon"
+        decision = self._publish(mine)
+        print(f"[titanrl] rank {self.rank}: SIGTERM; the step and its checkpoint need "
+              f"{'an unknown time' if needed is None else f'~{needed:.0f} s'} of job.preempt_grace_s="
+              f"{self._grace_s:g} s: {decision}", file=sys.stderr, flush=True)
+        self._follow(decision, woke)
+
+    def _publish(self, mine: str) -> str:
+        """The first rank to wake decides for all; returns the decision in force."""
+        if self._store is None:
+            return mine
+        try:
+            if self._store.add(PREEMPT_COUNT_KEY, 1) == 1:
+                self._store.set(PREEMPT_KEY, mine)
+                return mine
+            self._store.wait([PREEMPT_KEY], timedelta(seconds=5))
+            return self._store.get(PREEMPT_KEY).decode()
+        except Exception:  # the store is gone (torchrun's agent ended): decide alone
+            return mine
+
+    def _preempt_decision(self) -> str | None:
+        if self._store is None:
+            return None
+        try:
+            return self._store.get(PREEMPT_KEY).decode() if self._store.check([PREEMPT_KEY]) else None
+        except Exception:
+            return None
+
+    def _follow(self, decision: str, woke: float | None = None) -> None:
+        """Finish: the step loop stops and saves at the step's end, and the process ends by the grace's end at the
+        latest. Abandon: end now."""
+        if self._followed:
+            return
+        self._followed = True
+        woke = time.monotonic() if woke is None else woke
+        if decision == "finish":
+            self.stop_requested = True
+            threading.Thread(target=self._deadline, args=(woke + self._grace_s,), name="titanrl-deadline",
+                             daemon=True).start()
+            return
+        self._abandon()
+
+    def _deadline(self, at: float) -> None:
+        if self._done.wait(max(at - time.monotonic(), 0.0)):
+            return
+        print(f"[titanrl] rank {self.rank}: still running job.preempt_grace_s={self._grace_s:g} s after SIGTERM: "
+              "ending now (a checkpoint cut off half-way is removed at the next start)", file=sys.stderr, flush=True)
+        self._abandon()
+
+    def _abandon(self) -> None:
+        line = self._abandon_line() if self._abandon_line is not None else "abandoned the step"
+        if self.rank == 0:
+            from titanrl.console import say
+
+            say(f"[titanrl] {line}")
+        print(f"[titanrl] rank {self.rank}: {line}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(ABANDON_EXIT)
 
     def should_stop(self) -> bool:
         """Collective: every rank calls it at the end of each step; True when any rank got SIGTERM."""

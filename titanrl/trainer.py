@@ -24,7 +24,8 @@ from titanrl.console import log_path, say
 from titanrl.data.manifest import SampleRecord, read_manifest
 from titanrl.data.prompt import PromptEncoder
 from titanrl.data.shadow import SampleMeta, build_loader
-from titanrl.distributed import DistInfo, block_group, build_dp_mesh, build_ulysses_groups, new_group
+from titanrl.distributed import (DistInfo, all_reduce_max, block_group, build_dp_mesh, build_ulysses_groups,
+                                 new_group)
 from titanrl.metrics import MetricsLogger, format_summary
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel
 from titanrl.optim import build_lr_scheduler, build_optimizer
@@ -50,6 +51,13 @@ from titanrl.workflow.graph import resolve as resolve_workflow
 from titanrl.workflow.placement import plan_placement
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _compiled_frames() -> int:
+    """Frames torch.compile has compiled in this process so far (a first compile or a recompile each)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"])
 
 
 @dataclass
@@ -274,7 +282,7 @@ class Trainer:
             self.args, path or self.model_dir, device=self.info.device, dp_mesh=mesh, trainable=trainable,
             value_head=value_head, attn_backend=cfg.model.attn_backend,
             compile_options=CompileOptions(
-                enable=trainable and cfg.compile.enable and "model" in cfg.compile.components,
+                enable=cfg.compile.enable and "model" in cfg.compile.components,  # policy, reference, critic
                 backend=cfg.compile.backend,
                 dynamic=cfg.compile.dynamic,
             ),
@@ -372,6 +380,7 @@ class Trainer:
     def rl_step(self) -> dict[str, float]:
         """One RL step: the workflow's nodes in order (``titanrl.workflow``), then the step line's metrics."""
         t_step = time.perf_counter()
+        frames = _compiled_frames()
         # busy: this process's CPU time, and its engine's working time where that runs in child processes
         clock = BusyClock(self.info.device, extra=getattr(self.engine, "busy_outside_s", None),
                           kind=self.cfg.metrics.busy_clock)
@@ -384,6 +393,8 @@ class Trainer:
             dump_step(self.cfg.run_dir, self.step, trajs, models, is_main=self.train_info.rank == 0,
                       group=self.train_group)
         out = step_metrics(self, buffer, timer, time.perf_counter() - t_step)
+        if self.cfg.compile.enable:  # frames torch.compile compiled in this step, on the rank that compiled most
+            out["compile/recompiles"] = all_reduce_max(_compiled_frames() - frames)
         out["memory/predicted_peak_bytes"] = float(self.memory_plan.total)
         out["memory/measured_peak_bytes"] = float(memory.measured_peak_bytes(self.info.device.type))
         return out

@@ -691,7 +691,9 @@ class CompileConfig:
     """[compile] torch.compile of training components."""
 
     enable: bool = False
-    """Compile the components below."""
+    """Compile the components below (the policy's, the reference's and the critic's blocks; the sdpa backend's
+    attention loop stays eager, the flash backend's kernel is in the graph). ``compile/recompiles`` counts the frames
+    compiled per step: the first steps compile, then 0. On the CPU configs it is not faster (benchmarks/compile.md)."""
     backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """torch.compile backend."""
     components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model"])

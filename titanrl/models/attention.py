@@ -175,6 +175,7 @@ def prefix_mask(bounds: Sequence[int], segments: Sequence[Sequence[int]], device
     return mask & torch.ones(total, total, dtype=torch.bool, device=device).tril()
 
 
+@torch.compiler.disable  # its loop over the batch's length groups would make every new packing a recompile
 def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, *, scale: float) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
     if meta.mask is not None or (len(meta.bounds) <= 2 and meta.key_index is None):

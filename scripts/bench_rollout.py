@@ -13,8 +13,8 @@ For each checkpoint size (``make_tiny_checkpoint``; tiny ~0.8M, small ~36M param
   vLLM batches all prompts x n; the baseline is transformers' generate with the KV cache on, all
   prompts left-padded into one call with n samples each (``batch_prompts``: what a transformers user
   does), and, for reference, prompt by prompt (its n samples as one batch).
-- weight sync = the trainer's ``WeightPusher``: the weights streamed one tensor at a time -> HF names ->
-  safetensors in /dev/shm -> layer-wise in-place reload -> encoder/prefix/mm cache resets (median of
+- weight sync = the trainer's ``WeightPusher``: the weights gathered in buckets -> HF names -> in memory
+  -> layer-wise in-place reload -> encoder/prefix/mm cache resets (median of
   ``--reps`` + 1).
 - step estimate = vLLM rollout of the batch + one titanrl training pass over its sequences
   (packed microbatches of <= 2048 tokens, forward with log-probs + backward, one AdamW step)
@@ -161,21 +161,16 @@ def bench_size(size: str, a: argparse.Namespace) -> dict:
     model = Qwen2_5_VLModel(Qwen2_5_VLArgs.from_pretrained(ckpt))
     load_hf_weights(model, ckpt)
     res["params"] = int(sum(p.numel() for p in model.parameters()))
-    # the trainer's push: stream the weights into /dev/shm (one writer per machine), the engine reloads them
-    pusher = WeightPusher(f"bench_rollout_{size}", model.args, ckpt, DistInfo(0, 1, 0, torch.device("cpu")),
-                          torch.float32)
+    # the trainer's push: the full tensors handed to the engine in memory, which reloads them in place
+    pusher = WeightPusher(model.args, DistInfo(0, 1, 0, torch.device("cpu")), torch.float32)
     syncs = []
-    try:
-        for i in range(a.reps + 1):
-            with torch.no_grad():
-                model.output.weight.mul_(1.0 + 1e-3)  # a real change each time
-            t = pusher.push(model, vllm)
-            folder = pusher.root / f"slot{(pusher.pushes - 1) % 2}"
-            syncs.append(SimpleNamespace(write_s=t["sync/export_s"], load_s=t["sync/load_s"],
-                                         total_s=t["sync/export_s"] + t["sync/load_s"],
-                                         bytes=sum(f.stat().st_size for f in folder.glob("*.safetensors"))))
-    finally:
-        pusher.close()
+    for i in range(a.reps + 1):
+        with torch.no_grad():
+            model.output.weight.mul_(1.0 + 1e-3)  # a real change each time
+        before = pusher.bytes_pushed
+        t = pusher.push(model, vllm)
+        syncs.append(SimpleNamespace(write_s=t["sync/gather_s"], load_s=t["sync/load_s"],
+                                     total_s=t["sync/gather_s"] + t["sync/load_s"], bytes=pusher.bytes_pushed - before))
     med = sorted(syncs, key=lambda s: s.total_s)[len(syncs) // 2]
     res["sync"] = {"total_s": med.total_s, "write_s": med.write_s, "load_s": med.load_s, "bytes": med.bytes,
                    "all_total_s": [s.total_s for s in syncs]}
@@ -252,7 +247,7 @@ def write_markdown(path: Path, meta: dict, results: list[dict]) -> None:
         "",
         "## Weight sync to vLLM vs. a training step",
         "",
-        "| model | weights | sync total | write safetensors (/dev/shm) | check + reload + cache resets | rollout | train pass | step estimate | sync share |",
+        "| model | weights | sync total | gather (in memory) | check + reload + cache resets | rollout | train pass | step estimate | sync share |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
@@ -264,8 +259,8 @@ def write_markdown(path: Path, meta: dict, results: list[dict]) -> None:
         )
     lines += [
         "",
-        "Sync = the trainer's `titanrl.rl.weight_sync.WeightPusher`: weights streamed one tensor at a time -> HF names -> safetensors in /dev/shm -> "
-        "header check against the engine's checkpoint -> vLLM layer-wise in-place reload (no restart) -> encoder, "
+        "Sync = the trainer's `titanrl.rl.weight_sync.WeightPusher`: weights gathered in buckets -> HF names -> in memory -> "
+        "names and shapes checked against the engine's checkpoint -> vLLM layer-wise in-place reload (no restart) -> encoder, "
         "prefix and multi-modal cache resets (median of the runs). Step estimate = the vLLM rollout above + one "
         "training pass of titanrl's model over the same rollouts (packed microbatches <= 2048 tokens, forward with "
         "log-probs + backward, one AdamW step; one rank, no reference model, no FSDP) + the sync, all measured in "

@@ -13,6 +13,11 @@
    in a microbatch and the samples it really had: bench_memory.observed_data) against the allocator's measured
    peak, and tokens/s.
 
+4. ``rl_3b_shape``: 3 steps of the same config on a full-depth Qwen2.5-VL-3B-shaped model (36 layers of 2048, the
+   32-block vision tower; ``make_tiny --size 3b-shape``, random init) with ``compile.enable`` on: predicted vs
+   measured peak, tokens/s and MFU (6 x parameters x tokens/s over the device's dense bf16 peak), the frames
+   compiled per step and the in-memory weight push's seconds.
+
 The engine sleeps while the training stages run (``rollout.sleep = "auto"``: on a CUDA device, colocated), so the
 probe every step also checks the weight push into a sleeping engine; the engine's memory without it:
 ``--ac full --suffix _sleep_off --big-overrides=--rollout.sleep=off``.
@@ -43,9 +48,9 @@ sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 from bench_memory import observed_data, observed_tokens_per_microbatch  # noqa: E402
 
 TINY = "configs/tiny_cpu.toml"
-# The probe every step, recorded, never stopping the run: transformers places text after a video differently
-# from vLLM and the trainer (titanrl/rollout/hf_engine.py), so with the hf engine a video prompt's probe reads
-# ~0.1 even with the right weights; a broken weight push reads O(1).
+# The probe every step, recorded, never stopping the run: bf16 at full width reads ~0.05 with the right weights (the
+# hf engine now takes the trainer's text-after-video positions; before, video prompts read 1.65-2.6); a broken
+# weight push reads O(1).
 PROBE = ["--rollout.probe_every=1", "--rollout.probe_tolerance=0.05", "--rollout.probe_max_violations=0"]
 BIG = "configs/qwen2_5_vl_7b.toml"
 
@@ -179,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--record", action="store_true", help="also write benchmarks/gpu_check.json")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     ap.add_argument("--cpu-smoke", action="store_true", help="check this script on a CPU machine (not a result)")
-    ap.add_argument("--skip", nargs="*", default=[], help="checks to leave out (attention, rl_tiny, rl_7b_shape)")
+    ap.add_argument("--skip", nargs="*", default=[], help="checks to leave out (attention, rl_tiny, rl_7b_shape, "
+                    "rl_3b_shape)")
     ap.add_argument("--ac", nargs="+", default=["full", "none"], help="activation_checkpoint of the 7B-shaped runs")
     ap.add_argument("--combine", nargs="+", type=Path, default=None, metavar="GPU_CHECK_JSON",
                     help="write benchmarks/gpu_check.json from the gpu_check.json of several device calls (each "
@@ -273,6 +279,29 @@ def main(argv: list[str] | None = None) -> int:
             ])
             r = run_logged(name, [sys.executable, "-m", "titanrl.train", *big], out, args.big_timeout, runs / name)
             record(name, summarise_run(r, big, runs / name))
+
+    if "rl_3b_shape" not in args.skip and not args.cpu_smoke:
+        ckpt = runs / "ckpt-3b-shape"
+        if not (ckpt / "model.safetensors").exists():
+            record("make_checkpoint_3b", run_logged("make_checkpoint_3b", [
+                sys.executable, "-m", "titanrl.models.make_tiny", str(ckpt), "--size", "3b-shape"], out, 400))
+        name = "rl_3b_shape"
+        big = train_argv(BIG, name, runs, [
+            *common, f"--model.path={ckpt}", "--job.steps=3", "--parallelism.activation_checkpoint=full",
+            "--parallelism.ulysses=none", "--compile.enable=true", "--checkpoint.export_hf=false",
+            "--rl.global_batch_size=8", "--rollout.n=4", "--rollout.max_new_tokens=64", "--data.num_samples=32",
+            *PROBE, *args.big_overrides])
+        run = run_logged(name, [sys.executable, "-m", "titanrl.train", *big], out, max(args.big_timeout, 540),
+                         runs / name)
+        r = summarise_run(run, big, runs / name)
+        if "tokens_per_s_after_first_step" in r:
+            peak = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+            dense = next((v for k, v in peak.items() if k in report["device"]), None)
+            r["mfu"] = 6 * r["params"] * r["tokens_per_s_after_first_step"] / dense if dense else None
+            rows = [json.loads(x) for x in (runs / name / "metrics.jsonl").read_text().splitlines()]
+            r["compile_recompiles"] = [x.get("compile/recompiles") for x in rows]
+            r["push_s"] = [round(x.get("sync/gather_s", 0.0) + x.get("sync/load_s", 0.0), 3) for x in rows]
+        record(name, r)
 
     if args.record:
         (REPO / "benchmarks" / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -318,3 +318,18 @@ def test_the_7b_shape_is_qwen2_5_vl_7b_at_full_width_with_4_layers():
         assert getattr(ours.vision, field) == getattr(seven_b.vision, field), field
     assert (ours.text.num_hidden_layers, ours.vision.depth) == (4, 4)
     assert 2.0e9 < memory.param_counts(ours).total < 2.3e9
+
+
+def test_the_3b_shape_is_qwen2_5_vl_3b_at_full_depth():
+    """scripts/check_gpu.py's full-depth run: Qwen2.5-VL-3B's decoder (36 layers of 2048, 16 / 2 heads, 11008 MLP,
+    151936 rows) and its 32-block vision tower projecting to 2048; lm_head untied."""
+    from titanrl import memory
+    from titanrl.models.make_tiny import SIZES, build_config
+    from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs
+
+    ours = Qwen2_5_VLArgs.from_hf_config(build_config(SIZES["3b-shape"]).to_dict())
+    t, v = ours.text, ours.vision
+    assert (t.num_hidden_layers, t.hidden_size, t.intermediate_size, t.num_attention_heads,
+            t.num_key_value_heads, t.vocab_size) == (36, 2048, 11008, 16, 2, 151936)
+    assert (v.depth, v.hidden_size, v.intermediate_size, v.num_heads, v.out_hidden_size) == (32, 1280, 3420, 16, 2048)
+    assert 3.9e9 < memory.param_counts(ours).total < 4.3e9

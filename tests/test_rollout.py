@@ -242,14 +242,15 @@ def test_mm_limits_for(dataset):
 
 
 def test_hf_baseline_engine(tiny_ckpt, requests_, tmp_path):
-    """The transformers-generate baseline: n samples, seeded, its log-probs equal titanrl's for
-    text and images (not video: transformers' positions rule), and updates in place."""
+    """The transformers-generate baseline: n samples, seeded, its log-probs equal titanrl's for text, images and
+    video (the engine gives transformers the trainer's text-after-video positions; its own rule differs by ~0.1
+    here), sampled and probed (<= 1e-4, float32), and it updates in place."""
     from titanrl.rollout.hf_engine import HFGenerateEngine
 
     engine = HFGenerateEngine(tiny_ckpt, fps=FPS, max_frames=MAX_FRAMES)
-    reqs = [requests_["text"], requests_["image"]]
+    reqs = [requests_["text"], requests_["image"], requests_["video"]]
     out = engine.generate(reqs, seed=5, **SAMPLING)
-    assert [len(g) for g in out] == [3, 3]
+    assert [len(g) for g in out] == [3, 3, 3]
     assert out == engine.generate(reqs, seed=5, **SAMPLING)
     for g in out:
         for s in g:

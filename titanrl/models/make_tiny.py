@@ -1,6 +1,6 @@
 """Build a small random-init Qwen2.5-VL checkpoint directory, entirely offline.
 
-    python -m titanrl.models.make_tiny OUTDIR [--size tiny|small|7b-shape-4l] [--seed S]
+    python -m titanrl.models.make_tiny OUTDIR [--size tiny|small|7b-shape-4l|3b-shape] [--seed S]
 
 The directory looks like a real Qwen2.5-VL Hugging Face checkpoint, so every consumer (transformers,
 vLLM, our own state-dict adapters) can be tested without a hub download:
@@ -186,7 +186,31 @@ SHAPE_7B_4L = TinyModelSize(
     vocab_size=152064,
 )
 
-SIZES: dict[str, TinyModelSize] = {size.name: size for size in (TINY, SMALL, SHAPE_7B_4L)}
+# Qwen2.5-VL-3B at full depth and width (36 decoder layers of 2048, 16 query / 2 KV heads, its 32-block vision
+# tower), random init, lm_head untied (the published 3B ties it: +0.31 B here): the GPU check's full-depth run
+# (scripts/check_gpu.py ``rl_3b_shape``), ~4.1 B parameters.
+SHAPE_3B = TinyModelSize(
+    name="3b-shape",
+    hidden_size=2048,
+    intermediate_size=11008,
+    num_hidden_layers=36,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    max_position_embeddings=128000,
+    vision_depth=32,
+    vision_hidden_size=1280,
+    vision_intermediate_size=3420,
+    vision_num_heads=16,
+    vision_window_size=112,
+    vision_fullatt_block_indexes=(7, 15, 23, 31),
+    image_min_pixels=56 * 56,
+    image_max_pixels=28 * 28 * 256,
+    video_min_pixels=56 * 56,
+    video_max_pixels=28 * 28 * 64,
+    vocab_size=151936,
+)
+
+SIZES: dict[str, TinyModelSize] = {size.name: size for size in (TINY, SMALL, SHAPE_7B_4L, SHAPE_3B)}
 
 
 def check_vllm_cpu_constraints(size: TinyModelSize) -> None:

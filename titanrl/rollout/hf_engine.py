@@ -9,10 +9,11 @@ With ``batch_prompts = 1`` (the trainer's choice) each request is sampled with i
 world size samples the same responses; a batch shares one seed (its first
 request's), so responses then depend on how requests are grouped.
 
-Not for training on video: transformers 5 places text after a video at the video's start +
-max(h, w) instead of after its last temporal position (vLLM's and the trainer's rule), so its
-video log-probs differ from the trainer's by ~0.1 on small models and by 0.4-2.6 at 7B width (the
-position shift matters more there; benchmarks/gpu_check.json). Images and text agree with the trainer.
+transformers 5 places text after a video at the video's start + max(h, w) instead of after its last temporal
+position (vLLM's and the trainer's rule: the video log-probs differed by ~0.1 on small models and by 0.4-2.6 at 7B
+width, benchmarks/gpu_check.json). The engine gives the model the trainer's rule
+(``titanrl.models.qwen2_5_vl.positions.mrope_position_ids`` in place of its ``get_rope_index``), so text, images
+and video score as the trainer does.
 """
 
 from __future__ import annotations
@@ -40,6 +41,44 @@ def _hf_param_name(name: str) -> str:
     if name.startswith("model."):
         return "model.language_model." + name[len("model."):]
     return name
+
+
+def _trainer_rope_index(config):
+    """transformers' ``get_rope_index`` with the trainer's positions: [3, B, L] position ids (left padding skipped
+    through ``attention_mask``) and each row's delta (max position + 1 - its length), which generate adds to the
+    positions of the tokens it appends."""
+    from titanrl.models.qwen2_5_vl.positions import mrope_position_ids
+    from titanrl.models.vision_grid import VisionGrid
+
+    vision = config.vision_config
+
+    def get_rope_index(input_ids, mm_token_type_ids=None, image_grid_thw=None, video_grid_thw=None,
+                       second_per_grid_ts=None, attention_mask=None, **_):
+        images = iter(image_grid_thw.tolist() if image_grid_thw is not None else [])
+        videos = iter(video_grid_thw.tolist() if video_grid_thw is not None else [])
+        seconds = iter(second_per_grid_ts.tolist() if second_per_grid_ts is not None else [])
+        position_ids = torch.zeros(3, *input_ids.shape, dtype=input_ids.dtype, device=input_ids.device)
+        deltas = []
+        for row, ids in enumerate(input_ids):
+            keep = attention_mask[row].bool() if attention_mask is not None else torch.ones_like(ids, dtype=torch.bool)
+            ids = ids[keep].cpu().numpy()
+            vision_run = np.isin(ids, (config.image_token_id, config.video_token_id))
+            starts = np.flatnonzero(vision_run & ~np.concatenate(([False], vision_run[:-1])))
+            grids = []
+            for start in starts:
+                video = ids[start] == config.video_token_id
+                t, h, w = next(videos if video else images)
+                grids.append(VisionGrid(t, h, w, is_video=bool(video),
+                                        second_per_grid=float(next(seconds, 1.0)) if video else 1.0))
+            pos = mrope_position_ids(ids, grids, image_token_id=config.image_token_id,
+                                     video_token_id=config.video_token_id,
+                                     spatial_merge_size=vision.spatial_merge_size,
+                                     tokens_per_second=float(vision.tokens_per_second))
+            position_ids[:, row, keep] = torch.from_numpy(pos).to(position_ids.device)
+            deltas.append(int(pos.max()) + 1 - len(ids) if len(ids) else 0)
+        return position_ids, torch.tensor(deltas, device=input_ids.device).unsqueeze(1)
+
+    return get_rope_index
 
 
 class HFGenerateEngine:
@@ -87,6 +126,8 @@ class HFGenerateEngine:
         )
         self._reference = read_headers(self.model_dir)
         self._sleeps, self._asleep = sleep, False  # rollout.sleep
+        inner = self.model.model
+        inner.get_rope_index = _trainer_rope_index(inner.config)  # the trainer's (and vLLM's) text-after-video rule
         self.start_s = time.perf_counter() - t0
 
     def _threads(self):

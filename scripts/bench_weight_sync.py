@@ -217,7 +217,10 @@ def report(result: dict, command: str) -> str:
         "safetensors into /dev/shm, a barrier, every engine re-reads them); `memory` = `WeightPusher` (bucketed "
         "all-gather of the FSDP2 shards, each full tensor into the rank's engine by reference). Both end in vLLM's "
         "layer-wise reload, which on this CPU build re-creates the oneDNN GEMM handles of every linear layer: most "
-        "of the tiny model's push is that reload, which no transport changes.",
+        "of the tiny model's push is that reload, which no transport changes. Where we lose: `memory` holds a bucket "
+        "(up to 128 MB) of gathered bytes while its tensors are handed over, so on `small` its peak is ~100 MB "
+        "above the file path's, which streamed one parameter at a time; the files themselves (host memory on "
+        "tmpfs) are gone.",
         "",
         f"## Share of the step: the main job (tiny default, 2 ranks), {result['steps'][0]['steps']} steps after the "
         "first",

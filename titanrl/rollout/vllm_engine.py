@@ -266,10 +266,11 @@ class VLLMEngine:
         self.num_threads = num_threads
         # where it runs (titanrl.rollout.launch); unset: this process alone, on device 0
         process_group = dist.is_available() and dist.is_initialized()
-        if launch is None:
-            launch = engine_launch(dist.get_rank() if process_group else 0, 0,
-                                   dist.get_world_size() if process_group else 1, 1, _device_type(),
-                                   process_group=process_group)
+        if launch is None:  # one engine per rank, on the rank's device
+            world = dist.get_world_size() if process_group else 1
+            launch = engine_launch(dist.get_rank() if process_group else 0, int(os.environ.get("LOCAL_RANK", 0)),
+                                   world, 1, _device_type(), process_group=process_group,
+                                   local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         self.launch = launch
         # tensor parallelism inside the ranks (colocated): the ranks sharing the engine submit the same requests
         self.tp_group = tp_group if launch.in_process and launch.tensor_parallel_size > 1 else None

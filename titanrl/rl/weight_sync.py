@@ -55,11 +55,11 @@ def _rows(full: int, world: int, rank: int) -> int:
     return max(0, min(chunk, full - rank * chunk))
 
 
-def _gather_bucket(entries: list[tuple[str, DTensor]], dtype: torch.dtype | None
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+def _gather_bucket(entries: list[tuple[str, DTensor]], dtype: torch.dtype | None, keep: bool = True
+                   ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """One all-gather for the full tensors of ``entries`` (dim-0 shards on one mesh): each rank's shards padded to
     the chunk size and laid end to end as bytes. Each full tensor is put together as it is taken (one at a time
-    beside the gathered bytes)."""
+    beside the gathered bytes); ``keep=False``: not at all (None)."""
     mesh = entries[0][1].device_mesh
     world, me = mesh.size(), mesh.get_local_rank()
     locals_, layouts, size = [], [], 0
@@ -88,6 +88,9 @@ def _gather_bucket(entries: list[tuple[str, DTensor]], dtype: torch.dtype | None
         dist.all_gather_single(gathered, mine, group=mesh.get_group())
     del mine
     for name, full0, rest, dt, row, _, offset in layouts:
+        if not keep:
+            yield name, None
+            continue
         parts = [gathered[r * size + offset:r * size + offset + _rows(full0, world, r) * row] for r in range(world)]
         flat = parts[0] if world == 1 else torch.cat(parts)
         yield name, flat.view(dt).reshape(full0, *rest)
@@ -104,7 +107,7 @@ def gather_full_state(model: torch.nn.Module, dtype: torch.dtype | None, *, keep
 
     def flush():
         nonlocal pending, pending_bytes
-        done = _gather_bucket(pending, dtype) if pending else iter(())
+        done = _gather_bucket(pending, dtype, keep) if pending else iter(())
         pending, pending_bytes = [], 0
         return done
 
@@ -112,22 +115,22 @@ def gather_full_state(model: torch.nn.Module, dtype: torch.dtype | None, *, keep
         name = clean_name(name)
         if _shard_dim0(value):
             if pending and value.device_mesh is not pending[0][1].device_mesh:
-                yield from ((n, t if keep else None) for n, t in flush())
+                yield from flush()
             pending.append((name, value))
             itemsize = value.element_size() if dtype is None or not value.is_floating_point() else \
                 torch.empty((), dtype=dtype).element_size()
             pending_bytes += value.numel() * itemsize
             if pending_bytes >= bucket_bytes:
-                yield from ((n, t if keep else None) for n, t in flush())
+                yield from flush()
             continue
-        yield from ((n, t if keep else None) for n, t in flush())
+        yield from flush()
         value = value.detach()
         if isinstance(value, DTensor):
             value = value.full_tensor()  # another layout (replicated, or a 2-D mesh): DTensor's own gather
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
         yield name, value if keep else None
-    yield from ((n, t if keep else None) for n, t in flush())
+    yield from flush()
 
 
 def hf_layout(model: torch.nn.Module, args: Qwen2_5_VLArgs, dtype: torch.dtype | None) -> dict[str, TensorInfo]:

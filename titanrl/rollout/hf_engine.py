@@ -28,7 +28,8 @@ import torch
 from titanrl.data.preprocess import MediaSettings, media_to_patches
 from titanrl.models.qwen2_5_vl.state_dict_adapter import canonical_hf_name
 from titanrl.rollout.types import RolloutRequest, RolloutSample, request_seed, torch_threads
-from titanrl.rollout.weights import TensorInfo, check_update, checked_stream, read_headers, weight_files
+from titanrl.rollout.weights import (TensorInfo, check_update, checked_stream, file_tensors, read_headers,
+                                     weight_files)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -284,17 +285,7 @@ class HFGenerateEngine:
         return time.perf_counter() - t0
 
     def load_weights(self, hf_dir: str | Path) -> float:
-        from safetensors import safe_open
-
-        layout = read_headers(hf_dir)
-
-        def tensors():
-            for path in weight_files(hf_dir):
-                with safe_open(str(path), framework="pt") as f:
-                    for name in f.keys():
-                        yield name, f.get_tensor(name)
-
-        return self.update_weights(layout, tensors())
+        return self.update_weights(read_headers(hf_dir), file_tensors(weight_files(hf_dir)))
 
     def join_weight_group(self, address, world: int, first: int, timeout_s: float) -> None:
         from titanrl.distributed import stateless_group

@@ -61,7 +61,7 @@ from titanrl.rollout.types import (
 )
 from titanrl.rollout.launch import EngineLaunch, engine_launch
 from titanrl.rollout.weights import (QWEN2_5_VL_PACKED_MODULES, TensorInfo, check_update, checked_stream,
-                                     read_header, read_headers, weight_files)
+                                     file_tensors, read_header, read_headers, weight_files)
 
 log = logging.getLogger(__name__)
 
@@ -164,15 +164,7 @@ def _reload_tensors(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]]) ->
 
 def _reload_files(worker: Any, files: list[str]) -> None:
     """An engine in child processes, from safetensors files (``load_weights``; the trainer's push sends none)."""
-    from safetensors import safe_open
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for path in files:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-
-    _reload(worker, tensors())
+    _reload(worker, file_tensors(files))
 
 
 def _join_weight_group(worker: Any, address: tuple[str, int], world: int, first: int, timeout_s: float) -> None:
@@ -553,17 +545,9 @@ class VLLMEngine:
             update.update(part)
         self.check_update(update, where=str(hf_dir))
         if self.launch.in_process:
-            from safetensors import safe_open
-
-            def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-                for path in files:
-                    with safe_open(str(path), framework="pt") as f:
-                        for name in f.keys():
-                            yield name, f.get_tensor(name)
-
             self._wake(("weights",))
             with self._call():
-                self.llm.collective_rpc(_reload_tensors, args=(tensors(),))
+                self.llm.collective_rpc(_reload_tensors, args=(file_tensors(files),))
         else:
             self._wake(("weights",))
             with self._call():

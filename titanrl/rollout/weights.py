@@ -193,3 +193,13 @@ def checked_stream(tensors, layout: Mapping[str, TensorInfo]):
     if len(seen) != len(layout):
         missing = sorted(set(layout) - seen)
         raise WeightsMismatchError(f"weight stream ended without {len(missing)} declared tensor(s), e.g. {missing[:5]}")
+
+
+def file_tensors(files):
+    """(name, tensor) of every tensor of the given safetensors files, one at a time."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -8,6 +8,11 @@ one node per host. Needs root and ``ip netns``.
         hosts[1].popen(["torchrun", ...], env={...})   # with the cluster's token (RAY_AUTH_*) in its env
         hosts.shape(1, "100mbit")          # tbf on host 1's link (bandwidth; latency cannot be shaped here)
         hosts.throttle_port(1, 8076)       # traffic to that port leaving host 1 at 8 bit/s: blocked
+        hosts.local_dir                    # one path, a different folder on each host (a local disk)
+
+Every process on a host runs in a mount namespace of its own where ``hosts.local_dir`` is that host's own
+folder (``hosts[i].disk``, bind-mounted): the same path on every host holds different files, as a node-local
+disk does, for tests of machines that share no filesystem. Everything else is the machine's one filesystem.
 
 Tear-down kills every process in the namespaces (by ``ip netns pids``), then deletes them; it runs on
 exit from the ``with`` block whether or not the body raised, and ``python scripts/netns_hosts.py
@@ -89,9 +94,15 @@ class Host:
     ip: str
     dev: str  # its interface (inside the namespace)
     cluster_env: dict[str, str] = field(default_factory=dict)  # every host's process gets it (Hosts.start_ray)
+    disk: Path | None = None  # this host's own folder, seen at Hosts.local_dir by its processes
+    local_dir: Path | None = None
 
     def cmd(self, argv: Sequence[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.ns, *argv]
+        if self.disk is None:
+            return ["ip", "netns", "exec", self.ns, *argv]
+        # a private mount namespace: the bind mount is this host's processes' alone
+        return ["ip", "netns", "exec", self.ns, "unshare", "--mount", "--propagation", "private", "sh", "-c",
+                'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", str(self.disk), str(self.local_dir), *argv]
 
     def env(self, env: dict[str, str] | None = None) -> dict[str, str]:
         return {**os.environ, **self.cluster_env, **(env or {})}
@@ -110,8 +121,11 @@ class Hosts:
         self.tag = tag or f"trl{os.getpid() % 100000}"
         self.hub = f"{self.tag}-hub"
         self.cluster_env: dict[str, str] = {}  # shared by every host
-        self.hosts = [Host(i, f"{self.tag}-h{i}", f"{SUBNET}.{i + 1}", f"{self.tag}e{i}"[-15:], self.cluster_env)
-                      for i in range(n)]
+        # each host's local disk (a folder here), seen by its processes at local_dir
+        self.local_dir = Path("/tmp") / f"{self.tag}-local"
+        self.disks = Path("/tmp") / f"{self.tag}-disks"
+        self.hosts = [Host(i, f"{self.tag}-h{i}", f"{SUBNET}.{i + 1}", f"{self.tag}e{i}"[-15:], self.cluster_env,
+                           self.disks / f"h{i}", self.local_dir) for i in range(n)]
         self.ray_dir = Path("/tmp") / f"{self.tag}-ray"  # short: Ray's socket paths must fit 107 bytes
         self.ray_address = ""
 
@@ -130,6 +144,11 @@ class Hosts:
             raise HostsUnavailable("namespaced hosts need root (ip netns)")
         if shutil.which("ip") is None:
             raise HostsUnavailable("no `ip` command (iproute2)")
+        if shutil.which("unshare") is None:
+            raise HostsUnavailable("no `unshare` command (util-linux), needed for the hosts' local disks")
+        self.local_dir.mkdir(exist_ok=True)
+        for h in self.hosts:
+            h.disk.mkdir(parents=True, exist_ok=True)
         try:
             _ip("netns", "add", self.hub)
         except RuntimeError as error:
@@ -198,7 +217,8 @@ class Hosts:
 
     def down(self) -> None:
         remove_namespaces(self.namespaces)
-        shutil.rmtree(self.ray_dir, ignore_errors=True)
+        for folder in (self.ray_dir, self.disks, self.local_dir):
+            shutil.rmtree(folder, ignore_errors=True)
 
     def __enter__(self) -> "Hosts":
         return self.up()
@@ -215,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     remove_namespaces([n for n in names if n.startswith(f"{args.tag}-")])
-    shutil.rmtree(Path("/tmp") / f"{args.tag}-ray", ignore_errors=True)
+    for suffix in ("ray", "disks", "local"):
+        shutil.rmtree(Path("/tmp") / f"{args.tag}-{suffix}", ignore_errors=True)
     return 0
 
 

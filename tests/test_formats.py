@@ -174,7 +174,9 @@ def test_data_config_path_checks():
 def test_import_on_four_ranks_reads_own_row_groups_and_matches_one_process(synth, tmp_path):
     """4 ranks under torchrun import a verl Parquet file of 8 row groups: each rank reads only the row groups
     it was given (no whole-file read), together all of them once; the manifest, the media files and the
-    header cache equal a one-process import's; a bad row stops every rank with the same named error."""
+    header cache equal a one-process import's; a bad row stops every rank with the same named error. Then as two
+    machines without a shared cache (ranks 0-1 and 2-3 each with their own model.cache_dir): each pair finds the
+    other does not share it, builds its own tiny checkpoint and imports into its own cache, the same output."""
     import os
     import subprocess
     import sys
@@ -234,3 +236,18 @@ def test_import_on_four_ranks_reads_own_row_groups_and_matches_one_process(synth
     assert "train.parquet: row 6: key 'reward_model.ground_truth'" in str(expected.value)
     assert [r["bad_error"] for r in ranks] == [str(expected.value)] * 4
     assert 6 not in ranks[0]["bad_reads"]
+
+    # no shared cache: two groups, each prepares everything its ranks read, in its own folder
+    split = [r["split"] for r in ranks]
+    assert [s["ranks"] for s in split] == [[0, 1], [0, 1], [2, 3], [2, 3]] and not any(s["shared"] for s in split)
+    for machine, pair in enumerate((split[:2], split[2:])):
+        root = tmp_path / f"cache-split/m{machine}"
+        folder = Path(pair[0]["manifest"]).parent
+        assert all(s["manifest"] == pair[0]["manifest"] for s in pair) and folder.is_relative_to(root)
+        assert (folder / ".complete").is_file() and (Path(pair[0]["model"]) / ".complete").is_file()
+        assert Path(pair[0]["model"]).is_relative_to(root) and (Path(pair[0]["model"]) / "config.json").is_file()
+        assert (folder / "manifest.jsonl").read_bytes() == (single / "manifest.jsonl").read_bytes()
+        assert sorted(p.name for p in (folder / "media").iterdir()) == files
+        # the pair's two ranks read the 8 row groups between them, each its own
+        assert sorted(pair[0]["reads"] + pair[1]["reads"]) == list(range(8)) and pair[0]["reads"] and pair[1]["reads"]
+        assert not list(root.glob(".titanrl-ranks-*"))  # the probe leaves nothing behind

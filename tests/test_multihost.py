@@ -5,6 +5,8 @@ multi-node section.
 - the default config (slice-aware loading on) and FlexUlysses ``flex`` each train 3 steps and exit 0;
   frames cross hosts (``vision/frames_cross_host``) and every rank fetches whole samples from its own
   host's preprocessor (``data/ranks_fetching_same_host``);
+- without a shared cache (each host's model.cache_dir on its own local disk: ``Hosts.local_dir``) every host
+  prepares what its rank reads and the run trains; checkpoints on local disks are refused with the reason;
 - with Ray's object transfer between the hosts blocked, every rank stops within seconds of start-up
   with a line naming the rank, its host and the preprocessor's host - not after data.fetch_timeout_s
   plus job.collective_timeout_s;
@@ -46,12 +48,15 @@ def hosts():
         cluster.down()
 
 
-def start_on_hosts(hosts: Hosts, out: Path, cache: Path, *overrides: str, port: int) -> list[subprocess.Popen]:
+def start_on_hosts(hosts: Hosts, out: Path, cache: Path | list[Path], *overrides: str,
+                   port: int) -> list[subprocess.Popen]:
+    """torchrun on every host; ``cache``: the model.cache_dir of all hosts, or one per host."""
     procs = []
     for rank, h in enumerate(hosts.hosts):
+        host_cache = cache[rank] if isinstance(cache, list) else cache
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc-per-node", "1",
                 "--node-rank", str(rank), "--master-addr", hosts[0].ip, "--master-port", str(port),
-                "-m", "titanrl.train", "--config", "configs/tiny_cpu.toml", f"--model.cache_dir={cache}",
+                "-m", "titanrl.train", "--config", "configs/tiny_cpu.toml", f"--model.cache_dir={host_cache}",
                 f"--job.dump_folder={out}", "--job.steps=3", f"--data.ray_address={hosts.ray_address}", *overrides]
         env = {"GLOO_SOCKET_IFNAME": h.dev, "VLLM_HOST_IP": h.ip, "OMP_NUM_THREADS": "1"}
         procs.append(h.popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -71,7 +76,7 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[subprocess.C
     return done
 
 
-def train_on_hosts(hosts: Hosts, out: Path, cache: Path, *overrides: str, port: int,
+def train_on_hosts(hosts: Hosts, out: Path, cache: Path | list[Path], *overrides: str, port: int,
                    timeout: float = 600) -> list[subprocess.CompletedProcess]:
     """torchrun with one rank on each host; returns both hosts' finished processes."""
     return wait_all(start_on_hosts(hosts, out, cache, *overrides, port=port), timeout)
@@ -107,6 +112,31 @@ def test_two_hosts_train_with_slice_loading(hosts, run_cache, tmp_path, flex):
     # both per-node preprocessors served their own host's rank
     assert all(m["data/ranks_fetching_same_host"] == 2 for m in steps), steps
     assert all(m["data/samples_same_host"] > 0 for m in steps)
+
+
+def test_two_hosts_without_a_shared_cache(hosts, tmp_path):
+    """Each host's model.cache_dir on its own local disk, at a different path on each: every host builds the tiny
+    checkpoint and the data its rank reads, its preprocessor reads its own host's copy, 3 steps train. A
+    checkpoint folder on the local disks is refused on both hosts with the reason."""
+    caches = [hosts.local_dir / f"cache-h{i}" for i in range(len(hosts))]
+    results = train_on_hosts(hosts, tmp_path / "out", caches, port=29559)
+    for rank, proc in enumerate(results):
+        assert proc.returncode == 0, f"host {rank}:\n{proc.stdout[-4000:]}"
+    assert "model.cache_dir" in results[0].stdout and "is not shared by every machine" in results[0].stdout
+    steps = step_metrics(tmp_path / "out")
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["data/ranks_fetching_same_host"] == 2 for m in steps), steps
+    for i, h in enumerate(hosts.hosts):
+        own = h.disk / f"cache-h{i}"  # what host i's processes saw at caches[i]
+        assert [p.name for p in h.disk.iterdir()] == [own.name]  # nothing of the other host's
+        assert len(list(own.glob("models/*/.complete"))) == 1 and len(list(own.glob("data/*/.complete"))) == 1
+
+    refused = train_on_hosts(hosts, tmp_path / "out2", caches, f"--checkpoint.folder={hosts.local_dir}/ckpt",
+                             port=29560, timeout=300)
+    for rank, proc in enumerate(refused):
+        assert proc.returncode != 0, f"host {rank}:\n{proc.stdout[-3000:]}"
+        assert "checkpoint.enable needs a checkpoint folder every machine shares" in proc.stdout, proc.stdout[-3000:]
+        assert "titanrl/trainer.py" not in proc.stdout  # one line, no traceback of ours (torchrun prints its own)
 
 
 def test_unreachable_object_store_fails_in_seconds_on_every_rank(hosts, run_cache, tmp_path):

@@ -1,8 +1,10 @@
 """Model and dataset a run needs, built on first use into the cache when the config names none.
 
-Rank 0 builds under a file lock (two runs sharing a cache never build the same thing at once);
-the other ranks wait at a barrier and then find it ready. A finished build is marked by a
-``.complete`` file, so a build killed half-way is redone, never used.
+The cache is prepared once per group of ranks that share ``model.cache_dir`` (``titanrl.fs_share``): the
+whole job on one machine or a shared filesystem, else each machine with a local disk. A group's first
+rank builds under a file lock (two runs sharing a cache never build the same thing at once), an import of
+``data.path`` is split over the group's ranks; the others wait for their group and then find it ready. A
+finished build is marked by a ``.complete`` file, so a build killed half-way is redone, never used.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from pathlib import Path
 from typing import Iterator
 
 from titanrl.config import JobConfig
-from titanrl.distributed import DistInfo, barrier
+from titanrl.distributed import DistInfo
+from titanrl.fs_share import FolderGroup, folder_group
 
 
 @contextmanager
@@ -28,51 +31,63 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build_once(target: Path, build, info: DistInfo | None = None) -> Path:
-    """``build(target)`` unless a complete build is there. Without ``info`` one process builds under the lock. With
-    ``info`` every rank calls it and ``build`` is collective (each rank builds its part): rank 0 holds the lock,
-    decides for all, clears the folder and marks it complete; every rank returns once it is complete."""
-    from titanrl.distributed import all_gather_objects
-
-    main = info is None or info.is_main
+def _build_once(target: Path, build, group: FolderGroup | None = None, collective: bool = False) -> Path:
+    """``build(target)`` unless a complete build is there. Without ``group`` one process builds under the lock.
+    With ``group`` every rank of it calls this: its first rank holds the lock, decides for the group, clears the
+    folder, builds (with ``collective`` every rank of the group builds its part) and marks it complete; every
+    rank returns once it is complete."""
+    lead = group is None or group.is_leader
     marker = target / ".complete"
-    with _file_lock(target.parent / f".{target.name}.lock") if main else nullcontext():
+    with _file_lock(target.parent / f".{target.name}.lock") if lead else nullcontext():
         needed = not marker.is_file()
-        if info is not None:
-            needed = all_gather_objects(needed)[0]  # rank 0's view, under its lock
+        if group is not None:
+            needed = group.gather(needed)[0]  # the leader's view, under its lock
         if needed:
-            if main and target.exists():
+            if lead and target.exists():
                 shutil.rmtree(target)
-            if info is not None:
-                barrier()
-            build(target)
-            if main:
+            if collective and group is not None:
+                group.barrier()
+            if lead or collective:
+                build(target)
+            if lead:
                 marker.write_text("ok\n")
-    if info is not None:
-        barrier()
+    if group is not None:
+        group.barrier()
     return target
 
 
-def model_dir(cfg: JobConfig, info: DistInfo) -> Path:
+def cache_group(cfg: JobConfig, info: DistInfo) -> FolderGroup:
+    """The ranks that share this rank's ``model.cache_dir`` (collective); rank 0 says so when the cache is not
+    shared by every rank."""
+    group = folder_group(cfg.cache_dir, info, cfg.job.collective_timeout_s)
+    if not group.shared and info.is_main:
+        from titanrl.console import say
+
+        say(f"[titanrl] model.cache_dir {str(cfg.cache_dir)!r} is not shared by every machine: each group of ranks "
+            f"that shares one prepares its own model and data (rank 0's: {group.describe()})")
+    return group
+
+
+def model_dir(cfg: JobConfig, info: DistInfo, group: FolderGroup | None = None) -> Path:
+    """``model.path``, or a random ``model.flavor`` checkpoint built in the cache (collective)."""
     if cfg.model.path:
         path = Path(cfg.model.path).expanduser()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path={cfg.model.path!r} has no config.json")
         return path
     target = cfg.cache_dir / "models" / f"qwen2_5_vl_{cfg.model.flavor}_seed{cfg.job.seed}"
-    if info.is_main:
-        from titanrl.models.make_tiny import make_tiny_checkpoint
+    from titanrl.models.make_tiny import make_tiny_checkpoint
 
-        _build_once(target, lambda d: make_tiny_checkpoint(d, size=cfg.model.flavor, seed=cfg.job.seed))
-    barrier()
-    return target
+    return _build_once(target, lambda d: make_tiny_checkpoint(d, size=cfg.model.flavor, seed=cfg.job.seed),
+                       group or cache_group(cfg, info))
 
 
-def manifest_path(cfg: JobConfig, info: DistInfo) -> Path:
+def manifest_path(cfg: JobConfig, info: DistInfo, group: FolderGroup | None = None) -> Path:
     """The titanrl manifest of the run: data.path (or data.manifest) read in place when it is one, else
     imported into the cache (titanrl.data.sources); without either, a synthesized dataset (in
     data.synth_format, imported the same way when that is not titanrl)."""
     d = cfg.data
+    group = group or cache_group(cfg, info)
     source, key = (d.path, "data.path") if d.path else (d.manifest, "data.manifest")
     if source:
         if not Path(source).expanduser().exists():
@@ -82,33 +97,31 @@ def manifest_path(cfg: JobConfig, info: DistInfo) -> Path:
         target = cfg.cache_dir / "data" / f"{d.mixture}_n{d.num_samples}_seed{cfg.job.seed}"
         if d.synth_format != "titanrl":
             target = target.with_name(f"{target.name}_{d.synth_format}")
-        if info.is_main:
-            from titanrl.data.synth import generate_dataset
+        from titanrl.data.synth import generate_dataset
 
-            _build_once(target, lambda out: generate_dataset(out, d.mixture, d.num_samples, seed=cfg.job.seed,
-                                                             fmt=d.synth_format))
-        barrier()
+        _build_once(target, lambda out: generate_dataset(out, d.mixture, d.num_samples, seed=cfg.job.seed,
+                                                         fmt=d.synth_format), group)
         source = target / ("manifest.jsonl" if d.synth_format == "titanrl" else "train.parquet")
         if d.synth_format == "titanrl":
             return source
-    return _import(cfg, info, str(source), key)
+    return _import(cfg, info, group, str(source), key)
 
 
-def _import(cfg: JobConfig, info: DistInfo, source: str, key: str) -> Path:
+def _import(cfg: JobConfig, info: DistInfo, group: FolderGroup, source: str, key: str) -> Path:
     """``source`` as a titanrl manifest: itself when it is one, else its import into the cache, which every rank
-    takes part in (each reads only its own Parquet row groups; titanrl.data.sources.import_dataset)."""
+    of the cache's group takes part in (each reads only its own Parquet row groups;
+    titanrl.data.sources.import_dataset)."""
     from titanrl.console import say
     from titanrl.data.formats import ColumnMap
     from titanrl.data.sources import ImportSettings, dataset_manifest
-    from titanrl.distributed import all_gather_objects
-
     d = cfg.data
     settings = ImportSettings(
         format=d.format, on_bad_sample=d.on_bad_sample,
         columns=ColumnMap(d.prompt_key, d.answer_key, d.image_key, d.video_key, d.system_prompt),
     )
-    path, report = dataset_manifest(source, cfg.cache_dir, settings, lambda t, build: _build_once(t, build, info),
-                                    rank=info.rank, world=info.world_size, gather=all_gather_objects)
+    path, report = dataset_manifest(source, cfg.cache_dir, settings,
+                                    lambda t, build: _build_once(t, build, group, collective=True),
+                                    rank=group.index, world=group.size, gather=group.gather)
     if info.is_main and report is not None:
         skipped = f", {len(report.skipped)} bad rows skipped (listed in {path.parent / 'import.json'})"
         say(f"[titanrl] {key} {source!r}: {report.samples} samples from {report.rows} rows"

@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             trainer = Trainer(cfg, info)
-        except ConfigError as err:  # a check that needs the world size or the model's shape
-            if info.is_main:
+        except ConfigError as err:  # a check that needs the world size or the model's shape (every rank raises it)
+            if info.is_main or _shows_cause(info, 0):
                 say(str(err), error=True)
             return 2
         if info.is_main:

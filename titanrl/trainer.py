@@ -125,8 +125,12 @@ class Trainer:
             self.rank_speeds = self._profile_speeds(cfg, info)
         torch.manual_seed(cfg.job.seed)
 
-        self.model_dir = assets.model_dir(cfg, info)
-        self.manifest = assets.manifest_path(cfg, info)
+        # prepared once per group of ranks sharing model.cache_dir (each machine, when their caches are local)
+        self.cache = assets.cache_group(cfg, info)
+        self.model_dir = assets.model_dir(cfg, info, self.cache)
+        self.manifest = assets.manifest_path(cfg, info, self.cache)
+        if cfg.checkpoint.enable and info.world_size > 1:
+            _check_shared_checkpoints(cfg, info)
         self.records: list[SampleRecord] = read_manifest(self.manifest, check_files=False)
         self.encoder = PromptEncoder.from_pretrained(self.model_dir)
         self.rewards = (RewardRunner(cfg.rl.reward, timeout_s=cfg.rl.reward_timeout_s, workers=cfg.rl.reward_workers,
@@ -230,7 +234,7 @@ class Trainer:
         # The loader (ShadowLoader by default, or the centralized baseline) plans every step's global
         # batch from metadata on every rank and materializes only this rank's prompts, ahead of use.
         self.loader = build_loader(cfg, info, self.model_dir, self.manifest, assign=self.assign_prompts,
-                                   encoder=self.encoder)
+                                   encoder=self.encoder, cache=self.cache)
         self._resources.callback(lambda: self.loader.close(collective=self._close_collective))
         self.pusher = WeightPusher(self.args, info, self.param_dtype, placement=self.placement, timeout_s=timeout)
         self._resources.callback(self.pusher.close)
@@ -496,3 +500,17 @@ class Trainer:
         """Release every resource, each on its own (a failing close does not skip the others)."""
         self._close_collective = collective
         self._resources.close()
+
+
+def _check_shared_checkpoints(cfg: JobConfig, info: DistInfo) -> None:
+    """DCP writes one checkpoint folder that every rank writes its shards to and reads back: refused, with the
+    reason, where the machines do not share it (collective)."""
+    from titanrl.fs_share import folder_group
+
+    group = folder_group(cfg.checkpoint_dir, info, cfg.job.collective_timeout_s)
+    if not group.shared:
+        raise ConfigError(
+            f"checkpoint.enable needs a checkpoint folder every machine shares: {str(cfg.checkpoint_dir)!r} "
+            f"(job.dump_folder, job.name, checkpoint.folder) is seen by {group.describe()} only (rank {info.rank}'s "
+            "view), and a checkpoint is one folder every rank writes and reads. Put job.dump_folder (or an absolute "
+            "checkpoint.folder) on a shared filesystem, or --checkpoint.enable=false")

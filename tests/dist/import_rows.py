@@ -5,7 +5,10 @@ readers are wrapped), then, all ranks together:
 1. ``titanrl.assets.manifest_path`` imports ``--data`` into ``--cache`` (the trainer's path: rank 0's
    file lock, every rank reading its own row groups);
 2. ``--bad`` (a row with a missing key in a row group rank 0 does not own) with ``on_bad_sample = "error"``:
-   every rank must raise the same error naming the file, the row and the key.
+   every rank must raise the same error naming the file, the row and the key;
+3. two "machines" without a shared cache: ranks 0-1 use ``<cache>-split/m0``, ranks 2-3 ``<cache>-split/m1``.
+   ``assets.cache_group`` finds the two groups; each builds the tiny checkpoint and imports ``--data`` into its own
+   cache, the import split over its two ranks.
 
 Each rank writes ``<out>/rank<r>.json``; tests/test_formats.py checks them.
 """
@@ -62,7 +65,15 @@ def main() -> None:
     except BadRow as e:
         error = str(e)
     barrier()
-    out = {"manifest": str(manifest), "reads": good_reads, "bad_error": error, "bad_reads": sorted(reads)}
+
+    reads.clear()
+    cfg.model.cache_dir = f"{args.cache}-split/m{info.rank // 2}"
+    group = assets.cache_group(cfg, info)
+    split_model = assets.model_dir(cfg, info, group)
+    split_manifest = assets.manifest_path(cfg, info, group)
+    out = {"manifest": str(manifest), "reads": good_reads, "bad_error": error, "bad_reads": sorted(reads),
+           "split": {"ranks": list(group.ranks), "shared": group.shared, "manifest": str(split_manifest),
+                     "model": str(split_model), "reads": sorted(reads)}}
     Path(args.out, f"rank{info.rank}.json").write_text(json.dumps(out))
     shutdown()  # gloo's threads end before the interpreter's
 

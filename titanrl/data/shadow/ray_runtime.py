@@ -328,18 +328,28 @@ def start_preprocessors(
     num_threads: int,
     cache_bytes: int,
     max_restarts: int = -1,
+    manifest_shared: bool = True,
 ) -> None:
-    """Rank 0 places one preprocessor per node; every rank gets handles to all of them (collective)."""
+    """Rank 0 places one preprocessor per node; every rank gets handles to all of them (collective).
+
+    ``manifest_dir`` is this rank's: a node's preprocessor reads the folder its node's ranks read (machines whose
+    caches are local disks each hold their own import). A node without ranks gets one reading rank 0's folder
+    when ``manifest_shared`` (the same files on every machine), else none."""
     import ray
 
     specs: list[dict[str, str]] | dict[str, str] | None = None
     actors: list[Any] = []
+    dirs = comm.all_gather(manifest_dir)
     if comm.rank == 0:
         try:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             hosts = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes() if n.get("Alive")}
-            nodes = [session.node_id] if session.local else sorted(hosts)
+            node_dirs: dict[str, str] = {}
+            for node, folder in zip(session.rank_nodes, dirs):
+                node_dirs.setdefault(node, folder)
+            nodes = [session.node_id] if session.local else sorted(
+                n for n in hosts if n in node_dirs or manifest_shared)
             cls = _preprocessor_class()
             specs = []
             job = uuid.uuid4().hex[:8]  # two loaders in one namespace (tests, a second loader) never clash
@@ -356,7 +366,7 @@ def start_preprocessors(
                     max_restarts=max_restarts,
                     max_task_retries=2,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                ).remote(manifest_dir, settings, num_threads, cache_bytes,
+                ).remote(node_dirs.get(node, manifest_dir), settings, num_threads, cache_bytes,
                          journal_path=str(Path(tempfile.gettempdir()) / f"{name}.crash-journal.json")))
                 specs.append({"name": name, "node_id": node, "host": hosts.get(node, "")})
             ray.get([a.ping.remote() for a in actors], timeout=ACTOR_READY_TIMEOUT_S)

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                 say(str(err), error=True)
             return 2
         if info.is_main:
-            say(f"[titanrl] {info.world_size} rank(s) on {info.device.type}; model {trainer.model_dir}; "
+            say(f"[titanrl] {info.world_size} rank(s) on {info.device.type}; model {trainer.model_dir} (compute "
+                f"{str(trainer.param_dtype).removeprefix('torch.')}, float32 parameters); "
                 f"{len(trainer.records)} samples from {trainer.manifest}; run dir {cfg.run_dir}")
         trainer.train()
         if info.is_main:

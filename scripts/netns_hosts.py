@@ -18,7 +18,7 @@ Tear-down kills every process in the namespaces (by ``ip netns pids``), then del
 exit from the ``with`` block whether or not the body raised, and ``python scripts/netns_hosts.py
 down TAG`` removes what a killed process left behind.
 
-The same commands on real hosts are in the README's multi-node section.
+The same commands on real hosts are in the README's "Several machines" section.
 """
 
 from __future__ import annotations

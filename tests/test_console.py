@@ -114,3 +114,24 @@ def test_a_hung_rank_ends_the_run_with_an_error_naming_stage_rank_and_timeout():
     assert "stage 'rollout'" not in proc.stderr
     ended = re.search(r"rank 0 ended after ([\d.]+) s", proc.stderr)
     assert ended and float(ended.group(1)) < 15, proc.stderr[-3000:]  # at the timeout, not when rank 1 woke
+
+
+def test_counted_errors_reach_the_step_line_and_the_summary():
+    from titanrl.metrics import format_step_line
+    from titanrl.rl.error_watch import ErrorWatch
+    from titanrl.rl.reward_runner import RewardError
+
+    said: list[str] = []
+    watch = ErrorWatch(2, "r.py:f", is_main=True, say=said.append)
+    assert "reward errors" not in format_step_line(1, 3, {"reward/errors": 0.0})
+    assert "reward errors 3" in format_step_line(1, 3, {"reward/errors": 3.0, "reward/calls": 8.0})
+    watch.observe(1, {"reward/errors": 3.0, "reward/calls": 8.0}, {"reward": "rank 1: sample 'a': boom"})
+    watch.observe(2, {"reward/errors": 1.0, "reward/calls": 8.0}, {"reward": "rank 0: sample 'b': bang"})
+    assert len(said) == 1 and "rank 1: sample 'a': boom" in said[0]  # the first, once
+    watch.observe(3, {"reward/errors": 8.0, "reward/calls": 8.0}, {})
+    with pytest.raises(RewardError, match=r"failed in 2 consecutive steps \(3-4, rl.max_error_steps = 2\); the first "
+                                          r"failure: rank 1: sample 'a': boom"):
+        watch.observe(4, {"reward/errors": 8.0, "reward/calls": 8.0}, {})
+    summary = format_summary([{"time/rollout": 1.0}], 1, 10.0, {}, notes=watch.summary())
+    assert "errors     20 reward call(s) failed and scored 0 (reward/errors); the first: rank 1: sample 'a'" in summary
+    assert ErrorWatch(3, "x", is_main=True, say=said.append).summary() == []

@@ -121,6 +121,51 @@ def test_a_reward_raising_on_one_rank_ends_every_rank_with_one_named_line(run_ca
     assert elapsed < 240, elapsed
 
 
+UNRELIABLE_REWARD = '''
+import os
+from titanrl.rl.rewards import exact_match_with_format
+
+CALLS = 0
+
+def reward(response, record):
+    global CALLS
+    CALLS += 1  # 16 calls per rank and step (8 prompts x 4 responses over 2 ranks)
+    if os.environ.get("RANK") == "1" or CALLS > 32:  # rank 1 always, rank 0 from step 3
+        raise ValueError("the grader is not installed")
+    return exact_match_with_format(response, record)
+'''
+
+
+def test_counted_reward_errors_are_shown_and_a_reward_that_always_fails_stops_the_run(run_cache, tmp_path):
+    """rl.on_reward_error = zero (the default): a reward failing on every call of rank 1 is visible -- the step line
+    counts the errors, the first one is printed once naming its rank, sample and message -- and once every call of
+    every rank fails (from step 3), the run stops after rl.max_error_steps (3) such steps with one line naming the
+    first failure, no traceback on the console. A data.path that does not exist is one line too."""
+    (tmp_path / "unreliable_reward.py").write_text(UNRELIABLE_REWARD)
+    proc = run(train_cmd(tmp_path / "out", run_cache, "--job.steps=8", "--checkpoint.enable=false",
+                         "--rl.reward=unreliable_reward:reward", "--rl.global_batch_size=8", "--rollout.n=4", nproc=2),
+               env={"PYTHONPATH": str(tmp_path)}, check=False)
+    assert proc.returncode != 0
+    console = proc.stdout + proc.stderr
+    steps = [x for x in console.splitlines() if re.search(r"step \d/8", x)]
+    assert len(steps) == 5 and all("reward errors" in x for x in steps), steps
+    assert "reward errors 16" in steps[0] and "reward errors 32" in steps[4]
+    warnings = [x for x in console.splitlines() if "a reward call failed on" in x]
+    assert len(warnings) == 1 and re.search(r"rank 1: sample '[^']+' \(source '[^']+'\): ValueError: the grader is "
+                                            "not installed", warnings[0]), warnings
+    errors = [x for x in console.splitlines() if x.startswith("[titanrl] error on rank")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "[titanrl] error on rank 0: every call of reward 'unreliable_reward:reward' failed in 3 consecutive steps "
+        "(3-5, rl.max_error_steps = 3); the first failure: rank 1: sample"), errors
+    assert not re.search(r'File ".*/titanrl/', console)  # no traceback of ours (torchrun prints its own)
+
+    missing = run(train_cmd(tmp_path / "out2", run_cache, f"--data.path={tmp_path / 'nowhere.parquet'}", nproc=2),
+                  check=False)
+    lines = [x for x in (missing.stdout + missing.stderr).splitlines() if "nowhere.parquet" in x]
+    assert missing.returncode != 0 and len(lines) == 1 and "does not exist" in lines[0], lines
+    assert not re.search(r'File ".*/titanrl/', missing.stdout + missing.stderr)
+
+
 def _started(argv: list[str], out: Path, env: dict | None = None, steps: int = 2) -> subprocess.Popen:
     """A run in the background, once its metrics hold ``steps`` steps (console captured)."""
     proc = subprocess.Popen(argv, cwd=ROOT, env=run_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

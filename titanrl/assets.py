@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import fcntl
 import shutil
+import socket
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
-from titanrl.config import JobConfig
+from titanrl.config import ConfigError, JobConfig
 from titanrl.distributed import DistInfo
 from titanrl.fs_share import FolderGroup, folder_group
 
@@ -73,7 +74,8 @@ def model_dir(cfg: JobConfig, info: DistInfo, group: FolderGroup | None = None) 
     if cfg.model.path:
         path = Path(cfg.model.path).expanduser()
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.path={cfg.model.path!r} has no config.json")
+            raise ConfigError(f"model.path={cfg.model.path!r} has no config.json (on {socket.gethostname()}): a Hugging "
+                              "Face checkpoint folder, at the same path on every machine")
         return path
     target = cfg.cache_dir / "models" / f"qwen2_5_vl_{cfg.model.flavor}_seed{cfg.job.seed}"
     from titanrl.models.make_tiny import make_tiny_checkpoint
@@ -91,7 +93,8 @@ def manifest_path(cfg: JobConfig, info: DistInfo, group: FolderGroup | None = No
     source, key = (d.path, "data.path") if d.path else (d.manifest, "data.manifest")
     if source:
         if not Path(source).expanduser().exists():
-            raise FileNotFoundError(f"{key}={source!r} does not exist")
+            raise ConfigError(f"{key}={source!r} does not exist (on {socket.gethostname()}); the data must be at "
+                              "the same path on every machine")
     else:
         key = "synthesized data"
         target = cfg.cache_dir / "data" / f"{d.mixture}_n{d.num_samples}_seed{cfg.job.seed}"

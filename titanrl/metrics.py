@@ -29,6 +29,8 @@ def format_step_line(step: int, total: int, metrics: dict[str, float]) -> str:
         parts.append("[" + ", ".join(timings) + "]")
     if metrics.get("data/skipped", 0):
         parts.append(f"skipped {int(metrics['data/skipped'])}")
+    if metrics.get("reward/errors", 0):
+        parts.append(f"reward errors {int(metrics['reward/errors'])}")
     return " | ".join(parts)
 
 
@@ -49,7 +51,7 @@ def _best(history: Sequence[dict[str, float]], steps: Sequence[int], key: str) -
 
 
 def format_summary(history: Sequence[dict[str, float]], first_step: int, wall_s: float,
-                   places: dict[str, str]) -> str:
+                   places: dict[str, str], notes: Sequence[str] = ()) -> str:
     """The end-of-run report: what was reached, where the time went, where the outputs are.
 
     ``history`` holds every step this process ran (``first_step`` is the first one's number),
@@ -81,6 +83,7 @@ def format_summary(history: Sequence[dict[str, float]], first_step: int, wall_s:
         skipped = history[-1].get("data/skipped", 0)
         if skipped:
             lines.append(f"  skipped    {int(skipped)} sample(s) (data.on_bad_sample = skip; named in the logs)")
+    lines.extend(notes)
     for label, where in places.items():
         lines.append(f"  {label:<10} {where}")
     return "\n".join(lines)

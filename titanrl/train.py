@@ -22,6 +22,7 @@ _USER_ERRORS = (
     "titanrl.data.manifest.ManifestError",
     "titanrl.data.media.MediaError",
     "titanrl.rl.timing.CollectiveError",
+    "titanrl.rl.reward_runner.RewardError",
 )
 
 
@@ -43,7 +44,7 @@ def _shows_cause(info, failing: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     started = time.time()
-    from titanrl.config import config_to_toml, parse_args_or_exit
+    from titanrl.config import parse_args_or_exit
     from titanrl.console import log_path, report_exception, route_output, say
 
     cfg = parse_args_or_exit(sys.argv[1:] if argv is None else argv)
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.metrics.verbose:
         route_output(cfg.run_dir / "logs", rank)
     if rank == 0:
-        say("[titanrl] resolved config:\n" + config_to_toml(cfg, with_docs=False))
+        say(f"[titanrl] config: {cfg.run_dir / 'config.toml'} (the resolved config; add --print-config to print it "
+            "and exit)")
         if log_path() is not None:
             say(f"[titanrl] third-party output (vLLM, Ray, torch) goes to {log_path().parent}/rank<N>.log; "
                 "--metrics.verbose=true shows it here")

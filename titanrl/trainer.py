@@ -33,6 +33,7 @@ from titanrl.parallel.balance import balance_ranks
 from titanrl.parallel.parallelize import CompileOptions, build_parallel_model
 from titanrl.parallel.ulysses import resolve_ulysses
 from titanrl.rl.dump import dump_step
+from titanrl.rl.error_watch import ErrorWatch
 from titanrl.rl.vision_inputs import VisionBalancing
 from titanrl.rl.grpo import build_policy_loss
 from titanrl.rl.reward_runner import RewardRunner
@@ -238,6 +239,7 @@ class Trainer:
         self._resources.callback(lambda: self.loader.close(collective=self._close_collective))
         self.pusher = WeightPusher(self.args, info, self.param_dtype, placement=self.placement, timeout_s=timeout)
         self._resources.callback(self.pusher.close)
+        self.errors = ErrorWatch(cfg.rl.max_error_steps, cfg.rl.reward, is_main=info.is_main, say=say)
         m = cfg.metrics
         self.metrics = MetricsLogger(
             cfg.run_dir, enabled=info.is_main, jsonl=m.jsonl, tensorboard=m.tensorboard, total_steps=cfg.job.steps,
@@ -396,7 +398,7 @@ class Trainer:
             models = {"policy": self.model, **({"critic": self.critic} if self.critic is not None else {})}
             dump_step(self.cfg.run_dir, self.step, trajs, models, is_main=self.train_info.rank == 0,
                       group=self.train_group)
-        out = step_metrics(self, buffer, timer, time.perf_counter() - t_step)
+        out, self._step_errors = step_metrics(self, buffer, timer, time.perf_counter() - t_step)
         if self.cfg.compile.enable:  # frames torch.compile compiled in this step, on the rank that compiled most
             out["compile/recompiles"] = all_reduce_max(_compiled_frames() - frames)
         out["memory/predicted_peak_bytes"] = float(self.memory_plan.total)
@@ -420,6 +422,7 @@ class Trainer:
                 history.append(metrics)
                 if self.step % self.cfg.metrics.log_freq == 0 or self.step == self.cfg.job.steps:
                     self.metrics.log(self.step, metrics)
+                self.errors.observe(self.step, metrics, self._step_errors)
                 stop = self.control.should_stop()
                 t_save = time.monotonic()
                 self._step_started = None  # between steps: only the save remains
@@ -482,7 +485,7 @@ class Trainer:
             places["logs"] = f"{log_path().parent}/rank<N>.log"
         if self.cfg.checkpoint.export_hf:
             places["model"] = f"{run / 'hf'} (HF format: transformers and vLLM load it)"
-        return format_summary(self.history, self.first_step, wall_s, places)
+        return format_summary(self.history, self.first_step, wall_s, places, notes=self.errors.summary())
 
     def export_hf(self, outdir) -> None:
         """The trained policy as an HF directory (original Qwen2.5-VL names + tokenizer/processor)

@@ -446,6 +446,9 @@ class RLConfig:
     on_reward_error: Literal["zero", "error"] = "zero"
     """A reward call that raises, times out or returns a non-finite or malformed value: zero = score 0 (correct 0),
     counted in reward/errors; error = stop with an error naming the sample."""
+    max_error_steps: int = 3
+    """With on_reward_error = zero: stop the run, naming the first error, once every reward call has failed in this
+    many consecutive steps (a reward that cannot work, not a bad sample); 0 = never stop for that."""
     global_batch_size: int = 32
     """Prompts per RL step, over all ranks (sequences per step = global_batch_size * rollout.n)."""
     ppo_epochs: int = 1
@@ -507,6 +510,8 @@ class RLConfig:
                 "'path/to/file.py:function', "
                 f"got {self.reward!r}"
             )
+        if self.max_error_steps < 0:
+            found.append(f"rl.max_error_steps must be >= 0 (0 = never stop), got {self.max_error_steps}")
         if self.reward_timeout_s <= 0:
             found.append(f"rl.reward_timeout_s must be > 0, got {self.reward_timeout_s}")
         if self.reward_workers < 0:

@@ -174,6 +174,7 @@ class RewardRunner:
                         f"{result.error} (rl.on_reward_error='zero' scores such a response 0 and counts it)"
                     )
                 result.score, result.correct, result.extras = 0.0, 0.0, {}
+                result.error = f"sample {record.id!r} (source {record.source!r}): {result.error}"
         return results
 
     def _run(self, items: Sequence[tuple[str, SampleRecord]]) -> list[RewardResult | None]:

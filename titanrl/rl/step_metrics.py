@@ -72,8 +72,10 @@ def merge_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def step_metrics(ctx, buffer, timer, wall_s: float) -> dict[str, float]:
-    """``buffer``: the step's node outputs on this rank; ``timer``: its StageTimer; ``wall_s``: the step so far."""
+def step_metrics(ctx, buffer, timer, wall_s: float) -> tuple[dict[str, float], dict[str, str]]:
+    """``buffer``: the step's node outputs on this rank; ``timer``: its StageTimer; ``wall_s``: the step so far.
+    Returns the step's metrics and, per kind of counted error (``reward``), the step's first one, naming its rank
+    and sample (the same on every rank)."""
     scored = buffer.outputs["reward"] if "reward" in buffer.outputs and ctx.generates else None
     trajs = scored.trajectories if scored is not None else []
     stats: dict[str, float] = {}
@@ -94,8 +96,14 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> dict[str, float]:
     fetches = dict(media.fetch_counts) if media is not None and ctx.cfg.data.loader == "shadow" else {}
     # how many policy versions each trained response lags the policy it trains (0 synchronous)
     lags = [ctx.step - 1 - t.version for t in trajs]
+    failed = next((t.extras["reward"].error for t in trajs if t.extras["reward"].error is not None), None)
     gathered = all_gather_objects((reward_sums(t.extras["reward"] for t in trajs), source_sums(trajs), stats,
-                                   timer.busy, timer.times, fetches, (sum(lags), max(lags, default=0))))
+                                   timer.busy, timer.times, fetches, (sum(lags), max(lags, default=0)),
+                                   {"reward": f"rank {ctx.info.rank}: {failed}"} if failed else {}))
+    first_errors: dict[str, str] = {}
+    for g in gathered:
+        for kind, message in g[7].items():
+            first_errors.setdefault(kind, message)
     n = max(total[2].item(), 1.0)
     stats = merge_stats([g[2] for g in gathered])
     # every rank's busy seconds per stage: the step time a perfect schedule would reach
@@ -117,6 +125,7 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> dict[str, float]:
     step_time = stats["step/wall_s"] if ctx.placement.disaggregated else sum(timer.times.values())
     out = {
         "reward/mean": total[0].item() / n,
+        "reward/calls": total[2].item(),  # the responses scored (reward/errors of them failed)
         # reward/accuracy (where the reward says what is correct), reward/errors, reward/<extra>
         **reward_metrics([g[0] for g in gathered]),
         **source_metrics([g[1] for g in gathered]),
@@ -131,4 +140,4 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> dict[str, float]:
         # trajectory bytes sent between the rank groups of a disaggregated placement (0 colocated)
         "workflow/bytes_redistributed": total[1].item(),
     }
-    return out
+    return out, first_errors

@@ -45,6 +45,7 @@ from titanrl.rollout import build_rollout_engine, mm_limits_for
 from titanrl.rollout.launch import engine_launch
 from titanrl.run_lock import hold as hold_run_dir
 from titanrl.workflow.abort import RunControl
+from titanrl.workflow.context import NodeContext, RunState
 from titanrl.workflow.coordinator import redistribute
 from titanrl.workflow.executor import Executor
 from titanrl.workflow.functions import bind as bind_functions
@@ -76,6 +77,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig, info: DistInfo) -> None:
         self.cfg = cfg
         self.info = info
+        self.state = RunState()  # steps done, unfinished groups, probe streak: shared with the nodes
         # every resource is released on its own (engine, loader and Ray, shared memory), also when set-up
         # fails half way: each one pushes its close here as soon as it exists
         self._resources = contextlib.ExitStack()
@@ -199,11 +201,9 @@ class Trainer:
         # (and with partial rollouts, whose earlier tokens come from earlier weights)
         self.off_policy = (cfg.workflow.mode == "async" or cfg.rollout.tokens_per_update > 0) and \
             cfg.rl.behaviour_weight_cap > 0
-        self.partial_rollouts: dict[int, list] = {}  # unfinished prompt groups of this rollout rank, by group
         self.policy_loss = build_policy_loss(cfg.rl, off_policy=self.off_policy)
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.policy_loss = torch.compile(self.policy_loss, backend=cfg.compile.backend, dynamic=cfg.compile.dynamic)
-        self.probe_violations = 0
         self.optimizer = build_optimizer(cfg, self.model.parameters()) if self.trains else None
         self.lr_scheduler = build_lr_scheduler(cfg, self.optimizer) if self.trains else None
         critic_states = {}
@@ -248,7 +248,6 @@ class Trainer:
         )
         self._resources.callback(self.metrics.close)
         self.skips = SkipCounter()
-        self.step = 0
         # a rank without models saves and restores its loader and RNG state only
         self.checkpointer = build_checkpoint_manager(
             cfg,
@@ -276,8 +275,22 @@ class Trainer:
             if info.is_main:
                 say(f"[titanrl] resumed from step {self.step}")
         self.first_step = self.step + 1  # of this process (a resumed run starts past 1)
+        # what the workflow's nodes see of all this (titanrl.workflow.context)
+        self.node_ctx = NodeContext(
+            cfg=cfg, info=info, placement=self.placement, state=self.state, args=self.args,
+            param_dtype=self.param_dtype, generates=self.generates, loader=self.loader, encoder=self.encoder,
+            engine=self.engine, rewards=self.rewards, skips=self.skips, pusher=self.pusher, model=self.model,
+            ref_model=self.ref_model, critic=self.critic, stages=self.stages, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, critic_optimizer=getattr(self, "critic_optimizer", None),
+            critic_lr_scheduler=getattr(self, "critic_lr_scheduler", None), policy_loss=self.policy_loss,
+            off_policy=self.off_policy)
         self.history: list[dict[str, float]] = []  # every step's metrics, for the end-of-run summary
         self._step_seconds: list[float] = []  # wall seconds of this process's steps (SIGTERM's estimate)
+
+    # the run's state across steps lives in one RunState the nodes share (checkpointed from here)
+    step = property(lambda self: self.state.step, lambda self, value: setattr(self.state, "step", value))
+    partial_rollouts = property(lambda self: self.state.partial_rollouts,
+                                lambda self, value: setattr(self.state, "partial_rollouts", value))
 
     def _build_model(self, mesh, *, trainable: bool, value_head: bool = False, path=None,
                      offload: bool = False) -> Qwen2_5_VLModel:
@@ -391,14 +404,14 @@ class Trainer:
         clock = BusyClock(self.info.device, extra=getattr(self.engine, "busy_outside_s", None),
                           kind=self.cfg.metrics.busy_clock)
         timer = StageTimer(self.info.rank, self.cfg.job.collective_timeout_s, clock=clock)
-        buffer = self.executor.run_step(self.step, self, timer, last=self.cfg.job.steps)
+        buffer = self.executor.run_step(self.step, self.node_ctx, timer, last=self.cfg.job.steps)
         self.step += 1
         if self.cfg.metrics.dump_tensors and self.trains:  # the training ranks hold every trajectory once
             trajs = buffer.outputs["reward"].trajectories if "reward" in buffer.outputs else []
             models = {"policy": self.model, **({"critic": self.critic} if self.critic is not None else {})}
             dump_step(self.cfg.run_dir, self.step, trajs, models, is_main=self.train_info.rank == 0,
                       group=self.train_group)
-        out, self._step_errors = step_metrics(self, buffer, timer, time.perf_counter() - t_step)
+        out, self._step_errors = step_metrics(self.node_ctx, buffer, timer, time.perf_counter() - t_step)
         if self.cfg.compile.enable:  # frames torch.compile compiled in this step, on the rank that compiled most
             out["compile/recompiles"] = all_reduce_max(_compiled_frames() - frames)
         out["memory/predicted_peak_bytes"] = float(self.memory_plan.total)

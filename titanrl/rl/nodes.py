@@ -1,7 +1,7 @@
 """The built-in workflow nodes: each is ``fn(batch, ctx) -> StepBatch | None`` and holds one stage's mechanics.
 
-``ctx`` is the run's set-up (``titanrl.trainer.Trainer``): the config, the models, the rollout engine, the
-loader, the stage runner. ``batch`` is this rank's share of the step (``titanrl.workflow.executor.StepBatch``).
+``ctx`` is what nodes use of the run's set-up (``titanrl.workflow.context.NodeContext``): the config, the models,
+the rollout engine, the loader, the stage runner, and ``ctx.state``, what they carry from step to step. ``batch`` is this rank's share of the step (``titanrl.workflow.executor.StepBatch``).
 
 - ``load_prompts``: the loader's step (planned on every rank from metadata) and this rank's prepared prompts;
 - ``generate``: ``rollout.n`` responses per prompt from the rank's engine, seeded by global position; then the
@@ -84,7 +84,7 @@ def _finished(t, max_new_tokens: int) -> bool:
 
 
 def continue_partial(fresh: dict, batch, ctx, sampling: dict, budget: int) -> dict:
-    """Partial rollouts: the unfinished responses of the groups earlier steps left (``ctx.partial_rollouts``)
+    """Partial rollouts: the unfinished responses of the groups earlier steps left (``ctx.state.partial_rollouts``)
     continue with the engine's current weights, up to ``budget`` more tokens each; returns the groups whose
     responses have all finished (trained this step) and keeps the others for the next step. A carried group
     takes a new id in this step's batch (its id plus the global batch size: the same minibatch, since the batch
@@ -92,7 +92,7 @@ def continue_partial(fresh: dict, batch, ctx, sampling: dict, budget: int) -> di
     max_new = ctx.cfg.rollout.max_new_tokens
     size = ctx.cfg.rl.global_batch_size
     carried = {}
-    for group, trajs in sorted(ctx.partial_rollouts.items()):
+    for group, trajs in sorted(ctx.state.partial_rollouts.items()):
         for t in trajs:
             t.group = group + size
         carried[group + size] = trajs
@@ -112,9 +112,9 @@ def continue_partial(fresh: dict, batch, ctx, sampling: dict, budget: int) -> di
             t.finish_reason = s.finish_reason
     groups = {**carried, **fresh}
     ready = {g: ts for g, ts in groups.items() if all(_finished(t, max_new) for t in ts)}
-    ctx.partial_rollouts = {g: ts for g, ts in groups.items() if g not in ready}
+    ctx.state.partial_rollouts = {g: ts for g, ts in groups.items() if g not in ready}
     continued = sum(len(ts) for g, ts in ready.items() if g in carried)
-    totals = all_reduce_sum(torch.tensor([continued, len(ctx.partial_rollouts)], dtype=torch.float64),
+    totals = all_reduce_sum(torch.tensor([continued, len(ctx.state.partial_rollouts)], dtype=torch.float64),
                             group=batch.group)
     batch.metrics["rollout/continued_responses"] = totals[0].item()  # trained responses begun in earlier steps
     batch.metrics["rollout/unfinished_groups"] = totals[1].item()  # groups left for the next step
@@ -147,11 +147,11 @@ def stage_inputs(batch, ctx) -> None:
     all-gather); with slice-aware loading the frames a rank encodes come from the step's preprocessors through
     ``batch.media``, not from the prompt's home (the data coordinator's part of the model stages)."""
     key = (batch.step, tuple((t.group, t.response_index) for t in batch.trajectories))
-    if getattr(ctx, "_stage_key", None) == key:
+    if ctx.state.stage_key == key:
         return
     slices = StepSlices(batch.media) if ctx.cfg.data.slice_loading else None
     ctx.stages.begin_step(batch.trajectories, slices)
-    ctx._stage_key = key
+    ctx.state.stage_key = key
 
 
 def old_from_first_forward(cfg) -> bool:
@@ -282,17 +282,17 @@ def check_probe(diff: float, ctx) -> None:
     trained, or the two compute differently)."""
     r = ctx.cfg.rollout
     if diff <= r.probe_tolerance:
-        ctx.probe_violations = 0
+        ctx.state.probe_violations = 0
         return
-    ctx.probe_violations += 1
+    ctx.state.probe_violations += 1
     if ctx.info.is_main:
         engine = {"vllm": "vLLM", "hf": "hf engine"}.get(r.engine, r.engine)
         say(f"[titanrl] warning: step {ctx.step + 1}: {engine} and trainer log-probs differ by {diff:.3g} "
-            f"(> rollout.probe_tolerance={r.probe_tolerance}), {ctx.probe_violations} time(s) in a row")
-    if r.probe_max_violations and ctx.probe_violations >= r.probe_max_violations:
+            f"(> rollout.probe_tolerance={r.probe_tolerance}), {ctx.state.probe_violations} time(s) in a row")
+    if r.probe_max_violations and ctx.state.probe_violations >= r.probe_max_violations:
         raise RuntimeError(
             f"the weight-sync probe exceeded rollout.probe_tolerance={r.probe_tolerance} in "
-            f"{ctx.probe_violations} consecutive checks (last: {diff:.3g}): the rollout engine does not "
+            f"{ctx.state.probe_violations} consecutive checks (last: {diff:.3g}): the rollout engine does not "
             "compute with the trained weights; raise the tolerance only if the two sides use different "
             "kernels or dtypes on purpose")
 

@@ -45,6 +45,31 @@ def _chat_jsonl(synth: Path, out: Path) -> Path:
     return out
 
 
+def _chat_rows(synth: Path, out: Path, inline: bool) -> Path:
+    """The chat format as users bring it: media inline in the message parts (Qwen2.5-VL's examples; answer under
+    ``solution``) or bare parts filled from ``images`` / ``videos`` columns (TRL's layout; ``ground_truth``)."""
+    lines = []
+    for r in read_manifest(synth):
+        messages = chat_messages(r.prompt)
+        media = iter(r.media)
+        row: dict = {"id": r.id, "source": r.source, "images": [], "videos": []}
+        for part in messages[-1]["content"]:
+            if part["type"] in ("image", "video"):
+                m = next(media)
+                value = (f"data:image/png;base64,{base64.b64encode((synth.parent / m.path).read_bytes()).decode()}"
+                         if m.kind == "image" else str(Path(synth.parent.name) / m.path))
+                if inline:
+                    part[m.kind] = value
+                else:
+                    row[f"{m.kind}s"].append(value)
+        row.update(messages=messages, **({"solution": r.answer} if inline else {"ground_truth": r.answer}))
+        if inline:
+            del row["images"], row["videos"]
+        lines.append(json.dumps(row))
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
 def _hf_saved(synth: Path, out: Path) -> Path:
     datasets = pytest.importorskip("datasets")
     rows = format_rows(read_manifest(synth), synth.parent, synth.parent, "easyr1")
@@ -77,6 +102,10 @@ def test_every_format_prepares_identically(synth, setup, tmp_path):
         "chat": (_chat_jsonl(synth, root.parent / f"{root.name}_chat.jsonl"),
                  ImportSettings(format="columns", columns=ColumnMap("messages", "answer", "pictures", "clips"))),
         "hf": (_hf_saved(synth, tmp_path / "hf"), ImportSettings()),
+        # the chat format, told apart by its keys (data.format = auto)
+        "chat_inline": (_chat_rows(synth, root.parent / f"{root.name}_inline.jsonl", inline=True), ImportSettings()),
+        "chat_columns": (_chat_rows(synth, root.parent / f"{root.name}_columns.jsonl", inline=False),
+                         ImportSettings()),
     }
     assert is_native_manifest(synth, "auto")
     expected = _prepared(synth, setup)
@@ -128,6 +157,16 @@ BAD_ROWS = {
     "missing file": ({"problem": "<image>x", "answer": "1", "images": ["nope.png"]},
                      r"row 1: key 'images\[0\]' names a missing file .*nope.png"),
 }
+CHAT_BAD_ROWS = {
+    "no answer": ({"messages": [{"role": "user", "content": [{"type": "image", "image": "IMG"},
+                                                             {"type": "text", "text": "x"}]}]},
+                  r"row 1: no answer: expected a key 'answer' / 'solution' / 'ground_truth' or a final assistant"),
+    "bare part without column": ({"messages": [{"role": "user", "content": [{"type": "image"}]}], "answer": "1"},
+                                 r"row 1: key 'messages\[0\].content' has 1 image part\(s\) without the image itself "
+                                 r"\(0 inline\) but key 'images' has 0 image\(s\)"),
+    "two user messages": ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+                           "answer": "1"}, r"row 1: key 'messages\[1\]': role 'user' not supported here"),
+}
 
 
 def _write_rows(path: Path, bad: list[dict]) -> Path:
@@ -144,6 +183,32 @@ def test_bad_row_is_named(kind, tmp_path):
     path = _write_rows(tmp_path / "easy.jsonl", [row])
     with pytest.raises(BadRow, match=f"easy.jsonl: {message}"):
         import_dataset(path, tmp_path / "out", ImportSettings(on_bad_sample="error"))
+
+
+@pytest.mark.parametrize("kind", list(CHAT_BAD_ROWS))
+def test_bad_chat_row_is_named(kind, tmp_path):
+    row, message = CHAT_BAD_ROWS[kind]
+    good = {"messages": [{"role": "user", "content": [{"type": "image", "image": _png()}, {"type": "text",
+                                                                                        "text": "How many?"}]}],
+            "answer": "1"}
+    bad = json.loads(json.dumps(row).replace('"IMG"', json.dumps(_png())))
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (good, bad, good)))
+    with pytest.raises(BadRow, match=f"chat.jsonl: {message}"):
+        import_dataset(tmp_path / "chat.jsonl", tmp_path / "out", ImportSettings(on_bad_sample="error"))
+
+
+def test_chat_answer_from_a_final_assistant_message_and_llama_factory_placeholders(tmp_path):
+    """LLaMA-Factory's layout: ``<image>`` in the user's text, the images in a column, the answer the final
+    assistant message."""
+    row = {"messages": [{"role": "system", "content": "be brief"},
+                        {"role": "user", "content": "<image>How many?"},
+                        {"role": "assistant", "content": "3"}], "images": [_png()]}
+    (tmp_path / "lf.jsonl").write_text(json.dumps(row) + "\n")
+    report = import_dataset(tmp_path / "lf.jsonl", tmp_path / "out", ImportSettings())
+    [record] = read_manifest(tmp_path / "out" / "manifest.jsonl", check_files=True)
+    assert report.samples == 1 and (record.prompt, record.answer, record.system) == ("<image>How many?", "3",
+                                                                                     "be brief")
+    assert [m.kind for m in record.media] == ["image"]
 
 
 def test_bad_rows_are_counted_skips(tmp_path):

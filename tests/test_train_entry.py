@@ -241,3 +241,26 @@ def test_a_live_run_holds_its_folder_and_a_second_run_there_stops_at_once(tmp_pa
     check_free(run_dir)  # nothing holds it any more
     with hold(run_dir), pytest.raises(ConfigError, match="in use by a live run"):
         check_free(run_dir)  # another open of the file, in this process, sees the hold too
+
+
+@pytest.mark.slow
+def test_chat_datasets_train_through_data_path(tmp_path, run_cache):
+    """A folder holding a chat JSONL with the images inside the messages and one in the messages + images layout
+    trains 2 steps through --data.path, its format told apart by its keys (no data.format)."""
+    from test_formats import _chat_rows
+
+    synth = generate_dataset(tmp_path / "synth", "image-heavy", 8, seed=3)
+    folder = tmp_path / "chat"
+    folder.mkdir()
+    for inline in (True, False):
+        # the videos are named relative to the file's folder: the file sits beside the synthetic set's folder
+        written = _chat_rows(synth, synth.parent.parent / f"{'inline' if inline else 'columns'}.jsonl", inline)
+        text = written.read_text().replace(f'"{synth.parent.name}/', f'"{synth.parent}/')
+        if not inline:  # the same samples again: other ids (a repeated id is a bad row)
+            text = text.replace('"id": "', '"id": "columns-')
+        (folder / written.name).write_text(text)
+    proc = run_train(tmp_path, f"--data.path={folder}", "--rl.global_batch_size=4", "--checkpoint.enable=false",
+                     cache=run_cache)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    assert f"data.path {str(folder)!r}: 16 samples from 16 rows" in proc.stdout, proc.stdout[-3000:]
+    assert "step 2/2" in proc.stdout

@@ -116,11 +116,12 @@ class DataConfig:
     groups. docs/data.md"""
     manifest: str = ""
     """The older name of data.path (a titanrl JSONL manifest, or any dataset data.path takes); set at most one."""
-    format: Literal["auto", "titanrl", "verl", "easyr1", "columns"] = "auto"
+    format: Literal["auto", "titanrl", "verl", "easyr1", "columns", "chat"] = "auto"
     """Schema of data.path's rows: titanrl (id/source/prompt/media/answer/answer_choices), verl (chat-list prompt,
     images, videos, reward_model.ground_truth, data_source), easyr1 (problem, answer, images, videos), columns
-    (data.prompt_key / answer_key / image_key / video_key); auto = told apart by the first row's keys (never
-    columns)."""
+    (data.prompt_key / answer_key / image_key / video_key), chat (messages with the media inline in their parts,
+    or with images / videos columns; answer, solution or ground_truth, else a final assistant message); auto =
+    told apart by the first row's keys (never columns). docs/data.md"""
     prompt_key: str = "prompt"
     """columns format: the prompt column (a string with <image>/<video> placeholders, or a chat message list)."""
     answer_key: str = "answer"

@@ -4,7 +4,13 @@
 - verl: ``prompt`` (a chat list), ``reward_model.ground_truth``, ``images``, ``videos``, ``data_source``;
 - easyr1: ``problem``, ``answer``, ``images``, ``videos`` (source: the file name);
 - columns: ``data.prompt_key``, ``data.answer_key``, ``data.image_key``, ``data.video_key``, and
-  ``data.system_prompt`` for rows without a system message (source: a ``source`` column or the file name).
+  ``data.system_prompt`` for rows without a system message (source: a ``source`` column or the file name);
+- chat: ``messages`` (an optional system message, one user message, optionally the answer as a final assistant
+  message) whose content parts carry the media inline (``{"type": "image", "image": path | data URI | bytes}``,
+  ``{"type": "image_url", "image_url": {"url": ...}}``, ``{"type": "video", "video": path}``: Qwen2.5-VL's own
+  examples), or bare ``{"type": "image"}`` parts / ``<image>`` in the text filled in order from ``images`` /
+  ``videos`` columns (TRL's and LLaMA-Factory's layout); the answer from ``answer``, ``solution`` or
+  ``ground_truth`` (else the final assistant message); source: ``source``, ``data_source`` or the file name.
 
 A prompt is a string with ``<image>`` / ``<video>`` placeholders, or a chat list
 (``[{"role": "system"|"user", "content": str | [parts]}]``, parts ``{"type": "text", "text": ...}``,
@@ -27,7 +33,7 @@ from typing import Any
 from titanrl.data.manifest import PLACEHOLDER_BY_KIND, prompt_placeholders
 from titanrl.data.tables import DatasetError, Row
 
-FORMATS: tuple[str, ...] = ("titanrl", "verl", "easyr1", "columns")
+FORMATS: tuple[str, ...] = ("titanrl", "verl", "easyr1", "columns", "chat")
 
 
 class BadRow(DatasetError):
@@ -75,10 +81,12 @@ def detect_format(row: Row) -> str:
         return "verl"
     if {"problem", "answer"} <= keys:
         return "easyr1"
+    if "messages" in keys:
+        return "chat"
     raise BadRow(
         f"{row.where}cannot tell the dataset format from its keys {sorted(keys)}: titanrl has prompt/media/answer, "
-        "verl prompt/reward_model, EasyR1 problem/answer; set data.format = 'columns' with data.prompt_key, "
-        "data.answer_key, data.image_key and data.video_key"
+        "verl prompt/reward_model, EasyR1 problem/answer, chat messages; set data.format = 'columns' with "
+        "data.prompt_key, data.answer_key, data.image_key and data.video_key"
     )
 
 
@@ -93,6 +101,8 @@ def parse_row(row: Row, fmt: str, columns: ColumnMap = ColumnMap()) -> Draft:
     if fmt == "easyr1":
         answer = _get(row, "answer", str)
         return _assemble(row, "problem", answer, "images", "videos", row.file.stem, None)
+    if fmt == "chat":
+        return _chat(row)
     if fmt == "columns":
         answer = _get(row, columns.answer_key, str)
         source = row.data.get("source") or row.file.stem
@@ -260,3 +270,86 @@ def _video(row: Row, key: str, value: Any) -> MediaRef:
     if isinstance(value, str):
         return MediaRef("video", key, path=_resolve(row, key, value))
     raise BadRow(f"{row.where}key {key!r} must be a video path, got {value!r:.80}")
+
+
+# ------------------------------------------------------------------------------------------------------ chat
+
+_ANSWER_KEYS = ("answer", "solution", "ground_truth")
+
+
+def _chat(row: Row) -> Draft:
+    messages = _get(row, "messages", list)
+    system: str | None = None
+    user: tuple[int, Any] | None = None
+    assistant: str | None = None
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise BadRow(f"{row.where}key {where!r} must be a chat message {{'role': ..., 'content': ...}}")
+        role = message["role"]
+        if role == "system" and system is None and user is None:
+            system = _content_text(row, f"{where}.content", message["content"])
+        elif role == "user" and user is None:
+            user = (i, message["content"])
+        elif role == "assistant" and user is not None and assistant is None and i == len(messages) - 1:
+            assistant = _content_text(row, f"{where}.content", message["content"])
+        else:
+            raise BadRow(f"{row.where}key {where!r}: role {role!r} not supported here (a prompt is an optional "
+                         "system message, one user message and, optionally, the answer as a final assistant message)")
+    if user is None:
+        raise BadRow(f"{row.where}key 'messages' has no user message")
+    key = f"messages[{user[0]}].content"
+    prompt, slots = _chat_content(row, key, user[1])
+    columns = {"image": [_image(row, f"images[{i}]", v) for i, v in enumerate(_media_list(row, "images"))],
+               "video": [_video(row, f"videos[{i}]", v) for i, v in enumerate(_media_list(row, "videos"))]}
+    for kind, refs in columns.items():
+        bare = sum(1 for k, ref in slots if k == kind and ref is None)
+        if bare != len(refs):
+            inline = sum(1 for k, ref in slots if k == kind and ref is not None)
+            raise BadRow(f"{row.where}key {key!r} has {bare} {kind} part(s) without the {kind} itself "
+                         f"({inline} inline) but key '{kind}s' has {len(refs)} {kind}(s)")
+    queues = {kind: iter(refs) for kind, refs in columns.items()}
+    media = [ref if ref is not None else next(queues[kind]) for kind, ref in slots]
+    answer = next((row.data[k] for k in _ANSWER_KEYS if row.data.get(k) is not None), assistant)
+    if answer is None:
+        raise BadRow(f"{row.where}no answer: expected a key {' / '.join(repr(k) for k in _ANSWER_KEYS)} or a final "
+                     "assistant message")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise BadRow(f"{row.where}the answer must be a string or a number, got {type(answer).__name__} {answer!r:.60}")
+    source = row.data.get("source") or row.data.get("data_source") or row.file.stem
+    return Draft(_row_id(row), str(source), prompt, media, str(answer), [], system)
+
+
+def _chat_content(row: Row, key: str, content: Any) -> tuple[str, list[tuple[str, MediaRef | None]]]:
+    """A user message's text with placeholders, and per placeholder (in order) its kind and its media when the
+    part carries it (None: it comes from the row's images / videos column)."""
+    if isinstance(content, str):
+        return content, [(m[1:-1], None) for m in prompt_placeholders(content)]
+    if not isinstance(content, list):
+        raise BadRow(f"{row.where}key {key!r} must be a str or a list of parts, got {type(content).__name__}")
+    text: list[str] = []
+    slots: list[tuple[str, MediaRef | None]] = []
+    for j, part in enumerate(content):
+        where = f"{key}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            text.append(part["text"])
+            slots.extend((m[1:-1], None) for m in prompt_placeholders(part["text"]))
+        elif kind in ("image", "image_url"):
+            value = part.get("image") if kind == "image" else part.get("image_url")
+            if isinstance(value, dict):  # {"url": ...} (OpenAI's image_url part)
+                value = value.get("url")
+            text.append("<image>")
+            slots.append(("image", _image(row, where, value) if value is not None else None))
+        elif kind in ("video", "video_url"):
+            value = part.get("video") if kind == "video" else part.get("video_url")
+            if isinstance(value, dict):
+                value = value.get("url") or value.get("path")
+            if isinstance(value, list):
+                raise BadRow(f"{row.where}key {where!r}: a video given as a list of frames is not supported; "
+                             "give the video file")
+            text.append("<video>")
+            slots.append(("video", _video(row, where, value) if value is not None else None))
+        else:
+            raise BadRow(f"{row.where}key {where!r} must be a text, image or video part, got {part!r:.80}")
+    return "".join(text), slots

@@ -195,3 +195,93 @@ def test_gae_scan_equals_the_loop(gamma, lam):
         assert torch.allclose(batched[i, :n], want, rtol=0, atol=1e-12), (n, (batched[i, :n] - want).abs().max())
         assert torch.allclose(gae(rewards[i, :n], values[i, :n], gamma, lam), want, rtol=0, atol=1e-12)
         assert torch.count_nonzero(batched[i, n:]) == 0
+
+
+def test_rloo_advantages_hand_computed():
+    """RLOO (Ahmadian et al. 2024, eq. 6): each reward less the mean of its group's other rewards."""
+    from titanrl.rl.grpo import rloo_advantages
+
+    rewards = torch.tensor([1.0, 0.0, 0.5, 2.0, 3.0, 7.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 2])  # group 2: one response
+    expected = [1 - 0.25, 0 - 0.75, 0.5 - 0.5, 2 - 3, 3 - 2, 0.0]
+    assert rloo_advantages(rewards, groups).tolist() == pytest.approx(expected)
+
+
+def _two_responses():
+    """Two responses (3 and 2 tokens) with log-probs of the new and old policy and advantages per token."""
+    logp = torch.tensor([-1.0, -0.5, -2.0, -0.3, -1.2], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([-1.1, -0.4, -2.5, -0.3, -0.9], dtype=torch.float64)
+    adv = torch.tensor([0.5, 0.5, 0.5, -1.0, -1.0], dtype=torch.float64)
+    return logp, old, adv, torch.tensor([0, 0, 0, 1, 1]), torch.tensor([3, 2])
+
+
+def test_gspo_hand_computed():
+    """GSPO (Zheng et al. 2025, eq. 5-7): s_i = exp(mean of the response's log-ratios), per response
+    max(-A s, -A clip(s)), averaged over responses; the gradient of a clipped response is zero."""
+    from titanrl.rl.grpo import gspo_loss
+
+    logp, old, adv, seq, lengths = _two_responses()
+    s0 = math.exp((0.1 - 0.1 + 0.5) / 3)  # 1.181: clipped at 1.1 for A > 0
+    s1 = math.exp((0.0 - 0.3) / 2)  # 0.861: within [0.8, 1.1]
+    expected = (max(-0.5 * s0, -0.5 * min(s0, 1.1)) + max(1.0 * s1, 1.0 * s1)) / 2
+    out = gspo_loss(logp, old, adv, seq, lengths, clip_low=0.2, clip_high=0.1, mode="token-mean", global_tokens=5,
+                    global_seqs=2)
+    assert out.loss.item() == pytest.approx(expected) and out.clip_fraction.item() == pytest.approx(0.5)
+    out.loss.backward()
+    # response 0 clipped: no gradient; response 1: d/dlogp_t (A s / 2)... = -(-1) s1 / (2 * 2) per token
+    assert logp.grad.tolist() == pytest.approx([0.0, 0.0, 0.0, s1 / 4, s1 / 4])
+    with pytest.raises(RuntimeError, match="every token of each response"):
+        gspo_loss(logp[:4], old[:4], adv[:4], seq[:4], lengths, clip_low=0.2, clip_high=0.1, mode="token-mean",
+                  global_tokens=5, global_seqs=2)
+
+
+def test_cispo_hand_computed():
+    """CISPO (MiniMax-M1, eq. 4): per token -sg(clip(r)) A log pi, token-mean: every token keeps a gradient,
+    weighted by its clipped ratio."""
+    from titanrl.rl.grpo import cispo_loss
+
+    logp, old, adv, seq, lengths = _two_responses()
+    ratios = [math.exp(x) for x in (0.1, -0.1, 0.5, 0.0, -0.3)]
+    weights = [min(max(r, 0.8), 1.1) for r in ratios]  # 1.105 -> 1.1, 1.649 -> 1.1, 0.741 -> 0.8
+    a = adv.tolist()
+    expected = sum(-w * ai * lp for w, ai, lp in zip(weights, a, logp.tolist())) / 5
+    out = cispo_loss(logp, old, adv, seq, lengths, clip_low=0.2, clip_high=0.1, mode="token-mean", global_tokens=5,
+                     global_seqs=2)
+    assert out.loss.item() == pytest.approx(expected) and out.clip_fraction.item() == pytest.approx(3 / 5)
+    out.loss.backward()
+    assert logp.grad.tolist() == pytest.approx([-w * ai / 5 for w, ai in zip(weights, a)])
+
+
+def test_objective_choices_are_checked_against_the_rest_of_the_config():
+    from titanrl.config import JobConfig
+
+    def problems(**rl):
+        cfg = JobConfig()
+        for k, v in rl.items():
+            setattr(cfg.rl, k, v)
+        return " ".join(cfg.problems())
+
+    assert "needs the critic" in problems(advantage="gae")
+    assert "would not use it" in problems(algorithm="ppo", advantage="rloo")
+    assert "per token" in problems(algorithm="ppo", policy_loss="gspo")
+    cfg = JobConfig()
+    cfg.rl.policy_loss, cfg.parallelism.ulysses = "gspo", "flex"
+    assert any("every response whole on one rank" in p for p in cfg.problems())
+    assert not problems(advantage="rloo", policy_loss="cispo") and not problems(policy_loss="gspo")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", [("--rl.advantage=rloo", "--rl.policy_loss=gspo", "--rl.clip_low=3e-4",
+                                        "--rl.clip_high=4e-4"),
+                                       ("--rl.policy_loss=cispo", "--rl.clip_low=1.0", "--rl.clip_high=0.3")],
+                         ids=["rloo_gspo", "cispo"])
+def test_objectives_on_two_ranks_equal_one(objective, tmp_path, run_cache):
+    """RLOO advantages with GSPO (the paper's clip range), and CISPO: 2 ranks equal 1 rank on per-token log-probs
+    and parameter updates, with a learning signal."""
+    from train_runs import assert_same_computation, train_tiny
+
+    one_dir, _ = train_tiny(tmp_path, run_cache, "one", 1, *objective)
+    two_dir, two = train_tiny(tmp_path, run_cache, "two", 2, *objective)
+    seen = assert_same_computation(one_dir, two_dir)
+    assert {"old_logprobs", "update/policy"} <= set(seen), seen
+    assert all(r["clip_fraction"] >= 0 for r in two)

@@ -425,6 +425,17 @@ class RLConfig:
     """The built-in workflow (docs/workflow.md): grpo = group-relative advantages with the PPO-clip objective;
     ppo = a learned critic ([critic]), per-token GAE advantages (rl.gamma, rl.lam) whitened over the step, the
     PPO-clip objective, and the critic trained with a clipped value loss (rl.value_clip)."""
+    advantage: Literal["auto", "grpo", "rloo", "gae"] = "auto"
+    """How a response's advantage is computed. grpo = its reward less its prompt group's mean (/ the group's std with
+    rl.std_normalize; Shao et al. 2024, eq. 3); rloo = its reward less the mean of the group's *other* responses
+    (REINFORCE leave-one-out, Ahmadian et al. 2024, eq. 6); gae = per-token GAE from the critic (rl.algorithm =
+    ppo only). auto = gae with rl.algorithm = ppo, else grpo."""
+    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+    """The policy objective. ppo_clip = the per-token clipped ratio (Schulman et al. 2017; clip_low / clip_high);
+    gspo = a sequence-level ratio, the geometric mean of the response's token ratios, clipped per response (Zheng
+    et al. 2025, eq. 5-7; the paper's clip range is 3e-4 / 4e-4, set with rl.clip_low / rl.clip_high; needs each
+    response whole on a rank: parallelism.ulysses = none); cispo = the clipped ratio as a detached weight on each
+    token's log-prob gradient, so no token's gradient is dropped (MiniMax-M1, Chen et al. 2025, eq. 4)."""
     gamma: float = 1.0
     """PPO: discount of the per-token rewards (the reward arrives at a response's last token)."""
     lam: float = 0.95
@@ -511,6 +522,14 @@ class RLConfig:
                 "'path/to/file.py:function', "
                 f"got {self.reward!r}"
             )
+        if self.advantage == "gae" and self.algorithm != "ppo":
+            found.append("rl.advantage = gae needs the critic of rl.algorithm = ppo")
+        if self.algorithm == "ppo" and self.advantage not in ("auto", "gae"):
+            found.append(f"rl.algorithm = ppo trains a critic for GAE advantages; rl.advantage = {self.advantage} would "
+                         "not use it (set rl.algorithm = grpo)")
+        if self.policy_loss == "gspo" and self.algorithm == "ppo":
+            found.append("rl.policy_loss = gspo weighs whole responses by one advantage each; PPO's GAE advantages "
+                         "are per token (use ppo_clip or cispo)")
         if self.max_error_steps < 0:
             found.append(f"rl.max_error_steps must be >= 0 (0 = never stop), got {self.max_error_steps}")
         if self.reward_timeout_s <= 0:
@@ -884,6 +903,14 @@ class JobConfig:
                 "rollout.temperature must be > 0 for rl.algorithm='grpo': greedy decoding gives "
                 "identical responses, so every advantage is 0"
             )
+        if self.rl.policy_loss == "gspo" and self.parallelism.ulysses != "none":
+            found.append(f"rl.policy_loss = 'gspo' takes one ratio per response (the mean of its tokens' log-ratios), "
+                         f"which needs every response whole on one rank, but parallelism.ulysses = "
+                         f"{self.parallelism.ulysses!r} shards responses: use parallelism.ulysses = 'none'")
+        if self.rl.policy_loss != "ppo_clip" and (self.workflow.mode == "async" or self.rollout.tokens_per_update):
+            found.append(f"rl.policy_loss = {self.rl.policy_loss!r} has no off-policy (decoupled) form here yet; "
+                         "workflow.mode = 'async' and partial rollouts (rollout.tokens_per_update) need "
+                         "rl.policy_loss = 'ppo_clip'")
         if self.balance.strategy == "bucketing" and self.parallelism.ulysses != "none":
             found.append(f"balance.strategy='bucketing' deals whole trajectories to ranks (verl's way), but "
                          f"parallelism.ulysses={self.parallelism.ulysses!r} shards them: use parallelism.ulysses='none' "

@@ -1,4 +1,5 @@
-"""GRPO: group-normalised advantages and the PPO-clip policy loss, as plain tensor functions.
+"""The GRPO family as plain tensor functions: group advantages (GRPO, RLOO) and the policy objectives (PPO-clip,
+GSPO, CISPO).
 
 Losses are returned as *contributions to a global mean*: each is a sum over the local tokens
 divided by the global normaliser of the minibatch (tokens or sequences, all-reduced by the
@@ -38,6 +39,18 @@ def group_advantages(
     std = std[group_ids]
     safe = torch.where(std > 0, std + eps, torch.ones_like(std))
     return torch.where(std > 0, centred / safe, torch.zeros_like(centred)).float()
+
+
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024, "Back to Basics", eq. 6): A_i = r_i - 1/(k-1) sum_{j != i} r_j
+    over the k responses of i's prompt, i.e. k/(k-1) (r_i - mean). A response alone in its group gets 0."""
+    rewards = rewards.double()
+    num_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
+    counts = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_ids, torch.ones_like(rewards))
+    sums = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_ids, rewards)
+    k = counts[group_ids]
+    others = (sums[group_ids] - rewards) / (k - 1).clamp(min=1)
+    return torch.where(k > 1, rewards - others, torch.zeros_like(rewards)).float()
 
 
 def count_uniform_groups(rewards: Sequence[float], group_ids: Sequence[int]) -> tuple[int, int]:
@@ -149,11 +162,21 @@ def ppo_clip_loss(
         weight_mean = aggregate(weight, **agg).detach()
         truncated = aggregate((raw > behaviour_cap).float(), **agg).detach()
     pg_loss = aggregate(pg_tokens, **agg)
+    loss, kl_value, ent_value = _regularised(pg_loss, logp, agg, ref_logp=ref_logp, kl_coef=kl_coef,
+                                             kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef)
+    clip_frac = aggregate((clipped > unclipped).float(), **agg).detach()
+    return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl_value, clip_fraction=clip_frac,
+                            entropy=ent_value, behaviour_weight=weight_mean, behaviour_truncated=truncated)
+
+
+def _regularised(pg_loss: torch.Tensor, logp, agg: dict, *, ref_logp, kl_coef, kl_estimator, entropy,
+                 entropy_coef) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The policy-gradient term plus ``kl_coef`` x KL to the reference, minus ``entropy_coef`` x entropy (each a
+    token aggregate under ``rl.loss_agg``); returns (loss, KL, entropy), the last two detached."""
     loss = pg_loss
     kl_value = torch.zeros((), device=logp.device)
     if ref_logp is not None:
-        kl_tokens = kl_penalty(logp, ref_logp, kl_estimator)
-        kl_term = aggregate(kl_tokens, **agg)
+        kl_term = aggregate(kl_penalty(logp, ref_logp, kl_estimator), **agg)
         if kl_coef:
             loss = loss + kl_coef * kl_term
         kl_value = kl_term.detach()
@@ -163,17 +186,105 @@ def ppo_clip_loss(
         if entropy_coef:
             loss = loss - entropy_coef * ent_term
         ent_value = ent_term.detach()
-    clip_frac = aggregate((clipped > unclipped).float(), **agg).detach()
+    return loss, kl_value, ent_value
+
+
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    seq_index: torch.Tensor,
+    seq_lengths: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    mode: LossAgg,
+    global_tokens: float,
+    global_seqs: float,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    behaviour_logp: torch.Tensor | None = None,
+    behaviour_cap: float = 0.0,
+) -> PolicyLossOutput:
+    """Group Sequence Policy Optimization (Zheng et al. 2025, eq. 5-7): one importance ratio per response,
+    s_i = (pi(y_i) / pi_old(y_i)) ^ (1 / |y_i|) = exp(mean_t log(pi / pi_old)), and per response
+    max(-A_i s_i, -A_i clip(s_i, 1 - clip_low, 1 + clip_high)), averaged over the minibatch's responses
+    (``global_seqs``). Every response's tokens must be in this call (the caller keeps responses whole); KL and
+    entropy stay per-token terms under ``mode``."""
+    if behaviour_logp is not None and behaviour_cap > 0:
+        raise ValueError("gspo has no off-policy (decoupled) form here")
+    agg = dict(seq_index=seq_index, seq_lengths=seq_lengths, mode=mode, global_tokens=global_tokens,
+               global_seqs=global_seqs)
+    num = seq_lengths.numel()
+    counts = torch.zeros(num, dtype=torch.float64, device=logp.device).index_add_(
+        0, seq_index, torch.ones_like(logp, dtype=torch.float64))
+    if not torch.equal(counts, seq_lengths.to(counts)):
+        raise RuntimeError("gspo needs every token of each response in one call (a response was split: "
+                           "parallelism.ulysses must be 'none')")
+    zeros = torch.zeros(num, dtype=logp.dtype, device=logp.device)
+    log_ratio = zeros.index_add(0, seq_index, logp - old_logp) / seq_lengths.clamp(min=1).to(logp.dtype)
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    # the response's advantage (each of its tokens carries it)
+    adv = zeros.index_add(0, seq_index, advantages.to(logp.dtype)) / seq_lengths.clamp(min=1).to(logp.dtype)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg_loss = torch.maximum(unclipped, clipped).sum() / global_seqs
+    loss, kl_value, ent_value = _regularised(pg_loss, logp, agg, ref_logp=ref_logp, kl_coef=kl_coef,
+                                             kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef)
+    clip_frac = ((clipped > unclipped).to(logp.dtype).sum() / global_seqs).detach()  # share of responses clipped
     return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl_value, clip_fraction=clip_frac,
-                            entropy=ent_value, behaviour_weight=weight_mean, behaviour_truncated=truncated)
+                            entropy=ent_value)
+
+
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    seq_index: torch.Tensor,
+    seq_lengths: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    mode: LossAgg,
+    global_tokens: float,
+    global_seqs: float,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    behaviour_logp: torch.Tensor | None = None,
+    behaviour_cap: float = 0.0,
+) -> PolicyLossOutput:
+    """CISPO (MiniMax-M1, Chen et al. 2025, eq. 4): per token -sg(clip(r, 1 - clip_low, 1 + clip_high)) A log pi,
+    r = pi / pi_old: the clipped ratio is a detached weight, so every token keeps a gradient (PPO-clip drops the
+    clipped ones), aggregated under ``mode`` (the paper: token-mean)."""
+    if behaviour_logp is not None and behaviour_cap > 0:
+        raise ValueError("cispo has no off-policy (decoupled) form here")
+    agg = dict(seq_index=seq_index, seq_lengths=seq_lengths, mode=mode, global_tokens=global_tokens,
+               global_seqs=global_seqs)
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0)).detach()
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg_loss = aggregate(-weight * advantages * logp, **agg)
+    loss, kl_value, ent_value = _regularised(pg_loss, logp, agg, ref_logp=ref_logp, kl_coef=kl_coef,
+                                             kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef)
+    clip_frac = aggregate((weight != ratio).to(logp.dtype), **agg).detach()
+    return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl_value, clip_fraction=clip_frac,
+                            entropy=ent_value)
+
+
+POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
 
 def build_policy_loss(rl, *, off_policy: bool = False) -> Callable[..., PolicyLossOutput]:
-    """``ppo_clip_loss`` with the run's objective settings (an ``RLConfig``) bound; the caller gives
+    """``rl.policy_loss``'s objective with the run's settings (an ``RLConfig``) bound; the caller gives
     the per-token tensors and the minibatch's global normalisers (and, ``off_policy``: an asynchronous run,
     ``behaviour_logp``, weighted with ``rl.behaviour_weight_cap``)."""
     return functools.partial(
-        ppo_clip_loss, clip_low=rl.clip_low, clip_high=rl.clip_high, mode=rl.loss_agg, kl_coef=rl.kl_coef,
-        kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef,
+        POLICY_LOSSES[rl.policy_loss], clip_low=rl.clip_low, clip_high=rl.clip_high, mode=rl.loss_agg,
+        kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef,
         behaviour_cap=rl.behaviour_weight_cap if off_policy else 0.0,
     )

@@ -29,6 +29,7 @@ from titanrl.distributed import all_gather_objects, all_reduce_max, all_reduce_s
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
 from titanrl.rl.grpo import ValueLossOutput, aggregate
 from titanrl.rl.grpo import group_advantages as grpo_advantages
+from titanrl.rl.grpo import rloo_advantages
 from titanrl.rl.slice_loading import StepSlices
 from titanrl.rollout import RolloutRequest
 
@@ -132,10 +133,12 @@ def score(batch, ctx):
 
 
 def group_advantages(batch, ctx):
+    """Each response's advantage from its prompt group's rewards (rl.advantage: grpo, or rloo)."""
     trajs = batch.trajectories
     if trajs:
-        adv = grpo_advantages(torch.tensor([t.reward for t in trajs]), torch.tensor([t.group for t in trajs]),
-                              std_normalize=ctx.cfg.rl.std_normalize)
+        rewards, groups = torch.tensor([t.reward for t in trajs]), torch.tensor([t.group for t in trajs])
+        adv = (rloo_advantages(rewards, groups) if ctx.cfg.rl.advantage == "rloo"
+               else grpo_advantages(rewards, groups, std_normalize=ctx.cfg.rl.std_normalize))
         for t, a in zip(trajs, adv.tolist()):
             t.advantage = a
 

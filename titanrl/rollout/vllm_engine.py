@@ -157,6 +157,19 @@ def _reload(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
 
 
+def _eager_token_ranks(worker: Any) -> None:
+    """rollout.enforce_eager, in each of the engine's workers: vLLM still torch.compiles one sampler helper
+    (``batched_count_greater_than``: the rank of each sampled token among the vocabulary) on its first call, ~4 s of
+    inductor per engine process on CPU, warm cache or not; the same counts come from the function itself (titanrl
+    reads the sampled tokens' log-probs, not their ranks)."""
+    from vllm.v1.sample import sampler
+
+    compiled = getattr(sampler, "batched_count_greater_than", None)
+    eager = getattr(compiled, "_torchdynamo_orig_callable", None)
+    if eager is not None:
+        sampler.batched_count_greater_than = eager
+
+
 def _reload_tensors(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     """In the rank's process (in-process engines): the tensors arrive as they are, by reference."""
     _reload(worker, tensors)
@@ -346,6 +359,8 @@ class VLLMEngine:
         self.packed_modules = (packed[0] if packed else None) or dict(QWEN2_5_VL_PACKED_MODULES)
         # what vLLM's workers took: device, rank, tensor-parallel group (checked by tests, logged by the trainer)
         self.layout = self.llm.collective_rpc(_worker_layout)
+        if enforce_eager:
+            self.llm.collective_rpc(_eager_token_ranks)
 
     def busy_outside_s(self) -> float:
         """Seconds the engine worked for this rank outside this process: the wall time of calls into an engine

@@ -123,8 +123,8 @@ def known_shape(name: str) -> Qwen2_5_VLArgs | None:
 
 
 def flavor_shape(flavor: str) -> Qwen2_5_VLArgs:
-    """The shape of a generated checkpoint (make_tiny's TINY / SMALL), without building weights."""
-    from titanrl.models import make_tiny as mt
+    """The shape of a generated checkpoint (titanrl.models.flavors), without building weights."""
+    from titanrl.models import flavors as mt
 
     size = mt.SIZES[flavor]
     return Qwen2_5_VLArgs.from_hf_config({

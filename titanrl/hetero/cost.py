@@ -274,7 +274,7 @@ def _shape_of_config(cfg: Any) -> ModelShape:
                               name=Path(cfg.model.path).name)
         except KeyError as err:
             raise ValueError(f"model.path: {config_json} has no {err.args[0]!r}") from None
-    from titanrl.models.make_tiny import SMALL, TINY, VOCAB_SIZE
+    from titanrl.models.flavors import SMALL, TINY, VOCAB_SIZE
 
     size = {"tiny": TINY, "small": SMALL}[cfg.model.flavor]
     return ModelShape(layers=size.num_hidden_layers, hidden=size.hidden_size, intermediate=size.intermediate_size,

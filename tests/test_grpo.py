@@ -273,11 +273,13 @@ def test_objective_choices_are_checked_against_the_rest_of_the_config():
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", [("--rl.advantage=rloo", "--rl.policy_loss=gspo", "--rl.clip_low=3e-4",
                                         "--rl.clip_high=4e-4"),
-                                       ("--rl.policy_loss=cispo", "--rl.clip_high=0.3")],
-                         ids=["rloo_gspo", "cispo"])
+                                       ("--rl.policy_loss=cispo", "--rl.clip_high=0.3"),
+                                       ("--rl.advantage=reinforce++", "--rl.kl_coef=0.05")],
+                         ids=["rloo_gspo", "cispo", "reinforce_pp"])
 def test_objectives_on_two_ranks_equal_one(objective, tmp_path, run_cache):
-    """RLOO advantages with GSPO (the paper's clip range), and CISPO: 2 ranks equal 1 rank on per-token log-probs
-    and parameter updates, with a learning signal."""
+    """RLOO advantages with GSPO (the paper's clip range), CISPO, and REINFORCE++ (the KL in each token's reward):
+    2 ranks equal 1 rank on per-token log-probs (and REINFORCE++'s per-token advantages) and parameter updates, with
+    a learning signal."""
     from train_runs import assert_same_computation, train_tiny
 
     one_dir, _ = train_tiny(tmp_path, run_cache, "one", 1, *objective)
@@ -285,3 +287,32 @@ def test_objectives_on_two_ranks_equal_one(objective, tmp_path, run_cache):
     seen = assert_same_computation(one_dir, two_dir)
     assert {"old_logprobs", "update/policy"} <= set(seen), seen
     assert all(r["clip_fraction"] >= 0 for r in two)
+
+
+def test_reinforce_pp_advantages_hand_computed():
+    """REINFORCE++ (Hu 2025, eq. 2-4): per token, the reward at the last token less kl_coef x KL_t (old less
+    reference log-prob), summed from the token to the end, then normalised over the step's tokens; the loss then
+    carries no KL term of its own, and the graph computes the log-probs before the advantages."""
+    from types import SimpleNamespace
+
+    from titanrl.config import JobConfig
+    from titanrl.rl.grpo import build_policy_loss
+    from titanrl.rl.nodes import old_from_first_forward, reinforce_pp_advantages
+    from titanrl.workflow.graph import resolve
+
+    cfg = JobConfig()
+    cfg.rl.advantage, cfg.rl.kl_coef = "reinforce++", 0.5
+    trajs = [SimpleNamespace(old_logprobs=torch.tensor([-1.0, -2.0]), ref_logprobs=torch.tensor([-1.5, -1.0]),
+                             reward=1.0),
+             SimpleNamespace(old_logprobs=torch.tensor([-0.5]), ref_logprobs=torch.tensor([-0.5]), reward=0.0)]
+    batch = SimpleNamespace(trajectories=trajs, group=None, metrics={})
+    reinforce_pp_advantages(batch, SimpleNamespace(cfg=cfg))
+    # KL = [0.5, -1.0] and [0.0]; token rewards [-0.25, 0.5 + 1] and [0]; returns [1.25, 1.5] and [0]
+    raw = [1.25, 1.5, 0.0]
+    mean = sum(raw) / 3
+    std = (sum((x - mean) ** 2 for x in raw) / 2) ** 0.5
+    got = trajs[0].advantages.tolist() + trajs[1].advantages.tolist()
+    assert got == pytest.approx([(x - mean) / std for x in raw], rel=1e-6)
+    assert build_policy_loss(cfg.rl).keywords["kl_coef"] == 0.0 and not old_from_first_forward(cfg)
+    order = [n.id for n in resolve(cfg).nodes]
+    assert order.index("advantage") > max(order.index("old_logprob"), order.index("ref_logprob"))

@@ -425,11 +425,14 @@ class RLConfig:
     """The built-in workflow (docs/workflow.md): grpo = group-relative advantages with the PPO-clip objective;
     ppo = a learned critic ([critic]), per-token GAE advantages (rl.gamma, rl.lam) whitened over the step, the
     PPO-clip objective, and the critic trained with a clipped value loss (rl.value_clip)."""
-    advantage: Literal["auto", "grpo", "rloo", "gae"] = "auto"
+    advantage: Literal["auto", "grpo", "rloo", "reinforce++", "gae"] = "auto"
     """How a response's advantage is computed. grpo = its reward less its prompt group's mean (/ the group's std with
     rl.std_normalize; Shao et al. 2024, eq. 3); rloo = its reward less the mean of the group's *other* responses
-    (REINFORCE leave-one-out, Ahmadian et al. 2024, eq. 6); gae = per-token GAE from the critic (rl.algorithm =
-    ppo only). auto = gae with rl.algorithm = ppo, else grpo."""
+    (REINFORCE leave-one-out, Ahmadian et al. 2024, eq. 6); reinforce++ = per token, the reward less rl.kl_coef x
+    the KL to the reference summed from that token to the end, normalised over the whole step's tokens (Hu 2025,
+    REINFORCE++, eq. 2-4: the KL is in the reward, not the loss; the old log-probs are then computed before the
+    update whatever rl.old_logprobs says); gae = per-token GAE from the critic (rl.algorithm = ppo only). auto = gae
+    with rl.algorithm = ppo, else grpo."""
     policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
     """The policy objective. ppo_clip = the per-token clipped ratio (Schulman et al. 2017; clip_low / clip_high);
     gspo = a sequence-level ratio, the geometric mean of the response's token ratios, clipped per response (Zheng
@@ -524,6 +527,9 @@ class RLConfig:
             )
         if self.advantage == "gae" and self.algorithm != "ppo":
             found.append("rl.advantage = gae needs the critic of rl.algorithm = ppo")
+        if self.advantage == "reinforce++" and self.policy_loss == "gspo":
+            found.append("rl.advantage = reinforce++ gives every token its own advantage; rl.policy_loss = gspo weighs "
+                         "whole responses by one advantage each (use ppo_clip or cispo)")
         if self.algorithm == "ppo" and self.advantage not in ("auto", "gae"):
             found.append(f"rl.algorithm = ppo trains a critic for GAE advantages; rl.advantage = {self.advantage} would "
                          "not use it (set rl.algorithm = grpo)")

@@ -285,6 +285,8 @@ def build_policy_loss(rl, *, off_policy: bool = False) -> Callable[..., PolicyLo
     ``behaviour_logp``, weighted with ``rl.behaviour_weight_cap``)."""
     return functools.partial(
         POLICY_LOSSES[rl.policy_loss], clip_low=rl.clip_low, clip_high=rl.clip_high, mode=rl.loss_agg,
-        kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef,
+        # REINFORCE++ puts the KL to the reference in the reward (its advantages), not in the loss
+        kl_coef=0.0 if rl.advantage == "reinforce++" else rl.kl_coef, kl_estimator=rl.kl_estimator,
+        entropy_coef=rl.entropy_coef,
         behaviour_cap=rl.behaviour_weight_cap if off_policy else 0.0,
     )

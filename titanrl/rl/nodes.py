@@ -158,8 +158,14 @@ def stage_inputs(batch, ctx) -> None:
 
 
 def old_from_first_forward(cfg) -> bool:
-    """rl.old_logprobs = auto with one PPO epoch: the first minibatch's forward is the old policy."""
-    return cfg.rl.old_logprobs == "auto" and cfg.rl.ppo_epochs == 1
+    """rl.old_logprobs = auto with one PPO epoch: the first minibatch's forward is the old policy (not with
+    REINFORCE++, whose advantages need every old log-prob before the update)."""
+    return cfg.rl.old_logprobs == "auto" and cfg.rl.ppo_epochs == 1 and cfg.rl.advantage != "reinforce++"
+
+
+def per_token_advantages(cfg) -> bool:
+    """Whether the advantages are per token (PPO's GAE, REINFORCE++), not one per response."""
+    return cfg.rl.algorithm == "ppo" or cfg.rl.advantage == "reinforce++"
 
 
 def old_logprobs(batch, ctx):
@@ -196,7 +202,7 @@ def train_actor(batch, ctx):
     cfg, rl = ctx.cfg, ctx.cfg.rl
     ctx.model.train()
     fields = ("old_logprobs", "ref_logprobs") if ctx.ref_model is not None else ("old_logprobs",)
-    if rl.algorithm == "ppo":
+    if per_token_advantages(cfg):
         fields += ("advantages",)
     if ctx.off_policy:  # the behaviour policy's log-probs (the engine's) for the decoupled objective
         fields += ("rollout_logprobs",)
@@ -358,6 +364,36 @@ def gae_advantages(batch, ctx):
     var_err = sums[6] / n - (sums[5] / n) ** 2
     batch.metrics["critic/values_mean"] = (sums[7] / n).item()
     batch.metrics["critic/explained_variance"] = (1.0 - var_err / var_returns).item() if var_returns > 1e-12 else 0.0
+
+
+def reinforce_pp_advantages(batch, ctx):
+    """REINFORCE++ (Hu 2025, eq. 2-4): each token's reward is the response's reward at its last token less
+    rl.kl_coef x KL_t (k1: old log-prob less the reference's), its advantage the sum of the rewards from that token
+    to the end (gamma = 1), normalised by the mean and std over every response token of the step (all ranks)."""
+    beta = ctx.cfg.rl.kl_coef
+    raw = []
+    for t in batch.trajectories:
+        old = torch.as_tensor(t.old_logprobs, dtype=torch.float64)
+        kl = old - torch.as_tensor(t.ref_logprobs, dtype=torch.float64) if getattr(t, "ref_logprobs", None) is not \
+            None else torch.zeros_like(old)
+        rewards = -beta * kl
+        if rewards.numel():
+            rewards[-1] += t.reward
+        raw.append(torch.flip(torch.cumsum(torch.flip(rewards, (0,)), 0), (0,)))  # sum from t to the end
+    flat = torch.cat(raw) if raw else torch.zeros(0, dtype=torch.float64)
+    sums = all_reduce_sum(torch.stack([flat.sum(), (flat ** 2).sum(), torch.tensor(float(flat.numel()),
+                                                                                  dtype=torch.float64)]),
+                          group=batch.group)
+    n = max(sums[2].item(), 1.0)
+    mean = sums[0] / n
+    var = (sums[1] / n - mean ** 2) * n / max(n - 1.0, 1.0)
+    scale = torch.rsqrt(var.clamp(min=0.0) + 1e-8)
+    for t, adv in zip(batch.trajectories, raw):
+        t.advantages = ((adv - mean) * scale).float()
+        t.advantage = float(t.advantages.mean()) if t.advantages.numel() else 0.0
+    batch.metrics["advantage/kl_in_reward_mean"] = (all_reduce_sum(torch.tensor(
+        [sum(float(r.sum()) for r in raw) - sum(t.reward for t in batch.trajectories)], dtype=torch.float64),
+        group=batch.group)[0] / n).item() if beta else 0.0
 
 
 def _value_loss(ctx):

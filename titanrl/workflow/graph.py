@@ -28,7 +28,8 @@ _FILE_FN = re.compile(r"^[^:]+\.py:[A-Za-z_]\w*$")
 
 # Built-in node functions by name (titanrl.rl.nodes); the executor binds them.
 BUILTIN_FUNCTIONS = ("load_prompts", "generate", "score", "group_advantages", "old_logprobs", "ref_logprobs",
-                     "train_actor", "push_weights", "critic_values", "gae_advantages", "train_critic")
+                     "train_actor", "push_weights", "critic_values", "gae_advantages", "train_critic",
+                     "reinforce_pp_advantages")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,15 @@ def builtin_graph(cfg: Any) -> list[NodeSpec]:
     if cfg.rl.algorithm != "grpo":
         raise ValueError(f"unknown rl.algorithm {cfg.rl.algorithm!r}")
     reference = cfg.rl.kl_coef > 0
+    if cfg.rl.advantage == "reinforce++":  # the KL to the reference is in each token's reward: log-probs first
+        logprobs = ["old_logprob", "ref_logprob"] if reference else ["old_logprob"]
+        return _generation() + [
+            NodeSpec("old_logprob", "actor", "inference", "old_logprobs", ("reward",)),
+            *([NodeSpec("ref_logprob", "reference", "inference", "ref_logprobs", ("reward",))] if reference else []),
+            NodeSpec("advantage", "none", "compute", "reinforce_pp_advantages", tuple(logprobs)),
+            NodeSpec("update", "actor", "train", "train_actor", ("advantage",)),
+            NodeSpec("weight_sync", "actor", "compute", "push_weights", ("update",), "all"),
+        ]
     nodes = _generation() + [
         NodeSpec("advantage", "none", "compute", "group_advantages", ("reward",)),
         NodeSpec("old_logprob", "actor", "inference", "old_logprobs", ("advantage",)),

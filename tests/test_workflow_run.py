@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from train_runs import (PPO_REFERENCE, REFERENCE, alive, assert_same_computation, metrics, ppo_reference_run,
-                        reference_run, run, run_env, run_tiny, train_cmd)
+                        reference_run, run, run_env, run_tiny, shared_run, train_cmd)
 
 from titanrl.rl.dump import load_dumps, max_differences
 
@@ -174,16 +174,29 @@ def _started(argv: list[str], out: Path, env: dict | None = None, steps: int = 2
     return proc
 
 
+# The SIGTERM tests' runs: PPO (the critic, its optimizer and LR schedule are in the checkpoint too), 5 steps, a
+# checkpoint every 2, and a reward that hangs only while the test's marker file exists (tests/stalling_reward.py).
+SIGTERM_RUN = ("--rl.algorithm=ppo", "--job.steps=5", "--checkpoint.interval=2", "--metrics.dump_tensors",
+               "--rl.old_logprobs=recompute", "--rl.reward_timeout_s=300",
+               f"--rl.reward={ROOT / 'tests' / 'stalling_reward.py'}:reward")
+
+
+def _straight(run_cache, placement: str) -> Path:
+    """The uninterrupted 2-rank run the SIGTERM tests compare with (run once per session per placement)."""
+    extra = ("--workflow.placement=disaggregated", "--workflow.rollout_ranks=1") if placement == "disaggregated" else ()
+    return shared_run(run_cache, 2, *SIGTERM_RUN, *extra)
+
+
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
 def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, tmp_path, placement):
-    """With PPO, so the critic, its optimizer and LR schedule are in the checkpoint too. Disaggregated (1 rollout +
-    1 training rank): the rollout rank checkpoints no model, and its engine (child processes in a session of
-    their own) survives torchrun's SIGTERM to the rank's process group until the step and checkpoint are done."""
-    common = ["--rl.algorithm=ppo", "--job.steps=5", "--checkpoint.interval=10", "--metrics.dump_tensors",
-              "--rl.old_logprobs=recompute"]
+    """SIGTERM to torchrun during step 3 of a short-stepped run: the step ends and is saved, every rank exits
+    normally, the rerun resumes from step 3 and equals the uninterrupted run. Disaggregated (1 rollout + 1
+    training rank): the rollout rank checkpoints no model, and its engine (child processes in a session of their
+    own) survives torchrun's SIGTERM to the rank's process group until the step and checkpoint are done."""
+    common = list(SIGTERM_RUN)
     if placement == "disaggregated":
         common += ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=1"]
-    run(train_cmd(tmp_path / "straight", run_cache, *common, nproc=2))
+    straight = _straight(run_cache, placement)
 
     # the run stopped has its own Ray instance (rank 0's daemons must survive torchrun's SIGTERM to the group)
     out = tmp_path / "stopped"
@@ -197,29 +210,17 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, t
 
     resumed = run(train_cmd(out, run_cache, *common, nproc=2))
     assert "resumed from step 3" in resumed.stdout + resumed.stderr
-    a, b = load_dumps(tmp_path / "straight" / "tiny_cpu"), load_dumps(out / "tiny_cpu")
+    a, b = load_dumps(straight), load_dumps(out / "tiny_cpu")
     for step in (4, 5):
         diff = max_differences(a[step], b[step])
         assert "params/critic" in diff and all(v == 0.0 for v in diff.values()), (step, diff)
-    ma, mb = metrics(tmp_path / "straight" / "tiny_cpu"), metrics(out / "tiny_cpu")
+    ma, mb = metrics(straight), metrics(out / "tiny_cpu")
     for step in (4, 5):
         for key in ("loss", "reward/mean", "kl", "entropy", "grad_norm"):
             assert ma[step][key] == mb[step][key], (step, key)
 
 
 
-STALLING_REWARD = '''
-import os
-import time
-
-from titanrl.rl.rewards import exact_match_with_format
-
-
-def reward(response, record):
-    while os.path.exists(os.environ["TITANRL_TEST_STALL"]):  # the test's marker: a grader that hangs
-        time.sleep(0.2)
-    return exact_match_with_format(response, record)
-'''
 
 
 def _tree(pid: int) -> list:
@@ -233,13 +234,12 @@ def test_sigterm_in_a_step_longer_than_the_grace_abandons_it_and_the_rerun_resum
     """A grader that hangs in step 3 (2 ranks under torchrun; job.preempt_grace_s 25, torchrun kills 30 s after it
     forwards SIGTERM): SIGTERM to the launcher ends every process of the run (ranks, engines, reward workers, the
     Ray daemons rank 0 started) within 40 s, the console says the step was abandoned and which checkpoint stands
-    (step 2, the last periodic one), and the rerun resumes from it and equals an uninterrupted run on steps 3-4."""
-    (tmp_path / "stalling_reward.py").write_text(STALLING_REWARD)
+    (step 2, the last periodic one), and the rerun resumes from it and equals an uninterrupted run on steps 3-5
+    (the colocated SIGTERM test's, shared)."""
     marker = tmp_path / "stall"
-    env = {"PYTHONPATH": str(tmp_path), "TITANRL_TEST_STALL": str(marker)}
-    common = ["--job.steps=4", "--checkpoint.interval=2", "--metrics.dump_tensors", "--rl.reward_timeout_s=300",
-              "--rl.reward=stalling_reward:reward"]
-    run(train_cmd(tmp_path / "straight", run_cache, *common, nproc=2), env=env)
+    env = {"TITANRL_TEST_STALL": str(marker)}
+    common = list(SIGTERM_RUN)
+    straight = _straight(run_cache, "colocated")
     out = tmp_path / "stopped"
     proc = _started(train_cmd(out, run_cache, *common, nproc=2, own_ray=True), out, env)
     marker.touch()  # step 3's grader hangs
@@ -258,8 +258,8 @@ def test_sigterm_in_a_step_longer_than_the_grace_abandons_it_and_the_rerun_resum
     marker.unlink()
     resumed = run(train_cmd(out, run_cache, *common, nproc=2), env=env)
     assert "resumed from step 2" in resumed.stdout + resumed.stderr
-    a, b = load_dumps(tmp_path / "straight" / "tiny_cpu"), load_dumps(out / "tiny_cpu")
-    for step in (3, 4):
+    a, b = load_dumps(straight), load_dumps(out / "tiny_cpu")
+    for step in (3, 4, 5):
         diff = max_differences(a[step], b[step])
         assert "params/policy" in diff and all(v == 0.0 for v in diff.values()), (step, diff)
 

@@ -898,106 +898,9 @@ class JobConfig:
             self.compile, self.critic, self.workflow,
         ):  # fmt: skip
             found += section.problems()
+        from titanrl.config.checks import cross_section_problems
 
-        if self.rl.algorithm == "grpo" and self.rollout.n < 2:
-            found.append(
-                f"rollout.n must be >= 2 for rl.algorithm='grpo' (advantages are relative to the "
-                f"other responses of the same prompt), got {self.rollout.n}"
-            )
-        if self.rl.algorithm == "grpo" and self.rollout.temperature == 0:
-            found.append(
-                "rollout.temperature must be > 0 for rl.algorithm='grpo': greedy decoding gives "
-                "identical responses, so every advantage is 0"
-            )
-        if self.rl.policy_loss == "gspo" and self.parallelism.ulysses != "none":
-            found.append(f"rl.policy_loss = 'gspo' takes one ratio per response (the mean of its tokens' log-ratios), "
-                         f"which needs every response whole on one rank, but parallelism.ulysses = "
-                         f"{self.parallelism.ulysses!r} shards responses: use parallelism.ulysses = 'none'")
-        if self.rl.policy_loss != "ppo_clip" and (self.workflow.mode == "async" or self.rollout.tokens_per_update):
-            found.append(f"rl.policy_loss = {self.rl.policy_loss!r} has no off-policy (decoupled) form here yet; "
-                         "workflow.mode = 'async' and partial rollouts (rollout.tokens_per_update) need "
-                         "rl.policy_loss = 'ppo_clip'")
-        if self.balance.strategy == "bucketing" and self.parallelism.ulysses != "none":
-            found.append(f"balance.strategy='bucketing' deals whole trajectories to ranks (verl's way), but "
-                         f"parallelism.ulysses={self.parallelism.ulysses!r} shards them: use parallelism.ulysses='none' "
-                         "or balance.strategy='lb_micro' / 'lb_mini'")
-        if self.balance.strategy == "bucketing" and (self.balance.speeds() or self.balance.profile_speeds):
-            found.append("balance.strategy='bucketing' deals equal counts to every rank; unequal rank speeds "
-                         "(balance.rank_speeds, balance.profile_speeds) need balance.strategy='lb_micro' or 'lb_mini'")
-        if self.balance.strategy == "native" and self.parallelism.ulysses != "none":
-            found.append(
-                f"balance.strategy='native' keeps every trajectory on the rank that generated it, but "
-                f"parallelism.ulysses={self.parallelism.ulysses!r} places trajectories on Ulysses groups: use "
-                "balance.strategy='lb_micro' or 'lb_mini'"
-            )
-        if self.balance.profile_speeds and self.balance.rank_speeds:
-            found.append("balance.profile_speeds = true measures the speeds that balance.rank_speeds sets: use one")
-        if self.balance.profile_speeds and self.parallelism.ulysses != "none":
-            found.append(f"balance.profile_speeds = true may find unequal speeds, which parallelism.ulysses = "
-                         f"{self.parallelism.ulysses!r} cannot use (its groups are planned by equal loads): use "
-                         "parallelism.ulysses = 'none'")
-        if self.balance.speeds() and self.parallelism.ulysses != "none":
-            found.append(
-                f"balance.rank_speeds differ, but parallelism.ulysses = {self.parallelism.ulysses!r} places "
-                "sequences as if every rank were equally fast (its nested groups are planned by equal loads): use "
-                "parallelism.ulysses = 'none' with unequal speeds, or equal speeds"
-            )
-        tp = self.rollout.tensor_parallel_size
-        if tp > 1 and self.rollout.engine != "vllm":
-            found.append(f"rollout.tensor_parallel_size={tp} runs one vLLM engine over several ranks: set "
-                         "rollout.engine = 'vllm', or rollout.tensor_parallel_size = 1")
-        elif tp > 1 and self.workflow.placement == "colocated" and self.rollout.tokens_per_update:
-            found.append(f"rollout.tensor_parallel_size={tp} colocated runs the prompts of {tp} ranks in one engine "
-                         "call, but partial rollouts (rollout.tokens_per_update) continue each rank's unfinished "
-                         "responses in calls of their own: set rollout.tokens_per_update = 0, or use "
-                         "workflow.placement = 'disaggregated'")
-        elif tp > 1 and self.workflow.placement == "disaggregated" and self.workflow.rollout_ranks % tp:
-            found.append(f"rollout.tensor_parallel_size={tp} must divide workflow.rollout_ranks="
-                         f"{self.workflow.rollout_ranks} (each engine spans that many rollout ranks)")
-        if self.rollout.sleep == "on" and self.workflow.placement == "disaggregated":
-            found.append("rollout.sleep = 'on' gives the engine's device memory to the training stages between "
-                         "generations, but under workflow.placement = 'disaggregated' the rollout ranks do not train: "
-                         "set rollout.sleep = 'auto' or 'off'")
-        if self.data.slice_loading and self.data.loader != "shadow":
-            found.append(
-                f"data.slice_loading=true fetches slices through ShadowLoader's preprocessors, but "
-                f"data.loader={self.data.loader!r} ships whole samples from rank 0: set data.slice_loading=false"
-            )
-        if self.data.ray_address and self.data.loader != "shadow":
-            found.append(f"data.ray_address={self.data.ray_address!r} is the Ray cluster of ShadowLoader's "
-                         f"preprocessors, but data.loader={self.data.loader!r} decodes on rank 0 without Ray: "
-                         "leave data.ray_address empty or use data.loader='shadow'")
-        spans, k = self.update_spans(), self.workflow.max_staleness
-        if self.rollout.tokens_per_update < 0:
-            found.append(f"rollout.tokens_per_update must be >= 0 (0 = the whole response at once), got "
-                         f"{self.rollout.tokens_per_update}")
-        elif spans - 1 > k:
-            found.append(f"rollout.tokens_per_update = {self.rollout.tokens_per_update} lets a response of "
-                         f"rollout.max_new_tokens = {self.rollout.max_new_tokens} span {spans} steps, so its first tokens "
-                         f"would lag {spans - 1} policy versions, more than workflow.max_staleness = {k}: raise one of "
-                         "them")
-        elif self.rollout.tokens_per_update and self.data.slice_loading:
-            found.append("rollout.tokens_per_update (partial rollouts) carries unfinished prompt groups into later "
-                         "steps, whose frames slice-aware loading cannot fetch (it fetches from the current step's "
-                         "loader plan only): set data.slice_loading=false (the prompts' patch rows then travel from "
-                         "the rank that generated them) or rollout.tokens_per_update=0")
-        elif (self.rollout.tokens_per_update and self.workflow.mode == "async"
-              and self.workflow.placement == "disaggregated" and self.async_lead() < 1):
-            found.append(f"workflow.mode = 'async' generates ahead, but workflow.max_staleness = {k} is used up by "
-                         f"partial rollouts spanning {spans} steps (rollout.tokens_per_update = "
-                         f"{self.rollout.tokens_per_update}): raise workflow.max_staleness to {spans} or more (the "
-                         "rollout ranks then run max_staleness - (spans - 1) batches ahead)")
-        from titanrl.workflow.graph import workflow_problems  # standard library only, like this module
-
-        found += workflow_problems(self)
-        prompt_and_response = self.data.max_prompt_tokens + self.rollout.max_new_tokens
-        if prompt_and_response > self.model.max_seq_len:
-            found.append(
-                f"data.max_prompt_tokens + rollout.max_new_tokens ({self.data.max_prompt_tokens} + "
-                f"{self.rollout.max_new_tokens} = {prompt_and_response}) must be <= "
-                f"model.max_seq_len ({self.model.max_seq_len})"
-            )
-        return found
+        return found + cross_section_problems(self)
 
     def validate(self) -> None:
         """Raise one ConfigError listing every problem (a user fixes them all in one go)."""
@@ -1025,47 +928,10 @@ class JobConfig:
         return world_size if degree == -1 else degree
 
     def validate_world_size(self, world_size: int) -> None:
-        """Checks that need the number of ranks, for the trainer to call once it knows it. Under the
-        disaggregated placement the models' ranks are the ones after workflow.rollout_ranks."""
-        found = []
-        if self.workflow.placement == "disaggregated" and self.workflow.rollout_ranks >= world_size:
-            _raise_problems([f"workflow.rollout_ranks = {self.workflow.rollout_ranks} leaves none of the "
-                             f"{world_size} ranks to train: at most {world_size - 1}"])
-        if self.balance.rank_speeds and len(self.balance.rank_speeds) != world_size:
-            found.append(f"balance.rank_speeds names {len(self.balance.rank_speeds)} ranks, but the job has "
-                         f"{world_size}: one speed per rank")
-        tp = self.rollout.tensor_parallel_size
-        if self.workflow.placement == "colocated" and world_size % tp:
-            found.append(f"rollout.tensor_parallel_size = {tp} must divide the {world_size} ranks (each engine spans "
-                         f"{tp} of them)")
-        world_size = self.workflow.training_ranks(world_size)
-        dp = self.data_parallel_degree(world_size)
-        if dp != world_size:
-            found.append(
-                f"parallelism.data_parallel_shard_degree ({dp}) must be -1 or equal the number "
-                f"of ranks ({world_size}): FSDP is the only mesh dimension"
-            )
-        par = self.parallelism
-        if par.ulysses == "fixed" and par.ulysses_degree > world_size:
-            found.append(
-                f"parallelism.ulysses_degree ({par.ulysses_degree}) must be <= the number of ranks ({world_size})"
-            )
-        elif par.ulysses == "fixed" and world_size % par.ulysses_degree:
-            found.append(
-                f"parallelism.ulysses_degree ({par.ulysses_degree}) must divide the number of "
-                f"ranks ({world_size})"
-            )
-        if par.ulysses == "flex" and par.p_max is not None and par.p_max > world_size:
-            found.append(
-                f"parallelism.p_max ({par.p_max}) must be <= the number of ranks ({world_size})"
-            )
-        sequences_per_minibatch = self.rl.global_batch_size * self.rollout.n // self.rl.minibatches
-        if sequences_per_minibatch < dp:
-            found.append(
-                f"each minibatch has rl.global_batch_size * rollout.n / rl.minibatches = "
-                f"{sequences_per_minibatch} sequences, fewer than the {dp} data-parallel ranks"
-            )
-        _raise_problems(found)
+        """Checks that need the number of ranks, for the trainer to call once it knows it (``config.checks``)."""
+        from titanrl.config.checks import world_size_problems
+
+        _raise_problems(world_size_problems(self, world_size))
 
 
 def _raise_problems(found: list[str]) -> None:

@@ -1,0 +1,161 @@
+"""The config's rules across sections: keys of different sections that do not work together, refused with the
+reason (``cross_section_problems``), and the rules that need the number of ranks (``world_size_problems``, checked
+by the trainer once it knows it). Each section's own rules are its ``problems()`` (``titanrl.config.job_config``).
+Standard library only, like the rest of the config package."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from titanrl.config.job_config import JobConfig
+
+
+def cross_section_problems(cfg: "JobConfig") -> list[str]:
+    """Every problem between sections of ``cfg``, in a fixed order."""
+    found: list[str] = []
+    if cfg.rl.algorithm == "grpo" and cfg.rollout.n < 2:
+        found.append(
+            f"rollout.n must be >= 2 for rl.algorithm='grpo' (advantages are relative to the "
+            f"other responses of the same prompt), got {cfg.rollout.n}"
+        )
+    if cfg.rl.algorithm == "grpo" and cfg.rollout.temperature == 0:
+        found.append(
+            "rollout.temperature must be > 0 for rl.algorithm='grpo': greedy decoding gives "
+            "identical responses, so every advantage is 0"
+        )
+    if cfg.rl.policy_loss == "gspo" and cfg.parallelism.ulysses != "none":
+        found.append(f"rl.policy_loss = 'gspo' takes one ratio per response (the mean of its tokens' log-ratios), "
+                     f"which needs every response whole on one rank, but parallelism.ulysses = "
+                     f"{cfg.parallelism.ulysses!r} shards responses: use parallelism.ulysses = 'none'")
+    if cfg.rl.policy_loss != "ppo_clip" and (cfg.workflow.mode == "async" or cfg.rollout.tokens_per_update):
+        found.append(f"rl.policy_loss = {cfg.rl.policy_loss!r} has no off-policy (decoupled) form here yet; "
+                     "workflow.mode = 'async' and partial rollouts (rollout.tokens_per_update) need "
+                     "rl.policy_loss = 'ppo_clip'")
+    if cfg.balance.strategy == "bucketing" and cfg.parallelism.ulysses != "none":
+        found.append(f"balance.strategy='bucketing' deals whole trajectories to ranks (verl's way), but "
+                     f"parallelism.ulysses={cfg.parallelism.ulysses!r} shards them: use parallelism.ulysses='none' "
+                     "or balance.strategy='lb_micro' / 'lb_mini'")
+    if cfg.balance.strategy == "bucketing" and (cfg.balance.speeds() or cfg.balance.profile_speeds):
+        found.append("balance.strategy='bucketing' deals equal counts to every rank; unequal rank speeds "
+                     "(balance.rank_speeds, balance.profile_speeds) need balance.strategy='lb_micro' or 'lb_mini'")
+    if cfg.balance.strategy == "native" and cfg.parallelism.ulysses != "none":
+        found.append(
+            f"balance.strategy='native' keeps every trajectory on the rank that generated it, but "
+            f"parallelism.ulysses={cfg.parallelism.ulysses!r} places trajectories on Ulysses groups: use "
+            "balance.strategy='lb_micro' or 'lb_mini'"
+        )
+    if cfg.balance.profile_speeds and cfg.balance.rank_speeds:
+        found.append("balance.profile_speeds = true measures the speeds that balance.rank_speeds sets: use one")
+    if cfg.balance.profile_speeds and cfg.parallelism.ulysses != "none":
+        found.append(f"balance.profile_speeds = true may find unequal speeds, which parallelism.ulysses = "
+                     f"{cfg.parallelism.ulysses!r} cannot use (its groups are planned by equal loads): use "
+                     "parallelism.ulysses = 'none'")
+    if cfg.balance.speeds() and cfg.parallelism.ulysses != "none":
+        found.append(
+            f"balance.rank_speeds differ, but parallelism.ulysses = {cfg.parallelism.ulysses!r} places "
+            "sequences as if every rank were equally fast (its nested groups are planned by equal loads): use "
+            "parallelism.ulysses = 'none' with unequal speeds, or equal speeds"
+        )
+    tp = cfg.rollout.tensor_parallel_size
+    if tp > 1 and cfg.rollout.engine != "vllm":
+        found.append(f"rollout.tensor_parallel_size={tp} runs one vLLM engine over several ranks: set "
+                     "rollout.engine = 'vllm', or rollout.tensor_parallel_size = 1")
+    elif tp > 1 and cfg.workflow.placement == "colocated" and cfg.rollout.tokens_per_update:
+        found.append(f"rollout.tensor_parallel_size={tp} colocated runs the prompts of {tp} ranks in one engine "
+                     "call, but partial rollouts (rollout.tokens_per_update) continue each rank's unfinished "
+                     "responses in calls of their own: set rollout.tokens_per_update = 0, or use "
+                     "workflow.placement = 'disaggregated'")
+    elif tp > 1 and cfg.workflow.placement == "disaggregated" and cfg.workflow.rollout_ranks % tp:
+        found.append(f"rollout.tensor_parallel_size={tp} must divide workflow.rollout_ranks="
+                     f"{cfg.workflow.rollout_ranks} (each engine spans that many rollout ranks)")
+    if cfg.rollout.sleep == "on" and cfg.workflow.placement == "disaggregated":
+        found.append("rollout.sleep = 'on' gives the engine's device memory to the training stages between "
+                     "generations, but under workflow.placement = 'disaggregated' the rollout ranks do not train: "
+                     "set rollout.sleep = 'auto' or 'off'")
+    if cfg.data.slice_loading and cfg.data.loader != "shadow":
+        found.append(
+            f"data.slice_loading=true fetches slices through ShadowLoader's preprocessors, but "
+            f"data.loader={cfg.data.loader!r} ships whole samples from rank 0: set data.slice_loading=false"
+        )
+    if cfg.data.ray_address and cfg.data.loader != "shadow":
+        found.append(f"data.ray_address={cfg.data.ray_address!r} is the Ray cluster of ShadowLoader's "
+                     f"preprocessors, but data.loader={cfg.data.loader!r} decodes on rank 0 without Ray: "
+                     "leave data.ray_address empty or use data.loader='shadow'")
+    spans, k = cfg.update_spans(), cfg.workflow.max_staleness
+    if cfg.rollout.tokens_per_update < 0:
+        found.append(f"rollout.tokens_per_update must be >= 0 (0 = the whole response at once), got "
+                     f"{cfg.rollout.tokens_per_update}")
+    elif spans - 1 > k:
+        found.append(f"rollout.tokens_per_update = {cfg.rollout.tokens_per_update} lets a response of "
+                     f"rollout.max_new_tokens = {cfg.rollout.max_new_tokens} span {spans} steps, so its first tokens "
+                     f"would lag {spans - 1} policy versions, more than workflow.max_staleness = {k}: raise one of "
+                     "them")
+    elif cfg.rollout.tokens_per_update and cfg.data.slice_loading:
+        found.append("rollout.tokens_per_update (partial rollouts) carries unfinished prompt groups into later "
+                     "steps, whose frames slice-aware loading cannot fetch (it fetches from the current step's "
+                     "loader plan only): set data.slice_loading=false (the prompts' patch rows then travel from "
+                     "the rank that generated them) or rollout.tokens_per_update=0")
+    elif (cfg.rollout.tokens_per_update and cfg.workflow.mode == "async"
+          and cfg.workflow.placement == "disaggregated" and cfg.async_lead() < 1):
+        found.append(f"workflow.mode = 'async' generates ahead, but workflow.max_staleness = {k} is used up by "
+                     f"partial rollouts spanning {spans} steps (rollout.tokens_per_update = "
+                     f"{cfg.rollout.tokens_per_update}): raise workflow.max_staleness to {spans} or more (the "
+                     "rollout ranks then run max_staleness - (spans - 1) batches ahead)")
+    from titanrl.workflow.graph import workflow_problems  # standard library only, like this module
+
+    found += workflow_problems(cfg)
+    prompt_and_response = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if prompt_and_response > cfg.model.max_seq_len:
+        found.append(
+            f"data.max_prompt_tokens + rollout.max_new_tokens ({cfg.data.max_prompt_tokens} + "
+            f"{cfg.rollout.max_new_tokens} = {prompt_and_response}) must be <= "
+            f"model.max_seq_len ({cfg.model.max_seq_len})"
+        )
+    return found
+
+
+def world_size_problems(cfg: "JobConfig", world_size: int) -> list[str]:
+    """The problems of ``cfg`` on ``world_size`` ranks. Under the disaggregated placement the models' ranks are the
+    ones after workflow.rollout_ranks."""
+    found = []
+    if cfg.workflow.placement == "disaggregated" and cfg.workflow.rollout_ranks >= world_size:
+        return [f"workflow.rollout_ranks = {cfg.workflow.rollout_ranks} leaves none of the {world_size} ranks to "
+                f"train: at most {world_size - 1}"]
+    if cfg.balance.rank_speeds and len(cfg.balance.rank_speeds) != world_size:
+        found.append(f"balance.rank_speeds names {len(cfg.balance.rank_speeds)} ranks, but the job has "
+                     f"{world_size}: one speed per rank")
+    tp = cfg.rollout.tensor_parallel_size
+    if cfg.workflow.placement == "colocated" and world_size % tp:
+        found.append(f"rollout.tensor_parallel_size = {tp} must divide the {world_size} ranks (each engine spans "
+                     f"{tp} of them)")
+    world_size = cfg.workflow.training_ranks(world_size)
+    dp = cfg.data_parallel_degree(world_size)
+    if dp != world_size:
+        found.append(
+            f"parallelism.data_parallel_shard_degree ({dp}) must be -1 or equal the number "
+            f"of ranks ({world_size}): FSDP is the only mesh dimension"
+        )
+    par = cfg.parallelism
+    if par.ulysses == "fixed" and par.ulysses_degree > world_size:
+        found.append(
+            f"parallelism.ulysses_degree ({par.ulysses_degree}) must be <= the number of ranks ({world_size})"
+        )
+    elif par.ulysses == "fixed" and world_size % par.ulysses_degree:
+        found.append(
+            f"parallelism.ulysses_degree ({par.ulysses_degree}) must divide the number of "
+            f"ranks ({world_size})"
+        )
+    if par.ulysses == "flex" and par.p_max is not None and par.p_max > world_size:
+        found.append(
+            f"parallelism.p_max ({par.p_max}) must be <= the number of ranks ({world_size})"
+        )
+    sequences_per_minibatch = cfg.rl.global_batch_size * cfg.rollout.n // cfg.rl.minibatches
+    if sequences_per_minibatch < dp:
+        found.append(
+            f"each minibatch has rl.global_batch_size * rollout.n / rl.minibatches = "
+            f"{sequences_per_minibatch} sequences, fewer than the {dp} data-parallel ranks"
+        )
+    return found
+
+

@@ -40,7 +40,6 @@ def test_grpo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
     assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "update/policy"} <= set(seen), seen
 
 
-
 def test_ppo_on_four_ranks_equals_one_rank(run_cache, tmp_path):
     """PPO (critic, GAE, clipped value loss) with the critic under the actor's modes - FlexUlysses sharding
     sequences over up to 4 ranks (a small token budget forces it), lb_micro, vision balancing, slice-aware loading
@@ -218,9 +217,6 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, t
     for step in (4, 5):
         for key in ("loss", "reward/mean", "kl", "entropy", "grad_norm"):
             assert ma[step][key] == mb[step][key], (step, key)
-
-
-
 
 
 def _tree(pid: int) -> list:

@@ -329,6 +329,15 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
     return adv[0] if one else adv
 
 
+def _whitening(total: torch.Tensor, squares: torch.Tensor, count: torch.Tensor):
+    """(n, mean, 1 / std) of values from their all-reduced sum, sum of squares and count (the unbiased variance, as
+    the usual masked whitening)."""
+    n = max(count.item(), 1.0)
+    mean = total / n
+    var = (squares / n - mean ** 2) * n / max(n - 1.0, 1.0)
+    return n, mean, torch.rsqrt(var.clamp(min=0.0) + 1e-8)
+
+
 def gae_advantages(batch, ctx):
     """Per-token advantages and returns of every response from its reward (at its last token) and the critic's
     values; the advantages are whitened over every response token of the step (all ranks: one all-reduce)."""
@@ -354,10 +363,7 @@ def gae_advantages(batch, ctx):
     sums = all_reduce_sum(torch.stack([
         flat.sum(), (flat ** 2).sum(), torch.tensor(float(flat.numel()), dtype=torch.float64),
         returns.sum(), (returns ** 2).sum(), err.sum(), (err ** 2).sum(), values.sum()]), group=batch.group)
-    n = max(sums[2].item(), 1.0)
-    mean = sums[0] / n
-    var = (sums[1] / n - mean ** 2) * n / max(n - 1.0, 1.0)  # unbiased, as the usual masked whitening
-    scale = torch.rsqrt(var.clamp(min=0.0) + 1e-8)
+    n, mean, scale = _whitening(sums[0], sums[1], sums[2])
     for t, adv in zip(batch.trajectories, raw):
         t.advantages = ((adv - mean) * scale).float()
     var_returns = sums[4] / n - (sums[3] / n) ** 2
@@ -384,10 +390,7 @@ def reinforce_pp_advantages(batch, ctx):
     sums = all_reduce_sum(torch.stack([flat.sum(), (flat ** 2).sum(), torch.tensor(float(flat.numel()),
                                                                                   dtype=torch.float64)]),
                           group=batch.group)
-    n = max(sums[2].item(), 1.0)
-    mean = sums[0] / n
-    var = (sums[1] / n - mean ** 2) * n / max(n - 1.0, 1.0)
-    scale = torch.rsqrt(var.clamp(min=0.0) + 1e-8)
+    n, mean, scale = _whitening(sums[0], sums[1], sums[2])
     for t, adv in zip(batch.trajectories, raw):
         t.advantages = ((adv - mean) * scale).float()
         t.advantage = float(t.advantages.mean()) if t.advantages.numel() else 0.0

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from train_runs import (REFERENCE, assert_same_computation, kill_ranks_when, kill_when, metrics, reference_run, run,
+from train_runs import (REFERENCE, assert_same_computation, kill_ranks_when, metrics, reference_run, run,
                         train_cmd)
 import torch
 
@@ -202,41 +202,16 @@ def test_async_without_lag_equals_the_synchronous_disaggregated_run(run_cache, t
 
 
 @pytest.mark.slow
-def test_async_ranks_killed_after_a_checkpoint_leave_nothing_and_the_rerun_resumes_exactly(run_cache, tmp_path):
-    """kill -9 of both ranks of a disaggregated asynchronous run (1 rollout rank with its vLLM engine, 1 training
-    rank; rank 0's own Ray) as soon as its step-2 checkpoint is written (the batch of step 3 was generated and is in
-    flight): every process the ranks started (engine, reward workers, Ray daemons) ends by itself within 30 s (the
-    parent-death signal). A half-written checkpoint folder is removed at the next start, named on the console; the
-    rerun takes the batch in flight from the checkpoint and equals the uninterrupted run exactly."""
-    common = ["--job.steps=6", "--checkpoint.interval=2", "--metrics.dump_tensors", *SPLIT,
-              "--workflow.mode=async", "--workflow.max_staleness=1"]
-    run(train_cmd(tmp_path / "straight", run_cache, *common, nproc=2))
-    out = tmp_path / "killed"
-    left = kill_ranks_when(train_cmd(out, run_cache, *common, nproc=2, own_ray=True),
-                           out / "tiny_cpu" / "checkpoint" / "step-2" / ".metadata")
-    assert not left, left
-    saved = max(int(p.parent.name.split("-")[1]) for p in (out / "tiny_cpu" / "checkpoint").glob("step-*/.metadata"))
-    assert saved < 6, "the run ended before it was killed"
-    half = out / "tiny_cpu" / "checkpoint" / "step-99"  # a save cut off half-way (no .metadata): not resumed
-    half.mkdir(parents=True)
-    (half / "__0_0.distcp").write_bytes(b"partial")
-    resumed = run(train_cmd(out, run_cache, *common, nproc=2))
-    assert f"resumed from step {saved}" in resumed.stdout + resumed.stderr
-    assert f"removed {half}: a checkpoint save cut off" in resumed.stdout + resumed.stderr and not half.exists()
-    a, b = load_dumps(tmp_path / "straight" / "tiny_cpu"), load_dumps(out / "tiny_cpu")
-    ma, mb = metrics(tmp_path / "straight" / "tiny_cpu"), metrics(out / "tiny_cpu")
-    for step in range(saved + 1, 7):  # the first of them trains the batch that was in flight
-        diff = max_differences(a[step], b[step])
-        assert {"rollout_logprobs", "params/policy"} <= set(diff) and all(v == 0.0 for v in diff.values()), \
-            (step, diff)
-        for key in ("loss", "reward/mean", "kl", "entropy", "grad_norm", "async/staleness_mean"):
-            assert ma[step][key] == mb[step][key], (step, key)
+def test_partial_rollouts_span_updates_and_ranks_killed_after_a_checkpoint_resume_exactly(run_cache, tmp_path):
+    """A disaggregated asynchronous run (1 rollout rank with its vLLM engine, 1 training rank) with partial rollouts:
+    rollout.tokens_per_update = 1 of max_new_tokens = 2 (the tiny answer is a word and EOS), max_staleness = 2
+    (lead 1), so most responses get their second token from the next step's weights.
 
-
-@pytest.mark.slow
-def test_partial_rollouts_finish_across_updates_and_resume_exactly(run_cache, tmp_path):
-    """rollout.tokens_per_update = 1 of max_new_tokens = 2 (the tiny answer is a word and EOS), async with
-    max_staleness = 2 (lead 1): most responses get their second token from the next step's weights."""
+    Then kill -9 of both ranks (rank 0's own Ray) as soon as the step-2 checkpoint is written, with batches and
+    unfinished responses in flight: every process the ranks started (engine, reward workers, Ray daemons) ends by
+    itself within 30 s (the parent-death signal). A half-written checkpoint folder is removed at the next start,
+    named on the console; the rerun takes what was in flight from the checkpoint and equals the uninterrupted run
+    exactly."""
     common = ["--job.steps=6", "--checkpoint.interval=2", "--metrics.dump_tensors", *SPLIT, "--workflow.mode=async",
               "--workflow.max_staleness=2", "--rollout.tokens_per_update=1", "--data.slice_loading=false"]
     run(train_cmd(tmp_path / "straight", run_cache, *common, nproc=2))
@@ -250,15 +225,25 @@ def test_partial_rollouts_finish_across_updates_and_resume_exactly(run_cache, tm
             spanning += len(set(versions.tolist())) > 1
         assert m[step]["async/staleness_max"] <= 2
     assert spanning > 0 and sum(m[s]["rollout/continued_responses"] for s in m) > 0
-    # kill -9 after a checkpoint with unfinished responses in it, rerun: the same steps
+
     out = tmp_path / "killed"
-    kill_when(train_cmd(out, run_cache, *common, nproc=2), out / "tiny_cpu" / "checkpoint" / "step-2" / ".metadata")
+    left = kill_ranks_when(train_cmd(out, run_cache, *common, nproc=2, own_ray=True),
+                           out / "tiny_cpu" / "checkpoint" / "step-2" / ".metadata")
+    assert not left, left
     saved = max(int(p.parent.name.split("-")[1]) for p in (out / "tiny_cpu" / "checkpoint").glob("step-*/.metadata"))
     assert saved < 6, "the run ended before it was killed"
-    run(train_cmd(out, run_cache, *common, nproc=2))
-    b = load_dumps(out / "tiny_cpu")
-    for step in range(saved + 1, 7):
+    half = out / "tiny_cpu" / "checkpoint" / "step-99"  # a save cut off half-way (no .metadata): not resumed
+    half.mkdir(parents=True)
+    (half / "__0_0.distcp").write_bytes(b"partial")
+    resumed = run(train_cmd(out, run_cache, *common, nproc=2))
+    assert f"resumed from step {saved}" in resumed.stdout + resumed.stderr
+    assert f"removed {half}: a checkpoint save cut off" in resumed.stdout + resumed.stderr and not half.exists()
+    b, mb = load_dumps(out / "tiny_cpu"), metrics(out / "tiny_cpu")
+    for step in range(saved + 1, 7):  # the first of them trains what was in flight
         diff = max_differences(dumps[step], b[step])
-        assert all(v == 0.0 for v in diff.values()), (step, diff)
+        assert {"rollout_logprobs", "params/policy"} <= set(diff) and all(v == 0.0 for v in diff.values()), \
+            (step, diff)
         for key, t in dumps[step]["trajectories"].items():
             assert (t["token_versions"] == b[step]["trajectories"][key]["token_versions"]).all()
+        for key in ("loss", "reward/mean", "kl", "entropy", "grad_norm", "async/staleness_mean"):
+            assert m[step][key] == mb[step][key], (step, key)

@@ -346,6 +346,9 @@ class VLLMEngine:
                 devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
                 os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[i] for i in launch.visible_devices)
             os.environ.update(launch.env)  # external_launcher: vLLM's worker reads RANK / LOCAL_RANK (restored)
+            # everything alive now (the imports, the trainer's models) is out of the collector's sight: vLLM's
+            # start-up collects several times (model load, heap freeze), each a scan of the whole heap (~2 s here)
+            gc.freeze()
             try:
                 self.llm = LLM(**kwargs)
             finally:

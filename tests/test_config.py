@@ -105,7 +105,7 @@ def test_shipped_flavors():
 def test_sections():
     assert list(fields_of(JobConfig)) == [
         "job", "model", "data", "parallelism", "balance", "rollout", "rl", "optimizer",
-        "lr_scheduler", "checkpoint", "metrics", "compile", "critic", "workflow",
+        "lr_scheduler", "checkpoint", "metrics", "compile", "critic", "eval", "workflow",
     ]  # fmt: skip
     assert all(spec.is_section for spec in fields_of(JobConfig).values())
 

@@ -33,6 +33,10 @@ TINY = "configs/tiny_cpu.toml"
 # job.steps, so a shorter run is a prefix of a longer one).
 SIGNAL = (f"--rl.reward={ROOT / 'tests' / 'signal_reward.py'}:reward", "--lr_scheduler.warmup_steps=0",
           "--lr_scheduler.decay_type=constant")
+# Evaluation ([eval]) beside the training: before it and every 2 steps, 8 held-out prompts x 2 sampled responses.
+# The equality tests' runs carry it, so every mode's evaluations are compared with the one-process reference's
+# (``same_evaluations``), and the training they compare shows that evaluating changes nothing of it.
+EVAL = ("--eval.every=2", "--eval.before_train", "--eval.n=2", "--eval.temperature=1.0", "--eval.max_prompts=8")
 _SHARED: dict[tuple, Path] = {}
 
 
@@ -267,14 +271,39 @@ def assert_same_computation(a_dir: Path, b_dir: Path, *, tol: float = 1e-5, upda
             assert gap <= update_rtol * size, (f"step {after}: {model}'s updates differ by {gap:.3g} in norm, "
                                                f"{gap / size:.3g} of the update's norm {size:.3g}")
             seen[f"update/{model}"] = max(seen.get(f"update/{model}", 0.0), gap / size)
+    evals = same_evaluations(a_dir, b_dir, last=max(b))
+    if evals:
+        seen["evaluations"] = float(len(evals))
     return seen
+
+
+def evaluations(run_dir: Path) -> dict[int, list[dict]]:
+    """A run's evaluations ([eval]): step -> every response as scored (``eval/step-<N>.jsonl``)."""
+    folder = Path(run_dir) / "eval"
+    return {int(f.stem.removeprefix("step-")): [json.loads(line) for line in f.read_text().splitlines()]
+            for f in sorted(folder.glob("step-*.jsonl"))} if folder.is_dir() else {}
+
+
+def same_evaluations(a_dir: Path, b_dir: Path, last: int | None = None) -> list[int]:
+    """Both runs evaluated at the same steps (up to ``last``) the same responses with the same rewards, and logged
+    the same ``eval/*`` metrics (but the seconds); returns those steps."""
+    a, b = evaluations(a_dir), evaluations(b_dir)
+    steps = [s for s in sorted(a) if last is None or s <= last]
+    assert steps == sorted(b), (sorted(a), sorted(b))
+    ma, mb = metrics(a_dir), metrics(b_dir)
+    for step in steps:
+        assert a[step] == b[step], (step, a[step][:4], b[step][:4])
+        ka = {k: v for k, v in ma[step].items() if k.startswith("eval/") and k != "eval/seconds"}
+        kb = {k: v for k, v in mb[step].items() if k.startswith("eval/") and k != "eval/seconds"}
+        assert ka == kb and ka["eval/responses"] > 0, (step, ka, kb)
+    return steps
 
 
 # The one-process reference the equality tests of several modes compare against (run once per session): 4 steps with
 # a learning signal, old log-probs recomputed, 2 minibatches, tensors dumped. A mode's run with the same overrides
 # (and at most 4 steps) must compute the same numbers.
 REFERENCE = ("--job.steps=4", "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.old_logprobs=recompute",
-             "--rl.minibatches=2", *SIGNAL)
+             "--rl.minibatches=2", *SIGNAL, *EVAL)
 
 
 def reference_run(cache: Path) -> Path:

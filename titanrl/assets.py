@@ -110,6 +110,34 @@ def manifest_path(cfg: JobConfig, info: DistInfo, group: FolderGroup | None = No
     return _import(cfg, info, group, str(source), key)
 
 
+# the held-out set's seed stream: past every seed a run takes (job.seed is below 2**32), so its samples are never
+# those of a training set made by the same generator
+HELD_OUT_SEED = 1 << 32
+
+
+def held_out_size(cfg: JobConfig) -> int:
+    """Samples of the synthesized held-out set (eval.max_prompts; 0: a quarter of data.num_samples, at least 8)."""
+    return cfg.eval.max_prompts or max(8, cfg.data.num_samples // 4)
+
+
+def eval_manifest_path(cfg: JobConfig, info: DistInfo, group: FolderGroup | None = None) -> Path:
+    """The titanrl manifest of the held-out prompts: eval.path (read in place, or imported like data.path), or
+    without it a held-out set of the synthesizer (data.mixture; ids prefixed "heldout-")."""
+    e = cfg.eval
+    group = group or cache_group(cfg, info)
+    if e.path:
+        if not Path(e.path).expanduser().exists():
+            raise ConfigError(f"eval.path={e.path!r} does not exist (on {socket.gethostname()}); the data must be at "
+                              "the same path on every machine")
+        return _import(cfg, info, group, e.path, "eval.path")
+    n, seed = held_out_size(cfg), HELD_OUT_SEED + cfg.job.seed
+    target = cfg.cache_dir / "data" / f"heldout_{cfg.data.mixture}_n{n}_seed{cfg.job.seed}"
+    from titanrl.data.synth import generate_dataset
+
+    _build_once(target, lambda out: generate_dataset(out, cfg.data.mixture, n, seed=seed, id_prefix="heldout-"), group)
+    return target / "manifest.jsonl"
+
+
 def _import(cfg: JobConfig, info: DistInfo, group: FolderGroup, source: str, key: str) -> Path:
     """``source`` as a titanrl manifest: itself when it is one, else its import into the cache, which every rank
     of the cache's group takes part in (each reads only its own Parquet row groups;

@@ -50,12 +50,26 @@ def _best(history: Sequence[dict[str, float]], steps: Sequence[int], key: str) -
             f"best {best:.3f} at step {at}")
 
 
+def _eval_line(evals: Sequence[tuple[int, dict[str, float]]]) -> str | None:
+    """The summary's evaluation line: the last evaluation's accuracy (else reward) and the best one."""
+    key = "eval/accuracy" if any("eval/accuracy" in m for _, m in evals) else "eval/reward"
+    values = [(m[key], s) for s, m in evals if key in m]
+    if not values:
+        return None
+    best, at = max(values, key=lambda v: (v[0], -v[1]))
+    label = "eval acc" if key == "eval/accuracy" else "eval rew"
+    return (f"  {label:<10} final {values[-1][0]:.3f} at step {values[-1][1]}, best "
+            f"{best:.3f} at step {at} ({len(values)} evaluations)")
+
+
 def format_summary(history: Sequence[dict[str, float]], first_step: int, wall_s: float,
-                   places: dict[str, str], notes: Sequence[str] = ()) -> str:
+                   places: dict[str, str], notes: Sequence[str] = (),
+                   evals: Sequence[tuple[int, dict[str, float]]] = ()) -> str:
     """The end-of-run report: what was reached, where the time went, where the outputs are.
 
     ``history`` holds every step this process ran (``first_step`` is the first one's number),
-    ``wall_s`` the run's wall-clock time from start-up, ``places`` label -> path of its outputs."""
+    ``wall_s`` the run's wall-clock time from start-up, ``places`` label -> path of its outputs,
+    ``evals`` this process's evaluations (step, metrics)."""
     lines = []
     if not history:
         lines.append(f"[titanrl] done: no step to run (already at step {first_step - 1}); {_duration(wall_s)}")
@@ -68,6 +82,8 @@ def format_summary(history: Sequence[dict[str, float]], first_step: int, wall_s:
             text = _best(history, steps, key)
             if text:
                 lines.append(f"  {label:<10} {text}")
+        if evals and _eval_line(evals):
+            lines.append(_eval_line(evals))
         stages: dict[str, float] = {}
         for h in history:
             for k, v in h.items():
@@ -142,10 +158,11 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def log(self, step: int, metrics: dict[str, Any], line: bool = True) -> None:
+        """The step's record (JSONL, TensorBoard, W&B) and, with ``line``, its console line."""
         if not self.enabled:
             return
-        if self.progress != "none":
+        if self.progress != "none" and line:
             line = format_step_line(step, self.total_steps, metrics)
             if self.progress == "bar":
                 done = int(20 * step / max(self.total_steps, 1))

@@ -2,7 +2,7 @@
 
 Reads ``RUN_DIR/metrics.jsonl`` and writes, into ``RUN_DIR/plots/`` (or ``--out``):
 
-- ``reward.png``  reward and accuracy per step;
+- ``reward.png``  reward and accuracy per step, and the held-out evaluations' accuracy ([eval]);
 - ``stages.png``  the time of every stage per step, stacked (where a step's time goes);
 - ``balance.png`` planned and measured balance and the update stage's bubble, when the run logged them
   (multi-rank runs: ``parallel/*``, ``balance/*``).
@@ -54,6 +54,12 @@ def plot_reward(records: dict[int, dict[str, float]], out_png: Path, *, title: s
             if steps:
                 ax.plot(steps, values, lw=0.8, ls="--", label=f"{metric} {base.split('/', 1)[1]}")
                 break
+    # evaluations ([eval]): held-out accuracy (else reward), a marker per evaluation
+    for key, label in (("eval/accuracy", "held-out accuracy (eval)"), ("eval/reward", "held-out reward (eval)")):
+        steps, values = _series(records, key)
+        if steps:
+            ax.plot(steps, values, marker="o", color="black", lw=1.2, label=label)
+            break
     if chance is not None:
         ax.axhline(chance, color="grey", ls=":", label=f"chance ({chance:g})")
     if target is not None:
@@ -77,7 +83,7 @@ def plot_stages(records: dict[int, dict[str, float]], out_png: Path) -> bool:
         names += [k for k in r if k.startswith("time/") and k not in names]
     if not names:
         return False
-    steps = sorted(records)
+    steps = [s for s in sorted(records) if any(k.startswith("time/") for k in records[s])]  # (not step 0's eval)
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.stackplot(steps, [[records[s].get(k, 0.0) for s in steps] for k in names],
                  labels=[k.split("/", 1)[1] for k in names])

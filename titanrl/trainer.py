@@ -34,6 +34,7 @@ from titanrl.parallel.parallelize import CompileOptions, build_parallel_model
 from titanrl.parallel.ulysses import resolve_ulysses
 from titanrl.rl.dump import dump_step
 from titanrl.rl.error_watch import ErrorWatch
+from titanrl.rl.evaluation import Evaluator
 from titanrl.rl.vision_inputs import VisionBalancing
 from titanrl.rl.grpo import build_policy_loss
 from titanrl.rl.reward_runner import RewardRunner
@@ -135,6 +136,9 @@ class Trainer:
         if cfg.checkpoint.enable and info.world_size > 1:
             _check_shared_checkpoints(cfg, info)
         self.records: list[SampleRecord] = read_manifest(self.manifest, check_files=False)
+        # [eval]: the held-out prompts (the engines take as many media per prompt as either set holds)
+        self.eval_manifest = assets.eval_manifest_path(cfg, info, self.cache) if cfg.eval.enabled else None
+        held_out = read_manifest(self.eval_manifest, check_files=False) if self.eval_manifest else []
         self.encoder = PromptEncoder.from_pretrained(self.model_dir)
         self.rewards = (RewardRunner(cfg.rl.reward, timeout_s=cfg.rl.reward_timeout_s, workers=cfg.rl.reward_workers,
                                      on_error=cfg.rl.on_reward_error) if self.generates else None)
@@ -227,7 +231,7 @@ class Trainer:
             launch = engine_launch(info.rank, info.local_rank, info.world_size, tp, info.device.type,
                                    process_group=dist.is_initialized(), own_process=self.placement.disaggregated,
                                    local_world=int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size)))
-            self.engine = build_rollout_engine(cfg, self.model_dir, info.rank, mm_limits=mm_limits_for(self.records),
+            self.engine = build_rollout_engine(cfg, self.model_dir, info.rank, mm_limits=mm_limits_for(self.records + held_out),
                                                launch=launch, tp_group=tp_group, sleep=self.engine_sleeps)
             # the trainer's close ends its process: no garbage collection of vLLM's heap
             self._resources.callback(self.engine.close, collect=False)
@@ -237,6 +241,7 @@ class Trainer:
         self.loader = build_loader(cfg, info, self.model_dir, self.manifest, assign=self.assign_prompts,
                                    encoder=self.encoder, cache=self.cache)
         self._resources.callback(lambda: self.loader.close(collective=self._close_collective))
+        self.evaluator = self._build_evaluator(cfg, info) if cfg.eval.enabled else None
         self.pusher = WeightPusher(self.args, info, self.param_dtype, placement=self.placement, timeout_s=timeout)
         self._resources.callback(self.pusher.close)
         self.errors = ErrorWatch(cfg.rl.max_error_steps, cfg.rl.reward, is_main=info.is_main, say=say)
@@ -285,6 +290,7 @@ class Trainer:
             critic_lr_scheduler=getattr(self, "critic_lr_scheduler", None), policy_loss=self.policy_loss,
             off_policy=self.off_policy)
         self.history: list[dict[str, float]] = []  # every step's metrics, for the end-of-run summary
+        self.evals: list[tuple[int, dict[str, float]]] = []  # this process's evaluations (step, metrics)
         self._step_seconds: list[float] = []  # wall seconds of this process's steps (SIGTERM's estimate)
 
     # the run's state across steps lives in one RunState the nodes share (checkpointed from here)
@@ -311,6 +317,34 @@ class Trainer:
             ulysses=self.ulysses.method in ("fixed", "flex"),
             offload=offload,
         )
+
+    def _build_evaluator(self, cfg: JobConfig, info: DistInfo) -> Evaluator:
+        """[eval]: the held-out set (``self.eval_manifest``, its metadata probed like the training set's) and this
+        rank's engine and reward workers."""
+        from titanrl.data.shadow.comm import Comm
+        from titanrl.data.shadow.factory import load_table, media_settings
+
+        settings = media_settings(cfg, self.model_dir)
+        table = load_table(cfg, self.eval_manifest, settings, self.encoder, Comm.from_torch(),
+                           first=self.cache.is_leader)
+        e = cfg.eval
+        evaluator = Evaluator(
+            table=table, settings=settings, encoder=self.encoder, engine=self.engine, rewards=self.rewards,
+            assign=self.assign_prompts, rank=info.rank, world=info.world_size, every=e.every, n=e.n,
+            temperature=e.temperature, max_prompts=e.max_prompts, max_new_tokens=cfg.rollout.max_new_tokens,
+            seed=cfg.job.seed, strict=cfg.data.on_bad_sample == "error",
+            out_dir=cfg.run_dir / "eval" if info.is_main else None)
+        if info.is_main:
+            when = ", ".join(([f"every {e.every} steps"] if e.every else []) + (["before training"] if e.before_train
+                                                                                 else []))
+            say(f"[titanrl] eval: {evaluator.describe()}, {when}")
+        return evaluator
+
+    def _evaluate(self, step: int) -> tuple[dict[str, float], str]:
+        """One evaluation (collective): its metrics and console line."""
+        metrics, line = self.evaluator.run(step)
+        self.evals.append((step, metrics))
+        return metrics, line
 
     # ------------------------------------------------------------------ state
 
@@ -369,15 +403,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
 
-    def assign_prompts(self, metas: list[SampleMeta], world: int) -> list[list[int]]:
+    def assign_prompts(self, metas: list[SampleMeta], world: int, n: int | None = None) -> list[list[int]]:
         """Split a global batch across the generating ranks' engines by estimated cost — prompt
         tokens with every image/video expanded (from file headers) plus the expected responses —
         with Karmarkar-Karp, so one video-heavy rank does not stall the others (ranks that do not
         generate get none). Positions in the global batch (not the split) decide seeds, groups
         and minibatches. Ranks of unequal speed (balance.rank_speeds) get prompts in proportion (an engine
-        over tensor-parallel ranks: their summed speed)."""
-        expected_response = self.cfg.rollout.n * self.cfg.rollout.max_new_tokens
-        costs = [m.num_tokens * self.cfg.rollout.n + expected_response for m in metas]
+        over tensor-parallel ranks: their summed speed). ``n``: responses per prompt (default rollout.n)."""
+        n = self.cfg.rollout.n if n is None else n
+        costs = [m.num_tokens * n + n * self.cfg.rollout.max_new_tokens for m in metas]
         generating = list(self.placement.engines)
         tp = self.placement.engine_share
         speeds = ([sum(self.rank_speeds[e + j] for j in range(tp)) for e in generating]
@@ -428,13 +462,25 @@ class Trainer:
         self.control.watch(cleanup=lambda: self.close(collective=False))
         self.stopped_by_signal = False
         try:
+            if self.evaluator is not None and self.cfg.eval.before_train and self.step == 0:
+                evaluation = self._evaluate(0)  # the initial weights: a record of step 0
+                self.metrics.log(0, evaluation[0], line=False)
+                if self.info.is_main:
+                    say(evaluation[1])
             while self.step < self.cfg.job.steps:
                 self._step_started = time.monotonic()
                 metrics = self.rl_step()
+                # after the step's weight push and before its checkpoint, in the step's record
+                evaluation = (self._evaluate(self.step) if self.evaluator is not None and self.evaluator.due(self.step)
+                              else None)
                 self._step_seconds.append(time.monotonic() - self._step_started)
                 history.append(metrics)
-                if self.step % self.cfg.metrics.log_freq == 0 or self.step == self.cfg.job.steps:
+                if evaluation is not None:
+                    metrics.update(evaluation[0])
+                if self.step % self.cfg.metrics.log_freq == 0 or self.step == self.cfg.job.steps or evaluation is not None:
                     self.metrics.log(self.step, metrics)
+                if evaluation is not None and self.info.is_main:
+                    say(evaluation[1])
                 self.errors.observe(self.step, metrics, self._step_errors)
                 stop = self.control.should_stop()
                 t_save = time.monotonic()
@@ -498,7 +544,8 @@ class Trainer:
             places["logs"] = f"{log_path().parent}/rank<N>.log"
         if self.cfg.checkpoint.export_hf:
             places["model"] = f"{run / 'hf'} (HF format: transformers and vLLM load it)"
-        return format_summary(self.history, self.first_step, wall_s, places, notes=self.errors.summary())
+        return format_summary(self.history, self.first_step, wall_s, places, notes=self.errors.summary(),
+                              evals=self.evals)
 
     def export_hf(self, outdir) -> None:
         """The trained policy as an HF directory (original Qwen2.5-VL names + tokenizer/processor)

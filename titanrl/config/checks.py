@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 def cross_section_problems(cfg: "JobConfig") -> list[str]:
     """Every problem between sections of ``cfg``, in a fixed order."""
     found: list[str] = []
+    if cfg.eval.enabled and not cfg.eval.path and (cfg.data.path or cfg.data.manifest):
+        found.append("evaluation (eval.every / eval.before_train) needs eval.path with data.path set: a held-out "
+                     "set is made only for synthesized data (titanrl cannot tell which of your rows were not "
+                     "trained on)")
     if cfg.rl.algorithm == "grpo" and cfg.rollout.n < 2:
         found.append(
             f"rollout.n must be >= 2 for rl.algorithm='grpo' (advantages are relative to the "

@@ -765,6 +765,50 @@ class CriticConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    """[eval] Evaluation during training: held-out prompts generated on every rank's rollout engine (the prompts
+    split over the engines by estimated cost, as a training batch), scored with rl.reward, logged as eval/* in the
+    step's record, one console line each, and each response in <run dir>/eval/step-<N>.jsonl. docs/workflow.md"""
+
+    path: str = ""
+    """The held-out prompts: anything data.path takes, read with data.format and its keys. Empty: with synthesized
+    data (no data.path), a held-out set of the same generator (data.mixture) from a seed stream the training set
+    never uses, so never a training sample; with data.path set, evaluation needs eval.path."""
+    every: int = 0
+    """Evaluate after every this many steps (0 = never during training). An evaluation is logged with its step,
+    before that step's checkpoint, so a resumed run does not repeat one it logged."""
+    before_train: bool = False
+    """Also evaluate the initial weights, logged as step 0 (not on a resumed run)."""
+    n: int = 1
+    """Responses per prompt; eval/pass@n (a prompt passes when any response is correct) is logged when > 1."""
+    temperature: float = 0.0
+    """Sampling temperature (0 = greedy; top_p 1). Every evaluation draws with the same seed (job.seed), so two
+    evaluations differ only by the weights."""
+    max_prompts: int = 0
+    """Prompts per evaluation: the first this many usable samples of eval.path (0 = all of them). On synthesized
+    data, the held-out set's size (0 = a quarter of data.num_samples, at least 8)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0 or self.before_train
+
+    def problems(self) -> list[str]:
+        found = [f"eval.{k} must be >= 0, got {v}" for k, v in (("every", self.every),
+                                                                 ("max_prompts", self.max_prompts)) if v < 0]
+        if self.n < 1:
+            found.append(f"eval.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            found.append(f"eval.temperature must be >= 0, got {self.temperature}")
+        if self.n > 1 and self.temperature == 0:
+            found.append(f"eval.n = {self.n} with eval.temperature = 0 draws {self.n} identical greedy responses per "
+                         "prompt: set eval.temperature > 0 (pass@n), or eval.n = 1")
+        if self.path and not self.enabled:
+            found.append(f"eval.path = {self.path!r} is never evaluated: set eval.every > 0 and/or "
+                         "eval.before_train = true")
+        return found
+
+
+@dataclass(kw_only=True, slots=True)
 class NodeConfig:
     """One [[workflow.nodes]] entry: a node added to the built-in workflow, or - with the id of one of its
     nodes - a change of that node (the fields given replace the built-in's; unset fields keep them)."""
@@ -855,6 +899,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
 
     @property
@@ -895,7 +940,7 @@ class JobConfig:
         for section in (
             self.job, self.model, self.data, self.parallelism, self.balance, self.rollout,
             self.rl, self.optimizer, self.lr_scheduler, self.checkpoint, self.metrics,
-            self.compile, self.critic, self.workflow,
+            self.compile, self.critic, self.eval, self.workflow,
         ):  # fmt: skip
             found += section.problems()
         from titanrl.config.checks import cross_section_problems

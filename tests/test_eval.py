@@ -60,6 +60,28 @@ def test_metrics_equal_a_hand_computation():
                            "b 0.250 | 3 prompts x 2, 1.2 s | skipped 1 | reward errors 1"), line
 
 
+def test_bad_held_out_samples_are_counted_or_named():
+    """A held-out sample whose header probe shows a problem is skipped and counted (``eval/skipped``), or with
+    data.on_bad_sample = "error" stops the run with a line naming it; eval.max_prompts counts usable samples."""
+    from types import SimpleNamespace
+
+    from titanrl.data.shadow.types import BadSampleError
+    from titanrl.rl.evaluation import Evaluator, usable
+
+    def meta(i, problem=None):
+        return SimpleNamespace(problem=problem, record=SimpleNamespace(id=f"s{i}"))
+
+    bad = meta(1, SimpleNamespace(detail="x.png: no such file"))
+    table = SimpleNamespace(metas=[meta(0), bad, meta(2), meta(3)], manifest_path=Path("/data/val.jsonl"))
+    use, skipped = usable(table, 2)
+    assert [m.record.id for m in use] == ["s0", "s2"] and skipped == [bad]
+    common = dict(table=table, settings=None, encoder=None, engine=None, rewards=None, assign=None, rank=0, world=1,
+                  every=1, n=1, temperature=0.0, max_prompts=0, max_new_tokens=2, seed=0, out_dir=None)
+    assert Evaluator(strict=False, **common).describe() == "3 prompts x 1 from /data/val.jsonl (1 skipped)"
+    with pytest.raises(BadSampleError, match=r"held-out sample 's1' of /data/val.jsonl: x.png: no such file"):
+        Evaluator(strict=True, **common)
+
+
 def _media_digests(manifest: Path) -> set[str]:
     rows = [json.loads(line) for line in manifest.read_text().splitlines()]
     return {hashlib.sha256((manifest.parent / m["path"]).read_bytes()).hexdigest() for r in rows for m in r["media"]}

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 from titanrl.data.preprocess import MediaSettings, prepare_sample
 from titanrl.data.shadow.metadata import MetadataTable, SampleMeta
+from titanrl.data.shadow.types import BadSampleError
 from titanrl.distributed import all_gather_objects
 from titanrl.rollout.types import RolloutRequest
 
@@ -125,7 +126,7 @@ class Evaluator:
         self.out_dir = out_dir  # rank 0: where each evaluation's responses go
         self.metas, self.bad = usable(table, max_prompts)
         if strict and self.bad:
-            raise ValueError(self._bad_line(self.bad[0].record.id, self.bad[0].problem.detail))
+            raise BadSampleError(self._bad_line(self.bad[0].record.id, self.bad[0].problem.detail))
 
     def _bad_line(self, sample_id: str, detail: str) -> str:
         return f"held-out sample {sample_id!r} of {self.table.manifest_path}: {detail} (data.on_bad_sample)"
@@ -169,7 +170,7 @@ class Evaluator:
                                                       self.settings)))
             except Exception as err:  # an undecodable file: counted, or named (data.on_bad_sample = "error")
                 if self.strict:
-                    raise ValueError(self._bad_line(meta.record.id, f"{type(err).__name__}: {err}")) from err
+                    raise BadSampleError(self._bad_line(meta.record.id, f"{type(err).__name__}: {err}")) from err
                 skipped.append(meta.record.id)
         requests = [RolloutRequest.from_prepared(p, self.encoder, key=f"eval:{meta.record.id}") for meta, p in prepared]
         results = self.engine.generate(requests, n=self.n, temperature=self.temperature, top_p=1.0,

@@ -432,7 +432,7 @@ def test_help_lists_every_key_with_type_value_and_doc(capsys):
     for key in all_keys(JobConfig):
         toml_only = table_list_of(lookup(JobConfig, key, "")[1].type) is not None  # no --key for [[tables]]
         assert f"  {'' if toml_only else '--'}{key}: " in text, key
-    assert '--model.flavor: one of \'tiny\', \'small\' = "small"' in text
+    assert '--model.flavor: one of \'tiny\', \'small\', \'none\' = "small"' in text
     assert "--lr_scheduler.decay_steps: int or none = none" in text
     assert "Responses sampled per prompt" in text
     assert "--job.name" in format_help(JobConfig())

@@ -276,6 +276,26 @@ def test_7b_config_fits_8_x_80gb(tmp_path):
         memory.check_fits(memory.predict(cfg, args, 8), 80 * 10**9, cfg)
 
 
+def test_a_real_config_without_model_path_is_refused_with_what_to_pass(tmp_path):
+    """configs/qwen2_5_vl_7b.toml names no built-in model (model.flavor = 'none'): the memory planner, the scheduler
+    and the trainer's start refuse an empty model.path with one line saying to pass it, instead of planning or
+    training the tiny model."""
+    torch = pytest.importorskip("torch")
+    from titanrl import assets, schedule
+    from titanrl.distributed import DistInfo
+
+    out = run_cli("--config", "configs/qwen2_5_vl_7b.toml", "--world", "8", "--device-memory", "80GB")
+    assert out.returncode == 2 and "needs model.path" in out.stderr and "config.json alone suffices" in out.stderr
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text("[devices.h100]\ncount = 8\ntflops = 989\nmemory_gb = 80\nhbm_gbps = 3350\n")
+    assert schedule.main(["--config", "configs/qwen2_5_vl_7b.toml", "--cluster", str(cluster),
+                          "--out", str(tmp_path / "plan.toml")]) == 2
+    cfg = load_config(REPO / "configs" / "qwen2_5_vl_7b.toml", [f"--model.cache_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="training needs model.path"):
+        assets.model_dir(cfg, DistInfo(0, 1, 0, torch.device("cpu")))
+    assert not (tmp_path / "models").exists()  # nothing built
+
+
 def test_parse_bytes():
     assert memory.parse_bytes("80GB") == 80 * 10**9
     assert memory.parse_bytes("2GiB") == 2 << 30

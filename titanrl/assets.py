@@ -77,6 +77,8 @@ def model_dir(cfg: JobConfig, info: DistInfo, group: FolderGroup | None = None) 
             raise ConfigError(f"model.path={cfg.model.path!r} has no config.json (on {socket.gethostname()}): a Hugging "
                               "Face checkpoint folder, at the same path on every machine")
         return path
+    if cfg.model.path_missing("training"):
+        raise ConfigError(cfg.model.path_missing("training"))
     target = cfg.cache_dir / "models" / f"qwen2_5_vl_{cfg.model.flavor}_seed{cfg.job.seed}"
     from titanrl.models.make_tiny import make_tiny_checkpoint
 

@@ -165,6 +165,8 @@ def resolve_shape(cfg: JobConfig, shape: str | None = None) -> tuple[Qwen2_5_VLA
                 f"{sorted(KNOWN_SHAPES)}: pass --shape with a config.json"
             )
         return args, f"table (model.path name {Path(cfg.model.path).name!r})"
+    if cfg.model.path_missing("python -m titanrl.memory"):
+        raise ConfigError(cfg.model.path_missing("python -m titanrl.memory"))
     return flavor_shape(cfg.model.flavor), f"generated flavor {cfg.model.flavor!r} (model.path is empty)"
 
 

@@ -80,8 +80,10 @@ class ModelConfig:
 
     path: str = ""
     """Hugging Face checkpoint folder; empty = build a random `flavor` checkpoint in cache_dir."""
-    flavor: Literal["tiny", "small"] = "tiny"
-    """Size of the generated checkpoint when path is empty."""
+    flavor: Literal["tiny", "small", "none"] = "tiny"
+    """Size of the generated checkpoint when path is empty; none = no built-in model: the trainer,
+    `python -m titanrl.schedule` and `python -m titanrl.memory` refuse an empty path (a config for a real model;
+    to plan, a folder holding the model's config.json alone suffices)."""
     cache_dir: str = "~/.cache/titanrl"
     """Cache for generated checkpoints and synthesized data ('~' is expanded)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -91,6 +93,14 @@ class ModelConfig:
     needs a CUDA GPU and bfloat16)."""
     max_seq_len: int = 512
     """Longest packed sample (prompt with vision tokens + response), in tokens."""
+
+    def path_missing(self, tool: str) -> str | None:
+        """Why ``tool`` cannot run without model.path (None: it can): model.flavor = 'none' names no built-in model."""
+        if self.path or self.flavor != "none":
+            return None
+        return (f"{tool} needs model.path: this config is for a real model (model.flavor = 'none', no built-in one); "
+                "pass --model.path <the model's folder> (to plan with python -m titanrl.schedule or "
+                "python -m titanrl.memory, a folder holding its config.json alone suffices)")
 
     def problems(self) -> list[str]:
         found = []

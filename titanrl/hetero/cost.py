@@ -274,6 +274,8 @@ def _shape_of_config(cfg: Any) -> ModelShape:
                               name=Path(cfg.model.path).name)
         except KeyError as err:
             raise ValueError(f"model.path: {config_json} has no {err.args[0]!r}") from None
+    if cfg.model.path_missing("python -m titanrl.schedule"):
+        raise ValueError(cfg.model.path_missing("python -m titanrl.schedule"))
     from titanrl.models.flavors import SMALL, TINY, VOCAB_SIZE
 
     size = {"tiny": TINY, "small": SMALL}[cfg.model.flavor]

@@ -165,40 +165,6 @@ SIGTERM_RUN = ("--rl.algorithm=ppo", "--job.steps=5", "--checkpoint.interval=2",
                f"--rl.reward={ROOT / 'tests' / 'stalling_reward.py'}:reward")
 
 
-def _straight(run_cache) -> Path:
-    """The uninterrupted 2-rank run the SIGTERM tests compare with (run once per session)."""
-    return shared_run(run_cache, 2, *SIGTERM_RUN)
-
-
-def test_sigterm_checkpoints_the_step_and_the_rerun_resumes_exactly(run_cache, tmp_path):
-    """SIGTERM to torchrun during step 3 of a short-stepped run: the step ends and is saved, every rank exits
-    normally, the rerun resumes from step 3 and equals the uninterrupted run. (Disaggregated and asynchronous, with
-    the engine in child processes of the rollout rank: test_async's resume test.)"""
-    common = list(SIGTERM_RUN)
-    straight = _straight(run_cache)
-
-    # the run stopped has its own Ray instance (rank 0's daemons must survive torchrun's SIGTERM to the group)
-    out = tmp_path / "stopped"
-    proc = started(train_cmd(out, run_cache, *common, nproc=2, own_ray=True), out)
-    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers, during step 3
-    console, _ = proc.communicate(timeout=300)
-    assert "[titanrl] stopped by SIGTERM after step 3: checkpoint at" in console, console[-3000:]
-    assert (out / "tiny_cpu" / "checkpoint" / "step-3").is_dir()
-    for rank in (0, 1):  # each worker ended normally (the launcher itself reports the signal)
-        assert "error on rank" not in (out / "tiny_cpu" / "logs" / f"rank{rank}.log").read_text()
-
-    resumed = run(train_cmd(out, run_cache, *common, nproc=2))
-    assert "resumed from step 3" in resumed.stdout + resumed.stderr
-    a, b = load_dumps(straight), load_dumps(out / "tiny_cpu")
-    for step in (4, 5):
-        diff = max_differences(a[step], b[step])
-        assert "params/critic" in diff and all(v == 0.0 for v in diff.values()), (step, diff)
-    ma, mb = metrics(straight), metrics(out / "tiny_cpu")
-    for step in (4, 5):
-        for key in ("loss", "reward/mean", "kl", "entropy", "grad_norm"):
-            assert ma[step][key] == mb[step][key], (step, key)
-
-
 def _tree(pid: int) -> list:
     import psutil
 
@@ -206,16 +172,25 @@ def _tree(pid: int) -> list:
     return [root, *root.children(recursive=True)]
 
 
-def test_sigterm_in_a_step_longer_than_the_grace_abandons_it_and_the_rerun_resumes(run_cache, tmp_path):
-    """A grader that hangs in step 3 (2 ranks under torchrun; job.preempt_grace_s 25, torchrun kills 30 s after it
-    forwards SIGTERM): SIGTERM to the launcher ends every process of the run (ranks, engines, reward workers, the
-    Ray daemons rank 0 started) within 40 s, the console says the step was abandoned and which checkpoint stands
-    (step 2, the last periodic one), and the rerun resumes from it and equals an uninterrupted run on steps 3-5
-    (the colocated SIGTERM test's, shared)."""
+def test_sigterm_past_the_grace_abandons_the_step_within_it_saves_it_and_the_reruns_resume_exactly(run_cache,
+                                                                                                   tmp_path):
+    """SIGTERM to torchrun (2 ranks; job.preempt_grace_s 25, torchrun kills 30 s after it forwards SIGTERM), twice:
+
+    1. A grader that hangs in step 3: every process of the run (ranks, engines, reward workers, the Ray daemons rank
+       0 started) ends within 40 s, the console says the step was abandoned and which checkpoint stands (step 2, the
+       last periodic one).
+    2. The rerun resumes from it; a SIGTERM once it has trained a step: the step ends and is saved, every rank exits
+       normally.
+    3. The next rerun resumes from that checkpoint. Steps 3-5 of the three runs equal the uninterrupted run's
+       exactly (PPO: the critic, its optimizer and LR schedule are in the checkpoints too).
+
+    (Disaggregated and asynchronous, with the engine in child processes of the rollout rank: test_async's resume
+    test.) The stopped runs have their own Ray instance: rank 0's daemons must survive torchrun's SIGTERM to the
+    group until the step and its checkpoint are done."""
     marker = tmp_path / "stall"
     env = {"TITANRL_TEST_STALL": str(marker)}
     common = list(SIGTERM_RUN)
-    straight = _straight(run_cache)
+    straight = shared_run(run_cache, 2, *SIGTERM_RUN)  # uninterrupted
     out = tmp_path / "stopped"
     proc = started(train_cmd(out, run_cache, *common, nproc=2, own_ray=True), out, env)
     marker.touch()  # step 3's grader hangs
@@ -232,10 +207,26 @@ def test_sigterm_in_a_step_longer_than_the_grace_abandons_it_and_the_rerun_resum
                      "stands", console), console[-3000:]
     assert sorted(d.name for d in (out / "tiny_cpu" / "checkpoint").iterdir()) == ["step-2"]
     marker.unlink()
+
+    logs = [out / "tiny_cpu" / "logs" / f"rank{rank}.log" for rank in (0, 1)]
+    sizes = [log.stat().st_size if log.exists() else 0 for log in logs]
+    proc = started(train_cmd(out, run_cache, *common, nproc=2, own_ray=True), out, env, steps=1)
+    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers, during the step after the first
+    console, _ = proc.communicate(timeout=300)
+    assert "resumed from step 2" in console, console[-3000:]
+    stopped = re.search(r"\[titanrl\] stopped by SIGTERM after step (\d+): checkpoint at", console)
+    assert stopped and 3 <= int(stopped[1]) < 5, console[-3000:]
+    assert (out / "tiny_cpu" / "checkpoint" / f"step-{stopped[1]}").is_dir()
+    for log, size in zip(logs, sizes):  # each worker ended normally (the launcher itself reports the signal)
+        assert "error on rank" not in log.read_text()[size:]
+
     resumed = run(train_cmd(out, run_cache, *common, nproc=2), env=env)
-    assert "resumed from step 2" in resumed.stdout + resumed.stderr
+    assert f"resumed from step {stopped[1]}" in resumed.stdout + resumed.stderr
     a, b = load_dumps(straight), load_dumps(out / "tiny_cpu")
+    ma, mb = metrics(straight), metrics(out / "tiny_cpu")
     for step in (3, 4, 5):
         diff = max_differences(a[step], b[step])
-        assert "params/policy" in diff and all(v == 0.0 for v in diff.values()), (step, diff)
+        assert {"params/policy", "params/critic"} <= set(diff) and all(v == 0.0 for v in diff.values()), (step, diff)
+        for key in ("loss", "reward/mean", "kl", "entropy", "grad_norm"):
+            assert ma[step][key] == mb[step][key], (step, key)
 

@@ -9,7 +9,6 @@ keeps titanrl's lines only (``titanrl.console``).
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import time
@@ -45,9 +44,6 @@ def _shows_cause(info, failing: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     started = time.time()
-    # start-up (imports, models, engine) allocates millions of objects that live as long as the run: no collection
-    # passes over them while it lasts (~1 s a rank here); enabled again, with them frozen, once the trainer exists
-    gc.disable()
     from titanrl.config import parse_args_or_exit
     from titanrl.console import log_path, report_exception, route_output, say
 
@@ -92,8 +88,6 @@ def main(argv: list[str] | None = None) -> int:
             if info.is_main or _shows_cause(info, 0):
                 say(str(err), error=True)
             return 2
-        gc.freeze()
-        gc.enable()
         if info.is_main:
             say(f"[titanrl] {info.world_size} rank(s) on {info.device.type}; model {trainer.model_dir} (compute "
                 f"{str(trainer.param_dtype).removeprefix('torch.')}, float32 parameters); "
@@ -113,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
             report_exception(err, rank=info.rank, expected=_is_user_error(err), verbose=cfg.metrics.verbose)
         return 1
     finally:
-        gc.enable()
         shutdown()
     return 0
 

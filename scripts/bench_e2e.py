@@ -225,8 +225,8 @@ def report(data: dict, name: str = "e2e") -> str:
                       "; ".join(f"{mix}: {BASELINE}'s step 1 " + ", ".join(
                           f"{k} {runs[BASELINE]['per_step'][0].get(k, float('nan')):.3g}" for k in SAME)
                           for mix, runs in data["results"]["2"].items() if BASELINE in runs) + ".", ""]
-        lines += ["Same computation: the largest difference of loss / KL / entropy / reward / gradient norm between any "
-                  f"configuration and {BASELINE} at step 1 (same weights, same responses): " +
+        lines += ["Same computation: the largest difference of loss / KL / entropy / reward / gradient norm between "
+                  f"any configuration and {BASELINE} at step 1 (same weights, same responses): " +
                   ", ".join(f"{mix} {_loss_gap(runs, 0):.1e}" for mix, runs in data["results"]["2"].items()) +
                   "; at the last step: " +
                   ", ".join(f"{mix} {_loss_gap(runs, -1):.1e}" for mix, runs in data["results"]["2"].items()) +

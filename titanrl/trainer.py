@@ -231,8 +231,9 @@ class Trainer:
             launch = engine_launch(info.rank, info.local_rank, info.world_size, tp, info.device.type,
                                    process_group=dist.is_initialized(), own_process=self.placement.disaggregated,
                                    local_world=int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size)))
-            self.engine = build_rollout_engine(cfg, self.model_dir, info.rank, mm_limits=mm_limits_for(self.records + held_out),
-                                               launch=launch, tp_group=tp_group, sleep=self.engine_sleeps)
+            self.engine = build_rollout_engine(cfg, self.model_dir, info.rank,
+                                               mm_limits=mm_limits_for(self.records + held_out), launch=launch,
+                                               tp_group=tp_group, sleep=self.engine_sleeps)
             # the trainer's close ends its process: no garbage collection of vLLM's heap
             self._resources.callback(self.engine.close, collect=False)
             print(f"[titanrl] rank {info.rank} engine layout: {getattr(self.engine, 'layout', None)}", flush=True)
@@ -477,7 +478,8 @@ class Trainer:
                 history.append(metrics)
                 if evaluation is not None:
                     metrics.update(evaluation[0])
-                if self.step % self.cfg.metrics.log_freq == 0 or self.step == self.cfg.job.steps or evaluation is not None:
+                final = self.step == self.cfg.job.steps
+                if self.step % self.cfg.metrics.log_freq == 0 or final or evaluation is not None:
                     self.metrics.log(self.step, metrics)
                 if evaluation is not None and self.info.is_main:
                     say(evaluation[1])

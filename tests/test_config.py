@@ -105,7 +105,7 @@ def test_shipped_flavors():
 def test_sections():
     assert list(fields_of(JobConfig)) == [
         "job", "model", "data", "parallelism", "balance", "rollout", "rl", "optimizer",
-        "lr_scheduler", "checkpoint", "metrics", "compile", "critic", "eval", "workflow",
+        "lr_scheduler", "checkpoint", "metrics", "compile", "critic", "eval", "lora", "workflow",
     ]  # fmt: skip
     assert all(spec.is_section for spec in fields_of(JobConfig).values())
 
@@ -473,7 +473,7 @@ def _as_tokens(key: str, value: Any, spaced: bool) -> list[str]:
     if value is None:
         text = "none"
     elif isinstance(value, (list, float)):
-        text = json.dumps(value) if isinstance(value, list) else repr(value)
+        text = json.dumps(value, ensure_ascii=False) if isinstance(value, list) else repr(value)
     else:
         text = str(value)
     if spaced and not text.startswith("--"):

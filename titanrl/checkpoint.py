@@ -116,6 +116,7 @@ def build_checkpoint_manager(
     cfg: JobConfig,
     *,
     model: torch.nn.Module | None,
+    model_view: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None,
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     dataloader: Stateful,
@@ -134,7 +135,8 @@ def build_checkpoint_manager(
         manager_cfg,
         dataloader=dataloader,  # type: ignore[arg-type]
         # a rank without the models (the rollout ranks of a disaggregated placement) saves no model state
-        model_parts=[model] if model is not None else [],
+        # (``model_view``: what of the model it saves, e.g. LoRA's adapters: titanrl.models.lora.AdapterCheckpoint)
+        model_parts=[model_view or model] if model is not None else [],
         optimizers=OptimizerState(model, optimizer) if model is not None else _NOTHING,  # type: ignore[arg-type]
         lr_schedulers=SchedulerState(lr_scheduler) if model is not None else _NOTHING,  # type: ignore[arg-type]
         states=dict(extra_states),

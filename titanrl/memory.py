@@ -192,6 +192,22 @@ class ParamCounts:
         return max(self.vision_block, self.decoder_layer)
 
 
+def lora_params(args: Qwen2_5_VLArgs, lora) -> int:
+    """Adapter parameters of ``[lora]`` (rank r): r (in + out) per adapted linear layer (``titanrl.models.lora``'s
+    targets: the decoder layers' projections named in lora.targets; with lora.vision the vision blocks' qkv and proj
+    and their MLP projections among them)."""
+    t, v = args.text, args.vision
+    h, kv, inter = t.hidden_size, t.num_key_value_heads * t.head_dim, t.intermediate_size
+    text = {"q_proj": h + h, "k_proj": h + kv, "v_proj": h + kv, "o_proj": h + h, "gate_proj": h + inter,
+            "up_proj": h + inter, "down_proj": inter + h}
+    hv, iv = v.hidden_size, v.intermediate_size
+    tower = {"qkv": hv + 3 * hv, "proj": hv + hv, "gate_proj": hv + iv, "up_proj": hv + iv, "down_proj": iv + hv}
+    targets = set(lora.targets)
+    per_layer = sum(size for name, size in text.items() if name in targets)
+    per_block = sum(size for name, size in tower.items() if name in targets | {"qkv", "proj"}) if lora.vision else 0
+    return lora.rank * (per_layer * t.num_hidden_layers + per_block * v.depth)
+
+
 def param_counts(args: Qwen2_5_VLArgs) -> ParamCounts:
     """Parameters of titanrl's Qwen2_5_VLModel, term by term (h, kv = kv_heads * head_dim, I: text;
     hv, Iv, m = merge unit: vision):
@@ -398,7 +414,15 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
     mix = token_mix(cfg, args, data)
     ac = cfg.parallelism.activation_checkpoint
     terms: list[Term] = []
-    if fsdp:
+    lora = lora_params(args, cfg.lora) if cfg.lora.enabled else 0
+    if lora:
+        # LoRA: the base frozen in model.dtype, the adapters (L parameters) trained in fp32
+        base_b = DTYPE_BYTES[cfg.model.dtype]
+        terms.append(Term("parameters", (base_b * n + 4 * lora) // dp,
+                          f"LoRA: frozen base {base_b} N / {dp} + fp32 adapters 4 L / {dp} (L = {lora:,})"))
+        terms.append(Term("gradients", 4 * lora // dp, f"LoRA: adapters only, fp32 4 L / {dp}"))
+        terms.append(Term("optimizer", 8 * lora // dp, f"LoRA: AdamW on the adapters only, fp32 8 L / {dp}"))
+    elif fsdp:
         terms.append(Term("parameters", 4 * n // dp, f"fp32 master shard 4 N / {dp}"))
         if cfg.balance.strategy == "lb_mini":
             terms.append(Term("gradients", 0, f"lb_mini: the fp32 shards (4 N / {dp}) are written in the minibatch's "
@@ -413,7 +437,8 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
         terms.append(Term("optimizer", 8 * n, "AdamW exp_avg + exp_avg_sq, fp32: 8 N"))
     if fsdp and cfg.balance.strategy == "lb_mini":
         terms.append(Term("lb_mini_full_params", b_p * n, f"lb_mini: every unit gathered for the minibatch, {b_p} N"))
-        terms.append(Term("lb_mini_full_grads", 4 * n, "lb_mini: unreduced gradients accumulated unsharded, fp32 4 N"))
+        terms.append(Term("lb_mini_full_grads", 4 * lora if lora else 4 * n,
+                          "lb_mini: unreduced gradients accumulated unsharded, fp32 " + ("4 L (LoRA)" if lora else "4 N")))
     elif fsdp and not cfg.parallelism.fsdp_reshard_after_forward:
         unit = counts.root + counts.largest_block
         terms.append(Term("fsdp_gathered", b_p * n + b_p * unit,
@@ -441,7 +466,9 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
         terms.append(Term("engine_weights", engine_b * n, f"hf engine weights {engine_b} N{slept}", engine_phase))
         terms.append(Term("engine_generate_kv", hf_generate_kv_bytes(cfg, args, world, data),
                           "hf generate's KV cache: 2 L kv b x (prompts per rank x n) x (P + R)", "rollout"))
-    if cfg.rl.kl_coef > 0 and cfg.rl.ref_offload and device == "cuda":
+    if cfg.rl.kl_coef > 0 and lora:
+        terms.append(Term("reference_model", 0, "LoRA: the reference is the policy with its adapters off"))
+    elif cfg.rl.kl_coef > 0 and cfg.rl.ref_offload and device == "cuda":
         terms.append(Term("reference_model", 0, f"rl.ref_offload: its fp32 shards (4 N / {dp}) are in host memory"))
     elif cfg.rl.kl_coef > 0:
         terms.append(Term("reference_model", 4 * n // dp, f"rl.kl_coef > 0: frozen fp32 shard 4 N / {dp}"

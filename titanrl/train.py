@@ -89,8 +89,13 @@ def main(argv: list[str] | None = None) -> int:
                 say(str(err), error=True)
             return 2
         if info.is_main:
+            dtype = str(trainer.param_dtype).removeprefix('torch.')
+            lora = cfg.lora
+            params = (f"LoRA rank {lora.rank}, alpha {lora.alpha:g}, on {', '.join(lora.targets)}"
+                      f"{' and the vision blocks' if lora.vision else ''}: adapters float32, base frozen in {dtype}"
+                      if lora.enabled else "float32 parameters")
             say(f"[titanrl] {info.world_size} rank(s) on {info.device.type}; model {trainer.model_dir} (compute "
-                f"{str(trainer.param_dtype).removeprefix('torch.')}, float32 parameters); "
+                f"{dtype}, {params}); "
                 f"{len(trainer.records)} samples from {trainer.manifest}; run dir {cfg.run_dir}")
         trainer.train()
         if info.is_main:

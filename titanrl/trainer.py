@@ -27,6 +27,7 @@ from titanrl.data.shadow import SampleMeta, build_loader
 from titanrl.distributed import (DistInfo, all_reduce_max, block_group, build_dp_mesh, build_ulysses_groups,
                                  new_group)
 from titanrl.metrics import MetricsLogger, format_summary
+from titanrl.models.lora import AdapterCheckpoint
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel
 from titanrl.optim import build_lr_scheduler, build_optimizer
 from titanrl.parallel.balance import balance_ranks
@@ -173,9 +174,10 @@ class Trainer:
                              group=self.train_group)
         self.model = self.ref_model = self.critic = self.stages = None
         if self.trains:
-            self.model = self._build_model(mesh, trainable=True)
-            self.ref_model = (self._build_model(mesh, trainable=False, offload=cfg.rl.ref_offload)
-                              if cfg.rl.kl_coef > 0 else None)
+            self.model = self._build_model(mesh, trainable=True, lora=cfg.lora if cfg.lora.enabled else None)
+            # the reference: with LoRA, the policy itself run with its adapters off (rl.nodes.ref_logprobs)
+            self.ref_model = (None if cfg.rl.kl_coef == 0 else self.model if cfg.lora.enabled else
+                              self._build_model(mesh, trainable=False, offload=cfg.rl.ref_offload))
             # PPO's critic: the policy's network with a value head, sharded and compiled like it
             self.critic = (self._build_model(mesh, trainable=True, value_head=True, path=cfg.critic.path or None)
                            if cfg.rl.algorithm == "ppo" else None)
@@ -208,7 +210,9 @@ class Trainer:
         self.policy_loss = build_policy_loss(cfg.rl, off_policy=self.off_policy)
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.policy_loss = torch.compile(self.policy_loss, backend=cfg.compile.backend, dynamic=cfg.compile.dynamic)
-        self.optimizer = build_optimizer(cfg, self.model.parameters()) if self.trains else None
+        # LoRA: the adapters only (the frozen base has no gradient and no optimizer state)
+        self.optimizer = (build_optimizer(cfg, [p for p in self.model.parameters() if p.requires_grad])
+                          if self.trains else None)
         self.lr_scheduler = build_lr_scheduler(cfg, self.optimizer) if self.trains else None
         critic_states = {}
         if self.critic is not None:
@@ -258,6 +262,8 @@ class Trainer:
         self.checkpointer = build_checkpoint_manager(
             cfg,
             model=self.model,
+            # LoRA: a checkpoint holds the adapters (the base is model.path's)
+            model_view=AdapterCheckpoint(self.model) if cfg.lora.enabled and self.model is not None else None,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
             dataloader=CallbackState(self._loader_state, self.loader.load_state_dict),
@@ -300,13 +306,13 @@ class Trainer:
                                 lambda self, value: setattr(self.state, "partial_rollouts", value))
 
     def _build_model(self, mesh, *, trainable: bool, value_head: bool = False, path=None,
-                     offload: bool = False) -> Qwen2_5_VLModel:
+                     offload: bool = False, lora=None) -> Qwen2_5_VLModel:
         """Built on the meta device, parallelised, then each rank's shards allocated and read from the checkpoint
         (``build_parallel_model``)."""
         cfg = self.cfg
         return build_parallel_model(
             self.args, path or self.model_dir, device=self.info.device, dp_mesh=mesh, trainable=trainable,
-            value_head=value_head, attn_backend=cfg.model.attn_backend,
+            value_head=value_head, attn_backend=cfg.model.attn_backend, lora=lora, seed=cfg.job.seed,
             compile_options=CompileOptions(
                 enable=cfg.compile.enable and "model" in cfg.compile.components,  # policy, reference, critic
                 backend=cfg.compile.backend,
@@ -552,14 +558,20 @@ class Trainer:
     def export_hf(self, outdir) -> None:
         """The trained policy as an HF directory (original Qwen2.5-VL names + tokenizer/processor)
         that transformers and vLLM load."""
-        from titanrl.rl.weight_sync import write_hf
+        from titanrl.rl.weight_sync import write_adapters, write_hf
 
         if self.model is None:  # a rollout rank of a disaggregated placement
             return
-        write_hf(self.model, self.args, outdir, dtype=self.param_dtype, writer_rank=self.train_info.rank == 0,
+        writer = self.train_info.rank == 0
+        write_hf(self.model, self.args, outdir, dtype=self.param_dtype, writer_rank=writer,
                  assets_from=self.model_dir)
+        lora = self.cfg.lora
+        if lora.enabled:  # the adapters too, in PEFT's layout (the merged model above is what engines load)
+            write_adapters(self.model, outdir / "adapter", writer_rank=writer, rank=lora.rank, alpha=lora.alpha,
+                           dropout=lora.dropout, base=self.cfg.model.path or str(self.model_dir))
         if self.info.is_main:
-            say(f"[titanrl] exported the policy to {outdir}")
+            say(f"[titanrl] exported the policy to {outdir}" + (f" (merged; its LoRA adapters in {outdir / 'adapter'})"
+                                                                  if lora.enabled else ""))
 
     def close(self, *, collective: bool = True) -> None:
         """Release every resource, each on its own (a failing close does not skip the others)."""

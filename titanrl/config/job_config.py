@@ -893,6 +893,49 @@ class WorkflowConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LoRAConfig:
+    """[lora] Low-rank adapters on the policy (LoRA): the base weights frozen in model.dtype (no float32 master, no
+    gradients, no optimizer state), only the adapters trained, under FSDP2 like a full model. The reference
+    log-probs are the same model with its adapters off (no second copy of the base); the engines get the merged
+    weights; checkpoints hold the adapters; checkpoint.export_hf writes the merged model and the adapters in PEFT's
+    layout (hf/adapter). docs/workflow.md"""
+
+    rank: int = 0
+    """Rank r of each adapter (0 = off: the whole policy trains)."""
+    alpha: float = 16.0
+    """Scale numerator: an adapter adds (alpha / rank) B A x."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input, in the update's forward only (the log-prob stages run without it)."""
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"])
+    """Which linear layers of the language model's decoder layers get adapters (HF module names, as PEFT's
+    target_modules)."""
+    vision: bool = False
+    """Also the vision tower's blocks: their attention (qkv, proj) and the MLP projections among lora.targets; false:
+    the tower stays frozen."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def problems(self) -> list[str]:
+        known = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv", "proj")
+        found = []
+        if self.rank < 0:
+            found.append(f"lora.rank must be >= 0, got {self.rank}")
+        if self.alpha <= 0:
+            found.append(f"lora.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            found.append(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        unknown = [t for t in self.targets if t not in known]
+        if unknown:
+            found.append(f"lora.targets: unknown module names {unknown}; known: {list(known)}")
+        if self.rank > 0 and not self.targets and not self.vision:
+            found.append("lora.rank > 0 with lora.targets empty and lora.vision false adapts nothing")
+        return found
+
+
+@dataclass(kw_only=True, slots=True)
 class JobConfig:
     """The complete, typed configuration of one titanrl job."""
 
@@ -910,6 +953,7 @@ class JobConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
 
     @property
@@ -950,7 +994,7 @@ class JobConfig:
         for section in (
             self.job, self.model, self.data, self.parallelism, self.balance, self.rollout,
             self.rl, self.optimizer, self.lr_scheduler, self.checkpoint, self.metrics,
-            self.compile, self.critic, self.eval, self.workflow,
+            self.compile, self.critic, self.eval, self.lora, self.workflow,
         ):  # fmt: skip
             found += section.problems()
         from titanrl.config.checks import cross_section_problems

@@ -123,12 +123,17 @@ def build_parallel_model(
     trainable: bool = True,
     value_head: bool = False,
     attn_backend: str = "sdpa",
+    lora=None,
+    seed: int = 0,
     **parallel: object,
 ) -> Qwen2_5_VLModel:
     """A Qwen2.5-VL model ready to run: built on the meta device, parallelised (``parallelize_qwen2_5_vl`` with
     ``parallel``), materialised on ``device`` and filled from the HF ``checkpoint`` folder, each rank allocating
     and reading only its own FSDP shards (torchtitan's order: meta build, parallelize, ``to_empty``, load).
-    ``trainable=False``: no gradients, eval mode (a reference model)."""
+    ``trainable=False``: no gradients, eval mode (a reference model). ``lora`` (a ``[lora]`` section with
+    ``rank > 0``): adapters on the target layers before parallelising, the base frozen in ``param_dtype``, the
+    adapters initialised from ``seed`` after the load (``titanrl.models.lora``)."""
+    from titanrl.models.lora import apply_lora, init_adapters
     from titanrl.models.qwen2_5_vl.state_dict_adapter import load_hf_weights
 
     with torch.device("meta"):
@@ -137,9 +142,14 @@ def build_parallel_model(
     if not trainable:
         model.requires_grad_(False)
         model.eval()
+    if lora is not None:
+        apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets,
+                   vision=lora.vision, base_dtype=parallel.get("param_dtype"))
     model = parallelize_qwen2_5_vl(model, dp_mesh=dp_mesh, **parallel)
     # offloaded shards are materialised in host memory; FSDP2 copies them to ``device`` per unit
     model.to_empty(device="cpu" if parallel.get("offload") else device)
     model.reinit_buffers()  # non-persistent buffers (rotary frequencies) are not in the checkpoint
     load_hf_weights(model, checkpoint)
+    if lora is not None:
+        init_adapters(model, seed)
     return model

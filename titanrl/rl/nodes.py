@@ -26,6 +26,7 @@ import torch
 from titanrl.console import say
 from titanrl.data.shadow import BadSample, Materialized
 from titanrl.distributed import all_gather_objects, all_reduce_max, all_reduce_sum
+from titanrl.models.lora import adapters_disabled
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
 from titanrl.rl.grpo import ValueLossOutput, aggregate
 from titanrl.rl.grpo import group_advantages as grpo_advantages
@@ -181,7 +182,9 @@ def old_logprobs(batch, ctx):
 
 def ref_logprobs(batch, ctx):
     stage_inputs(batch, ctx)
-    ctx.stages.logprobs(ctx.ref_model, "ref_logprobs", temperature=ctx.cfg.rollout.temperature)
+    # LoRA: the reference is the policy with its adapters off (a model without adapters runs as it is)
+    with adapters_disabled(ctx.ref_model):
+        ctx.stages.logprobs(ctx.ref_model, "ref_logprobs", temperature=ctx.cfg.rollout.temperature)
 
 
 def _loss(ctx):

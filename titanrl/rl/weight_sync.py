@@ -33,6 +33,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from titanrl.distributed import (DistInfo, all_gather_objects, broadcast_from_first, host_store,
                                  stateless_group)
+from titanrl.models.lora import has_adapters, is_adapter, merge_adapters, write_peft
+from titanrl.models.lora import scales as lora_scales
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.models.qwen2_5_vl.state_dict_adapter import HFShardWriter, Qwen2_5_VLStateDictAdapter, clean_name
 from titanrl.rollout.weights import TensorInfo, safetensors_dtype
@@ -139,6 +141,8 @@ def hf_layout(model: torch.nn.Module, args: Qwen2_5_VLArgs, dtype: torch.dtype |
     adapter = Qwen2_5_VLStateDictAdapter(args)
     out: dict[str, TensorInfo] = {}
     for name, value in model.state_dict().items():
+        if is_adapter(name):  # LoRA: folded into its layer's weight (merged_state)
+            continue
         dt = dtype if dtype is not None and value.is_floating_point() else value.dtype
         meta = torch.empty(value.shape, dtype=dt, device="meta")
         for hf, t in adapter.to_hf({clean_name(name): meta}).items():
@@ -146,11 +150,20 @@ def hf_layout(model: torch.nn.Module, args: Qwen2_5_VLArgs, dtype: torch.dtype |
     return out
 
 
+def merged_state(model: torch.nn.Module, dtype: torch.dtype | None, *, keep: bool = True,
+                 bucket_bytes: int = BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """``gather_full_state`` with LoRA adapters folded into their layers' weights (``W + (alpha / r) B A``,
+    ``titanrl.models.lora.merge_adapters``): the plain model the engines and HF files take. A model without
+    adapters: ``gather_full_state`` as it is."""
+    stream = gather_full_state(model, dtype, keep=keep, bucket_bytes=bucket_bytes)
+    return merge_adapters(stream, lora_scales(model)) if has_adapters(model) else stream
+
+
 def hf_state(model: torch.nn.Module, args: Qwen2_5_VLArgs, dtype: torch.dtype | None, *, keep: bool = True,
              bucket_bytes: int = BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """``gather_full_state`` under HF names (what engines and HF files take)."""
+    """``merged_state`` under HF names (what engines and HF files take)."""
     adapter = Qwen2_5_VLStateDictAdapter(args)
-    for name, tensor in gather_full_state(model, dtype, keep=keep, bucket_bytes=bucket_bytes):
+    for name, tensor in merged_state(model, dtype, keep=keep, bucket_bytes=bucket_bytes):
         if tensor is None:  # keep=False: the gathers only
             yield name, None
         else:
@@ -163,12 +176,22 @@ def write_hf(model: torch.nn.Module, args: Qwen2_5_VLArgs, outdir: Path, *,
     """The model's full weights as an HF directory written by the ranks with ``writer_rank`` (the others take part
     in the gathers only). Returns the writer (for its counters) on writers."""
     writer = HFShardWriter(outdir, args, dtype=dtype, shard_bytes=shard_bytes) if writer_rank else None
-    for name, tensor in gather_full_state(model, dtype, keep=writer is not None):
+    for name, tensor in merged_state(model, dtype, keep=writer is not None):
         if writer is not None:
             writer.add(name, tensor)
     if writer is not None:
         writer.close(assets_from)
     return writer
+
+
+def write_adapters(model: torch.nn.Module, outdir: Path, *, writer_rank: bool, rank: int, alpha: float,
+                   dropout: float, base: str) -> None:
+    """A LoRA model's adapters, gathered in float32, as a PEFT folder written by ``writer_rank`` (collective over
+    the model's mesh)."""
+    adapters = {name: tensor for name, tensor in gather_full_state(model, None, keep=writer_rank)
+                if is_adapter(name)}
+    if writer_rank:
+        write_peft(adapters, outdir, rank=rank, alpha=alpha, dropout=dropout, base=base)
 
 
 @dataclass(frozen=True)

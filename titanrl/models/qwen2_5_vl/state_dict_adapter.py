@@ -174,7 +174,7 @@ def clean_name(name: str) -> str:
     return name
 
 
-def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
+def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
     """(global offset, local shape, local tensor) of a parameter: its own shard when it is a DTensor."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -197,7 +197,8 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
     args = model.args  # type: ignore[attr-defined]
     on_disk = hf_tensor_index(path)
     critic = getattr(model, "value_head", None) is not None
-    params = {clean_name(n): p for n, p in model.named_parameters()}  # a tied output.weight is listed once
+    # a tied output.weight is listed once; LoRA adapters (titanrl.models.lora) are not the base checkpoint's
+    params = {clean_name(n): p for n, p in model.named_parameters() if ".lora_" not in n}
     expected = set(params)
     wanted: dict[str, tuple[str, Path] | None] = {}
     for name in expected:
@@ -218,7 +219,7 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
     try:
         with torch.no_grad():
             for name, param in params.items():
-                offset, shape, local = _local_box(param)
+                offset, shape, local = local_box(param)
                 src = wanted[name]
                 if src is None:  # a new critic's value head
                     local.zero_()

@@ -1,0 +1,174 @@
+"""LoRA ([lora], ``titanrl.models.lora``): the adapted model against its base and against the merged weights, the
+checkpoint and PEFT views, the memory model, the config's refusals, and (end to end) 2 ranks against 1 with every
+parallel mode, a learning signal and the engine's log-probs after each push."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from titanrl.config import JobConfig, parse_args
+from titanrl.config.job_config import LoRAConfig
+
+
+def _build(ckpt, lora: LoRAConfig | None, mesh=None, seed: int = 0):
+    from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs
+    from titanrl.parallel.parallelize import build_parallel_model
+
+    args = Qwen2_5_VLArgs.from_pretrained(ckpt)
+    return args, build_parallel_model(args, ckpt, device=torch.device("cpu"), dp_mesh=mesh, lora=lora, seed=seed)
+
+
+def _logprobs(model, args, n: int = 40) -> torch.Tensor:
+    """Per-token log-probs of one text sequence (every token scored)."""
+    from titanrl.models.packed import pack_sequences
+    from titanrl.models.qwen2_5_vl.inputs import make_sequence_input
+    from titanrl.models.qwen2_5_vl.model import LogprobTargets
+
+    ids = np.random.default_rng(0).integers(0, args.text.vocab_size, n).astype(np.int64)
+    batch = pack_sequences([make_sequence_input(args, ids)]).to(torch.device("cpu"), torch.float32)
+    pos = torch.arange(n - 1)
+    with torch.no_grad():
+        return model(batch, LogprobTargets(pos, batch.input_ids[pos + 1])).logprobs
+
+
+def _randomise_b(model) -> None:
+    """Give every adapter's B a non-zero value (a trained adapter), deterministically."""
+    from titanrl.models.lora import lora_layers
+
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            w = layer.lora_b.weight
+            w.copy_(torch.randn(w.shape, generator=gen) * 0.05)
+
+
+def test_adapters_start_as_the_base_run_as_it_when_off_and_equal_their_merged_weights(tiny_ckpt):
+    """B = 0 at first: the adapted model's log-probs equal the base model's exactly. With trained (non-zero)
+    adapters they differ; with the adapters off they equal the base exactly again; and the model whose weights are
+    the merged ones (W + alpha/r B A, what the engines and HF export get) gives the adapted log-probs within float32
+    rounding. Only the adapters require gradients."""
+    from titanrl.models.lora import adapters_disabled, lora_layers, merge_adapters, scales
+    from titanrl.models.qwen2_5_vl import Qwen2_5_VLModel
+    from titanrl.rl.weight_sync import gather_full_state
+
+    args, base = _build(tiny_ckpt, None)
+    lora = LoRAConfig(rank=4, alpha=8.0)
+    _, model = _build(tiny_ckpt, lora)
+    layers = dict(lora_layers(model))
+    assert len(layers) == 7 * args.text.num_hidden_layers  # q, k, v, o, gate, up, down of every decoder layer
+    assert all(not n.startswith("vision.") for n in layers)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable), sorted(trainable)[:4]
+    assert all(layer.scale == 2.0 for layer in layers.values())
+
+    ref = _logprobs(base, args)
+    assert torch.equal(_logprobs(model, args), ref)
+    _randomise_b(model)
+    adapted = _logprobs(model, args)
+    assert (adapted - ref).abs().max() > 1e-3
+    with adapters_disabled(model):
+        assert torch.equal(_logprobs(model, args), ref)
+    assert torch.equal(_logprobs(model, args), adapted)  # back on after the block
+
+    merged = dict(merge_adapters(gather_full_state(model, None), scales(model)))
+    assert not any(".lora_" in n for n in merged) and set(merged) == set(base.state_dict())
+    plain = Qwen2_5_VLModel(args)
+    plain.load_state_dict(merged)
+    plain.reinit_buffers()
+    got = _logprobs(plain, args)
+    assert (got - adapted).abs().max() <= 1e-4 * max(1.0, float(adapted.abs().max())), (got - adapted).abs().max()
+
+
+def test_adapter_init_is_the_same_for_any_seed_name_and_sharding(tiny_ckpt, one_rank_mesh):
+    """A's initial value is PEFT's (uniform within 1 / sqrt(in_features)), drawn from the run's seed and the
+    layer's name, so a model sharded by FSDP2 (DTensor adapters) starts with the same adapters as a plain one; a
+    different seed draws other ones; B starts at zero."""
+    from titanrl.models.lora import lora_layers
+    from titanrl.rl.weight_sync import gather_full_state
+
+    lora = LoRAConfig(rank=4, vision=True)
+    _, plain = _build(tiny_ckpt, lora)
+    _, sharded = _build(tiny_ckpt, lora, mesh=one_rank_mesh)
+    _, other = _build(tiny_ckpt, lora, seed=1)
+    a = {n: t for n, t in gather_full_state(plain, None) if ".lora_" in n}
+    b = {n: t for n, t in gather_full_state(sharded, None) if ".lora_" in n}
+    c = {n: t for n, t in gather_full_state(other, None) if ".lora_" in n}
+    assert set(a) == set(b) == set(c) and any(n.startswith("vision.blocks.") for n in a)
+    for name, layer in lora_layers(plain):
+        bound = 1 / math.sqrt(layer.in_features)
+        wa = a[f"{name}.lora_a.weight"]
+        assert float(wa.abs().max()) <= bound and float(wa.abs().max()) > bound / 2
+        assert torch.equal(wa, b[f"{name}.lora_a.weight"]) and not torch.equal(wa, c[f"{name}.lora_a.weight"])
+        assert not a[f"{name}.lora_b.weight"].any()
+
+
+def test_checkpoint_view_holds_the_adapters_and_peft_export_names_them_as_peft_does(tiny_ckpt, tmp_path):
+    """The checkpoint's model view (``AdapterCheckpoint``) saves the adapters only and restores them (refusing a
+    state without them); ``write_peft`` writes PEFT's file names, keys and config."""
+    from safetensors.torch import load_file
+
+    from titanrl.models.lora import AdapterCheckpoint, write_peft
+
+    args, model = _build(tiny_ckpt, LoRAConfig(rank=4, targets=["q_proj", "v_proj"]))
+    view = AdapterCheckpoint(model)
+    saved = view.state_dict()
+    assert saved and all(".lora_" in k for k in saved) and len(saved) == 4 * args.text.num_hidden_layers
+    _randomise_b(model)
+    trained = {k: v.clone() for k, v in view.state_dict().items()}
+    _, fresh = _build(tiny_ckpt, LoRAConfig(rank=4, targets=["q_proj", "v_proj"]))
+    AdapterCheckpoint(fresh).load_state_dict(trained)
+    assert all(torch.equal(AdapterCheckpoint(fresh).state_dict()[k], v) for k, v in trained.items())
+    with pytest.raises(KeyError, match="no adapter"):
+        AdapterCheckpoint(fresh).load_state_dict({})
+
+    out = write_peft(trained, tmp_path / "adapter", rank=4, alpha=16.0, dropout=0.0, base="base-model")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 16.0)
+    assert config["target_modules"] == ["q_proj", "v_proj"]
+    tensors = load_file(out / "adapter_model.safetensors")
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors
+    assert tensors["base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"].shape[1] == 4
+    assert len(tensors) == len(trained)
+
+
+def test_memory_plan_counts_the_adapters_and_7b_rank_64_fits_one_80gb_gpu():
+    """``python -m titanrl.memory``: with LoRA the base is counted in model.dtype, gradients and AdamW state for
+    the adapters only, and no reference copy; Qwen2.5-VL-7B with rank 64 on the language model is predicted to fit
+    one 80 GB GPU (it does not without LoRA). The adapter count is PEFT's r (in + out) per adapted layer."""
+    from titanrl import memory
+
+    argv = ["--config", "configs/qwen2_5_vl_7b.toml", "--parallelism.ulysses=none", "--parallelism.p_max=1"]
+    args, _ = memory.resolve_shape(parse_args(argv), "qwen2_5_vl_7b")
+    full = memory.predict(parse_args(argv), args, 1, device="cuda")
+    cfg = parse_args(argv + ["--lora.rank=64"])
+    lora = memory.predict(cfg, args, 1, device="cuda")
+    t = args.text
+    per_layer = 2 * (2 * t.hidden_size) + 2 * (t.hidden_size + t.num_key_value_heads * t.head_dim) \
+        + 3 * (t.hidden_size + t.intermediate_size)
+    assert memory.lora_params(args, cfg.lora) == 64 * per_layer * t.num_hidden_layers
+    assert lora.term("reference_model") == 0 and lora.term("optimizer") < full.term("optimizer") / 40
+    capacity = memory.parse_bytes("80GB")
+    memory.check_fits(lora, int(capacity * 0.93), cfg)
+    with pytest.raises(Exception, match="does not fit"):
+        memory.check_fits(full, int(capacity * 0.93), parse_args(argv))
+
+
+def test_config_refusals():
+    from titanrl.config import ConfigError
+
+    bad = {"--lora.rank=-1": "lora.rank must be >= 0", "--lora.alpha=0": "lora.alpha must be > 0",
+           "--lora.dropout=1": "lora.dropout must be in [0, 1)",
+           "--lora.targets=q_proj,wq": "unknown module names ['wq']",
+           # a second copy of the base to offload does not exist: refused with the reason
+           "--lora.rank=8 --rl.kl_coef=0.01 --rl.ref_offload=true": "with LoRA (lora.rank > 0) the reference is "
+                                                                    "the policy with its adapters off"}
+    for flags, message in bad.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse_args(flags.split())
+    assert not JobConfig().lora.enabled and parse_args(["--lora.rank=8"]).lora.enabled

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -172,3 +173,73 @@ def test_config_refusals():
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_args(flags.split())
     assert not JobConfig().lora.enabled and parse_args(["--lora.rank=8"]).lora.enabled
+
+
+# LoRA on the language model and the vision blocks, with the reference (rl.kl_coef > 0) as the policy with its
+# adapters off, the HF export (merged weights + PEFT adapters), 3 steps with a learning signal (tests/train_runs.py)
+LORA = ("--lora.rank=8", "--lora.alpha=16", "--lora.vision", "--job.steps=3", "--checkpoint.export_hf")
+
+
+def test_two_ranks_with_every_parallel_mode_equal_one_process(tmp_path, run_cache):
+    """2 ranks with FlexUlysses, vision balancing, lb_mini, shared-prefix packing and slice-aware loading against
+    one process (lb_micro, no shared prefix): per-token log-probs (rollout, old, reference) within 1e-5 in the first
+    step and 1e-4 after, adapter updates within 1e-4 of their size over 3 steps with non-zero advantages; the base
+    never moves; the engines' log-probs after every push equal the trainer's (the weight-sync probe, merged
+    weights); the export's merged weights are W + alpha/r B A of the last step's adapters, and its adapters
+    folder is PEFT's."""
+    from safetensors import safe_open
+
+    from titanrl.models.qwen2_5_vl.state_dict_adapter import hf_name
+    from titanrl.rl.dump import load_dumps, max_differences
+    from train_runs import assert_same_computation, train_tiny
+
+    one_dir, one = train_tiny(tmp_path, run_cache, "one", 1, "--balance.strategy=lb_micro",
+                              "--rl.shared_prefix=false", *LORA)
+    # the 2-rank run also saves checkpoints (steps 2 and 3): the resume below
+    two_args = ("--parallelism.ulysses=flex", "--parallelism.vision_balance=true", *LORA, "--checkpoint.enable=true",
+                "--checkpoint.interval=2")
+    two_dir, two = train_tiny(tmp_path, run_cache, "two", 2, *two_args)
+    seen = assert_same_computation(one_dir, two_dir, steps=3)
+    assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "update/policy"} <= set(seen), seen
+    for records in (one, two):
+        probes = [r["probe/logprob_max_diff"] for r in records if "probe/logprob_max_diff" in r]
+        assert len(probes) == 3 and max(probes) <= 1e-4, probes
+    assert max(r["parallel/sharded_sequences"] for r in two) > 0
+
+    dumps = load_dumps(two_dir)
+    first, last = dumps[1]["params"]["policy"], dumps[3]["params"]["policy"]
+    base = [k for k in first if ".lora_" not in k]
+    assert all(torch.equal(first[k], last[k]) for k in base)  # frozen: bit for bit
+    adapters = [k for k in first if ".lora_" in k]
+    assert any(k.startswith("vision.blocks.") for k in adapters)
+    assert max(float((last[k] - first[k]).abs().max()) for k in adapters) > 1e-4
+    # the reference (adapters off) differs from the adapted policy once the adapters moved
+    traj = next(iter(dumps[3]["trajectories"].values()))
+    assert np.abs(traj["ref_logprobs"] - traj["old_logprobs"]).max() > 0
+
+    hf = two_dir / "hf"
+    index = {}
+    for f in hf.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            index.update({k: h.get_tensor(k) for k in h.keys()})
+    layer = "layers.0.attention.wq"
+    want = last[f"{layer}.weight"] + 2.0 * last[f"{layer}.lora_b.weight"] @ last[f"{layer}.lora_a.weight"]
+    assert torch.allclose(index[hf_name(f"{layer}.weight")].float(), want, atol=1e-6)
+    assert not any("lora" in k for k in index)
+    config = json.loads((hf / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and "qkv" in config["target_modules"]
+
+    # the checkpoint holds the adapters (and their optimizer state), not the base; a rerun resumes from step 2 and
+    # computes step 3 again as the uninterrupted run did
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(two_dir / "checkpoint" / "step-2")).read_metadata().state_dict_metadata
+    weights = [k for k in saved if k.endswith(".weight") and not k.startswith("optimizer")]
+    assert weights and all(".lora_" in k for k in weights), weights[:4]
+    uninterrupted = dumps[3]
+    shutil.rmtree(two_dir / "checkpoint" / "step-3")
+    (two_dir / "tensors" / "step3.pt").unlink()
+    train_tiny(tmp_path, run_cache, "two", 2, *two_args)
+    resumed = load_dumps(two_dir)[3]
+    diff = max_differences(uninterrupted, resumed)
+    assert all(v <= 1e-6 for v in diff.values()), diff

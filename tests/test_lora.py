@@ -243,3 +243,16 @@ def test_two_ranks_with_every_parallel_mode_equal_one_process(tmp_path, run_cach
     resumed = load_dumps(two_dir)[3]
     diff = max_differences(uninterrupted, resumed)
     assert all(v <= 1e-6 for v in diff.values()), diff
+
+
+def test_push_layout_lists_the_merged_tensors_in_the_order_the_push_sends_them(tiny_ckpt):
+    """The disaggregated push plans its broadcast buckets from ``hf_layout`` and checks each tensor's name as it is
+    sent: with adapters the merged weight leaves after its bias (once ``lora_b`` has passed), and the layout says so
+    (an earlier layout in state-dict order stopped every LoRA run on disaggregated placement at the first push)."""
+    from titanrl.rl.weight_sync import hf_layout, hf_state
+
+    args, model = _build(tiny_ckpt, LoRAConfig(rank=4, vision=True))
+    layout = hf_layout(model, args, torch.float32)
+    sent = [(name, tuple(t.shape)) for name, t in hf_state(model, args, torch.float32)]
+    assert [(name, info.shape) for name, info in layout.items()] == sent
+    assert not any("lora" in name for name, _ in sent)

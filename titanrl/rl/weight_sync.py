@@ -137,15 +137,18 @@ def gather_full_state(model: torch.nn.Module, dtype: torch.dtype | None, *, keep
 
 def hf_layout(model: torch.nn.Module, args: Qwen2_5_VLArgs, dtype: torch.dtype | None) -> dict[str, TensorInfo]:
     """HF name -> full shape and dtype of every tensor the push sends, in the order it sends them (no data
-    moves: meta tensors through the same name conversion)."""
+    moves: meta tensors through the same merge and name conversion as ``hf_state``)."""
     adapter = Qwen2_5_VLStateDictAdapter(args)
+
+    def metas():
+        for name, value in model.state_dict().items():
+            dt = dtype if dtype is not None and value.is_floating_point() else value.dtype
+            yield clean_name(name), torch.empty(value.shape, dtype=dt, device="meta")
+
+    stream = merge_adapters(metas(), lora_scales(model)) if has_adapters(model) else metas()
     out: dict[str, TensorInfo] = {}
-    for name, value in model.state_dict().items():
-        if is_adapter(name):  # LoRA: folded into its layer's weight (merged_state)
-            continue
-        dt = dtype if dtype is not None and value.is_floating_point() else value.dtype
-        meta = torch.empty(value.shape, dtype=dt, device="meta")
-        for hf, t in adapter.to_hf({clean_name(name): meta}).items():
+    for name, meta in stream:
+        for hf, t in adapter.to_hf({name: meta}).items():
             out[hf] = TensorInfo(tuple(t.shape), safetensors_dtype(t.dtype))
     return out
 

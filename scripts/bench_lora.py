@@ -107,12 +107,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     opts = p.parse_args()
     bench = ROOT / "benchmarks"
-    command = f"python scripts/bench_lora.py --rounds {opts.rounds}"
+    command = f"python scripts/bench_lora.py --rounds {opts.rounds} --configs {' '.join(opts.configs)}"
     if not opts.report_only:
         result = {**provenance(), "rounds": opts.rounds, "configs": {}}
-        for name, (config, steps) in CONFIGS.items():
+        for name in opts.configs:
+            config, steps = CONFIGS[name]
             runs: dict[bool, list[dict]] = {False: [], True: []}
             for _ in range(opts.rounds):
                 for lora in (False, True):
@@ -124,7 +126,7 @@ def main() -> None:
                 best["trained_params"] = trained_params(config, lora)
                 rows.append(best)
             result["configs"][name] = rows
-            print(name, [(r["lora"], round(r["step_s"], 3), r["peak_rss_bytes"] >> 20) for r in rows], flush=True)
+            print(name, [(r["lora"], round(r["step_s"], 3), int(r["peak_rss_bytes"]) >> 20) for r in rows], flush=True)
         (bench / "lora.json").write_text(json.dumps(result, indent=1))
     result = json.loads((bench / "lora.json").read_text())
     (bench / "lora.md").write_text(report(result, command))

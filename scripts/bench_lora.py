@@ -70,7 +70,7 @@ def report(result: dict, command: str) -> str:
              f"{provenance_text(result)}. 2 ranks x 1 thread, GRPO with the reference model, the same data and "
              f"seeds; LoRA: `{' '.join(LORA)}` on every decoder-layer projection (the vision tower frozen). Each way "
              f"launched {result['rounds']} time(s), alternating; the lowest median is shown. Not yet run on a GPU.", "",
-             f"| config | way | trained parameters | step s (median, after {WARMUP}) | LoRA / full | "
+             f"| config | way | trained parameters | step s (median, after {WARMUP}) | LoRA / full step time | "
              + " | ".join(f"{s} s" for s in STAGES) + " | rank 0 peak RSS MiB | predicted peak MiB |",
              "|---|---|---|---|---|" + "---|" * len(STAGES) + "---|---|"]
     for name, rows in result["configs"].items():
@@ -89,7 +89,7 @@ def report(result: dict, command: str) -> str:
         lines.append(f"- {name}: LoRA's step is {full['step_s'] / lo['step_s']:.2f}x the full step's speed "
                      f"(update stage {full['stages']['update'] / max(lo['stages']['update'], 1e-9):.2f}x, reference "
                      f"log-probs {full['stages']['ref_logprob'] / max(lo['stages']['ref_logprob'], 1e-9):.2f}x), "
-                     f"rank 0's peak RSS {saved:+.0f} MiB lower" + (" (we lose on speed)" if lo["step_s"] >
+                     f"rank 0's peak RSS {saved:.0f} MiB lower" + (" (we lose on speed)" if lo["step_s"] >
                                                                     full["step_s"] else "") + ".")
     lines += ["- The peak RSS is the whole process: vLLM's engine, Ray's client and the libraries are most of it on "
               "these small models, so the saving is the optimizer state, gradients and reference copy only. On CPU "

@@ -166,6 +166,8 @@ def test_config_refusals():
     bad = {"--lora.rank=-1": "lora.rank must be >= 0", "--lora.alpha=0": "lora.alpha must be > 0",
            "--lora.dropout=1": "lora.dropout must be in [0, 1)",
            "--lora.targets=q_proj,wq": "unknown module names ['wq']",
+           "--lora.modules_to_save=lm_head,head": "unknown modules ['head']",
+           "--lora.rank=8 --lora.modules_to_save=lm_head --rl.kl_coef=0.01": "set rl.kl_coef = 0",
            # a second copy of the base to offload does not exist: refused with the reason
            "--lora.rank=8 --rl.kl_coef=0.01 --rl.ref_offload=true": "with LoRA (lora.rank > 0) the reference is "
                                                                     "the policy with its adapters off"}
@@ -256,3 +258,31 @@ def test_push_layout_lists_the_merged_tensors_in_the_order_the_push_sends_them(t
     sent = [(name, tuple(t.shape)) for name, t in hf_state(model, args, torch.float32)]
     assert [(name, info.shape) for name, info in layout.items()] == sent
     assert not any("lora" in name for name, _ in sent)
+
+
+def test_modules_to_save_train_in_full_are_checkpointed_exported_and_counted(tiny_ckpt, tmp_path):
+    """lora.modules_to_save (PEFT's name): the output head and final norm train in full, in float32, beside the
+    adapters; the checkpoint view holds them, the PEFT folder saves them under their HF names and lists them, and
+    the memory plan counts them as trained."""
+    from safetensors.torch import load_file
+
+    from titanrl import memory
+    from titanrl.models.lora import AdapterCheckpoint, write_peft
+
+    lora = LoRAConfig(rank=4, targets=["q_proj"], modules_to_save=["lm_head", "norm"])
+    args, model = _build(tiny_ckpt, lora)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {"output.weight", "norm.weight"} <= trained
+    assert all(".lora_" in n or n in ("output.weight", "norm.weight") for n in trained), sorted(trained)
+    saved = AdapterCheckpoint(model).state_dict()
+    assert set(saved) == trained
+    adapters = {k: v for k, v in saved.items() if ".lora_" in k}
+    full = {k: v for k, v in saved.items() if ".lora_" not in k}
+    out = write_peft(adapters, tmp_path / "adapter", rank=4, alpha=16.0, dropout=0.0, base="b", full=full)
+    assert json.loads((out / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head", "norm"]
+    tensors = load_file(out / "adapter_model.safetensors")
+    assert {"base_model.model.lm_head.weight", "base_model.model.model.norm.weight"} <= set(tensors)
+    t = args.text
+    head = t.vocab_size * t.hidden_size  # the output head (tied or not: the matrix once)
+    assert memory.lora_params(args, lora) == memory.lora_params(args, LoRAConfig(rank=4, targets=["q_proj"])) \
+        + head + t.hidden_size

@@ -195,7 +195,7 @@ class ParamCounts:
 def lora_params(args: Qwen2_5_VLArgs, lora) -> int:
     """Adapter parameters of ``[lora]`` (rank r): r (in + out) per adapted linear layer (``titanrl.models.lora``'s
     targets: the decoder layers' projections named in lora.targets; with lora.vision the vision blocks' qkv and proj
-    and their MLP projections among them)."""
+    and their MLP projections among them), plus the parameters of lora.modules_to_save (trained in full)."""
     t, v = args.text, args.vision
     h, kv, inter = t.hidden_size, t.num_key_value_heads * t.head_dim, t.intermediate_size
     text = {"q_proj": h + h, "k_proj": h + kv, "v_proj": h + kv, "o_proj": h + h, "gate_proj": h + inter,
@@ -205,7 +205,11 @@ def lora_params(args: Qwen2_5_VLArgs, lora) -> int:
     targets = set(lora.targets)
     per_layer = sum(size for name, size in text.items() if name in targets)
     per_block = sum(size for name, size in tower.items() if name in targets | {"qkv", "proj"}) if lora.vision else 0
-    return lora.rank * (per_layer * t.num_hidden_layers + per_block * v.depth)
+    full = {"lm_head": 0 if t.tie_word_embeddings else t.vocab_size * h, "embed_tokens": t.vocab_size * h, "norm": h}
+    if t.tie_word_embeddings and ("lm_head" in lora.modules_to_save) and "embed_tokens" not in lora.modules_to_save:
+        full["lm_head"] = t.vocab_size * h  # the tied matrix, once
+    return lora.rank * (per_layer * t.num_hidden_layers + per_block * v.depth) + sum(
+        full[m] for m in lora.modules_to_save)
 
 
 def param_counts(args: Qwen2_5_VLArgs) -> ParamCounts:
@@ -414,6 +418,7 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
     mix = token_mix(cfg, args, data)
     ac = cfg.parallelism.activation_checkpoint
     terms: list[Term] = []
+    # LoRA's trained parameters L: the adapters and the modules trained in full (lora.modules_to_save)
     lora = lora_params(args, cfg.lora) if cfg.lora.enabled else 0
     if lora:
         # LoRA: the base frozen in model.dtype, the adapters (L parameters) trained in fp32

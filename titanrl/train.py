@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
             dtype = str(trainer.param_dtype).removeprefix('torch.')
             lora = cfg.lora
             params = (f"LoRA rank {lora.rank}, alpha {lora.alpha:g}, on {', '.join(lora.targets)}"
-                      f"{' and the vision blocks' if lora.vision else ''}: adapters float32, base frozen in {dtype}"
+                      f"{' and the vision blocks' if lora.vision else ''}: adapters float32"
+                      f"{''.join(', ' + m for m in lora.modules_to_save)}{' in full, float32' if lora.modules_to_save else ''}"
+                      f"; base frozen in {dtype}"
                       if lora.enabled else "float32 parameters")
             say(f"[titanrl] {info.world_size} rank(s) on {info.device.type}; model {trainer.model_dir} (compute "
                 f"{dtype}, {params}); "

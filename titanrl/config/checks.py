@@ -21,6 +21,10 @@ def cross_section_problems(cfg: "JobConfig") -> list[str]:
     if cfg.lora.enabled and cfg.rl.ref_offload:
         found.append("rl.ref_offload offloads a second copy of the base model, but with LoRA (lora.rank > 0) the "
                      "reference is the policy with its adapters off, with no copy to offload: drop rl.ref_offload")
+    if cfg.lora.enabled and cfg.lora.modules_to_save and cfg.rl.kl_coef > 0:
+        found.append(f"lora.modules_to_save = {cfg.lora.modules_to_save} trains those modules in full, so the policy "
+                     "with its adapters off is no longer the base, and a reference holding the base's copy of them "
+                     "(PEFT's disable_adapter) is not built: set rl.kl_coef = 0, or lora.modules_to_save = []")
     if cfg.rl.algorithm == "grpo" and cfg.rollout.n < 2:
         found.append(
             f"rollout.n must be >= 2 for rl.algorithm='grpo' (advantages are relative to the "

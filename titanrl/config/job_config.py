@@ -913,6 +913,10 @@ class LoRAConfig:
     vision: bool = False
     """Also the vision tower's blocks: their attention (qkv, proj) and the MLP projections among lora.targets; false:
     the tower stays frozen."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full beside the adapters, in float32 (PEFT's modules_to_save): lm_head, embed_tokens, norm
+    (the final norm). A frozen output head and final norm bound every logit, so a base whose head was never trained
+    (the random-init tiny model) needs ["lm_head", "norm"] to learn at all (benchmarks/learning_curve_lora.md)."""
 
     @property
     def enabled(self) -> bool:
@@ -930,6 +934,9 @@ class LoRAConfig:
         unknown = [t for t in self.targets if t not in known]
         if unknown:
             found.append(f"lora.targets: unknown module names {unknown}; known: {list(known)}")
+        unknown = [m for m in self.modules_to_save if m not in ("lm_head", "embed_tokens", "norm")]
+        if unknown:
+            found.append(f"lora.modules_to_save: unknown modules {unknown}; known: ['lm_head', 'embed_tokens', 'norm']")
         if self.rank > 0 and not self.targets and not self.vision:
             found.append("lora.rank > 0 with lora.targets empty and lora.vision false adapts nothing")
         return found

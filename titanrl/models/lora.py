@@ -34,6 +34,8 @@ import torch.nn.functional as F
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VISION_TARGETS = ("qkv", "proj", "gate_proj", "up_proj", "down_proj")
 KNOWN_TARGETS = tuple(dict.fromkeys(TEXT_TARGETS + VISION_TARGETS))
+# lora.modules_to_save (PEFT's name): modules trained in full beside the adapters, HF name -> titanrl module
+FULL_MODULES = {"lm_head": "output", "embed_tokens": "tok_embeddings", "norm": "norm"}
 ADAPTER_MARK = ".lora_"  # in the name of every adapter parameter (lora_a.weight, lora_b.weight)
 
 
@@ -87,19 +89,20 @@ def target_modules(model: nn.Module, targets: Iterable[str], vision: bool) -> li
 
 
 def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float, targets: Iterable[str],
-               vision: bool, base_dtype: torch.dtype | None = None) -> list[str]:
-    """Adapters on ``model``'s target layers (``target_modules``), everything else frozen (in ``base_dtype`` when
-    given: the frozen weights need no float32 master). Before ``parallelize``, on the meta device or not. Returns
-    the adapted layers' names."""
+               vision: bool, modules_to_save: Iterable[str] = (), base_dtype: torch.dtype | None = None) -> list[str]:
+    """Adapters on ``model``'s target layers (``target_modules``); the ``modules_to_save`` (``FULL_MODULES``' HF
+    names) trained in full; everything else frozen (in ``base_dtype`` when given: the frozen weights need no float32
+    master). Before ``parallelize``, on the meta device or not. Returns the adapted layers' names."""
     names = target_modules(model, targets, vision)
     if not names:
         raise ValueError(f"lora.targets={list(targets)} matches no linear layer of the model")
+    full = {id(p) for m in modules_to_save for p in model.get_submodule(FULL_MODULES[m]).parameters()}
     for p in model.parameters():
-        p.requires_grad_(False)
+        p.requires_grad_(id(p) in full)
     if base_dtype is not None:
         for module in model.modules():
             for key, p in list(module._parameters.items()):
-                if p is not None and p.is_floating_point() and p.dtype != base_dtype:
+                if p is not None and p.is_floating_point() and p.dtype != base_dtype and id(p) not in full:
                     module._parameters[key] = nn.Parameter(p.detach().to(base_dtype), requires_grad=False)
     for name in names:
         layer = model.get_submodule(name)
@@ -191,36 +194,48 @@ def merge_adapters(stream: Iterable[tuple[str, torch.Tensor | None]], layer_scal
         raise RuntimeError(f"adapted layers without both adapters in the stream: {sorted(held)[:4]}")
 
 
+def trained_names(model: nn.Module) -> set[str]:
+    """The names of the parameters a LoRA run trains: the adapters and the modules trained in full."""
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
 class AdapterCheckpoint(nn.Module):
-    """What a LoRA run's checkpoint holds of the policy: its adapters (the base is ``model.path``'s, read again at
-    start). A module view for torchtitan's ``CheckpointManager``, which saves ``state_dict()`` and restores with
-    ``load_state_dict(strict=False)``."""
+    """What a LoRA run's checkpoint holds of the policy: what it trains (the adapters, and lora.modules_to_save);
+    the frozen base is ``model.path``'s, read again at start. A module view for torchtitan's ``CheckpointManager``,
+    which saves ``state_dict()`` and restores with ``load_state_dict(strict=False)``."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "_model", model)  # not a submodule: its base stays out of this state dict
+        object.__setattr__(self, "_names", trained_names(model))
 
     def state_dict(self, *args, **kwargs):  # type: ignore[override]
-        return {k: v for k, v in self._model.state_dict().items() if is_adapter(k)}
+        return {k: v for k, v in self._model.state_dict().items() if k in self._names}
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
-        mine = {k: v for k, v in state_dict.items() if is_adapter(k)}
-        missing = sorted(set(self.state_dict()) - set(mine))
+        mine = {k: v for k, v in state_dict.items() if k in self._names}
+        missing = sorted(self._names - set(mine))
         if missing:
             raise KeyError(f"the checkpoint holds no adapter for {missing[:4]} (saved without LoRA, or another "
-                           "lora.targets / lora.vision?)")
+                           "lora.targets / lora.vision / lora.modules_to_save?)")
         return self._model.load_state_dict(mine, strict=False)
 
 
 def write_peft(adapters: dict[str, torch.Tensor], outdir: Path, *, rank: int, alpha: float, dropout: float,
-               base: str) -> Path:
+               base: str, full: dict[str, torch.Tensor] | None = None) -> Path:
     """The adapters (titanrl names -> full tensors) as a PEFT LoRA folder: ``adapter_config.json`` and
-    ``adapter_model.safetensors`` with PEFT's names (``base_model.model.<HF module>.lora_A.weight``)."""
+    ``adapter_model.safetensors`` with PEFT's names (``base_model.model.<HF module>.lora_A.weight``); ``full``: the
+    weights of the modules trained in full (PEFT's ``modules_to_save``, saved under their HF names)."""
     from safetensors.torch import save_file
+
+    from titanrl.models.qwen2_5_vl.state_dict_adapter import hf_name
 
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     tensors, modules = {}, set()
+    saved = sorted({k for k, v in FULL_MODULES.items() for n in (full or {}) if n.startswith(v + ".")})
+    for name, tensor in (full or {}).items():
+        tensors[f"base_model.model.{hf_name(name)}"] = tensor.detach().contiguous().cpu()
     for name, tensor in adapters.items():
         owner, _, part = name.partition(ADAPTER_MARK)
         hf = _hf_module(owner)
@@ -229,6 +244,6 @@ def write_peft(adapters: dict[str, torch.Tensor], outdir: Path, *, rank: int, al
     save_file(tensors, str(outdir / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
               "lora_dropout": dropout, "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False,
-              "base_model_name_or_path": base, "inference_mode": True}
+              "base_model_name_or_path": base, "inference_mode": True, "modules_to_save": saved or None}
     (outdir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return outdir

@@ -144,7 +144,7 @@ def build_parallel_model(
         model.eval()
     if lora is not None:
         apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets,
-                   vision=lora.vision, base_dtype=parallel.get("param_dtype"))
+                   vision=lora.vision, modules_to_save=lora.modules_to_save, base_dtype=parallel.get("param_dtype"))
     model = parallelize_qwen2_5_vl(model, dp_mesh=dp_mesh, **parallel)
     # offloaded shards are materialised in host memory; FSDP2 copies them to ``device`` per unit
     model.to_empty(device="cpu" if parallel.get("offload") else device)

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from titanrl.distributed import (DistInfo, all_gather_objects, broadcast_from_first, host_store,
                                  stateless_group)
-from titanrl.models.lora import has_adapters, is_adapter, merge_adapters, write_peft
+from titanrl.models.lora import has_adapters, is_adapter, merge_adapters, trained_names, write_peft
 from titanrl.models.lora import scales as lora_scales
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.models.qwen2_5_vl.state_dict_adapter import HFShardWriter, Qwen2_5_VLStateDictAdapter, clean_name
@@ -189,12 +189,15 @@ def write_hf(model: torch.nn.Module, args: Qwen2_5_VLArgs, outdir: Path, *,
 
 def write_adapters(model: torch.nn.Module, outdir: Path, *, writer_rank: bool, rank: int, alpha: float,
                    dropout: float, base: str) -> None:
-    """A LoRA model's adapters, gathered in float32, as a PEFT folder written by ``writer_rank`` (collective over
-    the model's mesh)."""
-    adapters = {name: tensor for name, tensor in gather_full_state(model, None, keep=writer_rank)
-                if is_adapter(name)}
+    """A LoRA model's adapters (and the modules it trains in full), gathered in float32, as a PEFT folder written by
+    ``writer_rank`` (collective over the model's mesh)."""
+    trained = {clean_name(n) for n in trained_names(model)}
+    adapters, full = {}, {}
+    for name, tensor in gather_full_state(model, None, keep=writer_rank):
+        if name in trained:
+            (adapters if is_adapter(name) else full)[name] = tensor
     if writer_rank:
-        write_peft(adapters, outdir, rank=rank, alpha=alpha, dropout=dropout, base=base)
+        write_peft(adapters, outdir, rank=rank, alpha=alpha, dropout=dropout, base=base, full=full)
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,18 @@ when enabled. Only rank 0 writes; values are already reduced across ranks by the
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from titanrl.console import say
+
+
+def source_key(name: str) -> str:
+    """A data source's name as it appears in metric keys (``source/<name>/...``, ``eval/source/<name>/...``): every
+    character outside letters, digits, ``_``, ``.`` and ``-`` becomes ``_`` (TensorBoard's and W&B's tag rules)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
 def format_step_line(step: int, total: int, metrics: dict[str, float]) -> str:

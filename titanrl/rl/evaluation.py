@@ -14,7 +14,6 @@ rank's reward workers), **gather** (every response to every rank; rank 0 writes 
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from titanrl.data.preprocess import MediaSettings, prepare_sample
 from titanrl.data.shadow.metadata import MetadataTable, SampleMeta
 from titanrl.data.shadow.types import BadSampleError
 from titanrl.distributed import all_gather_objects
+from titanrl.metrics import source_key
 from titanrl.rollout.types import RolloutRequest
 
 # the sampling seed of every evaluation (with job.seed): distinct from the training steps' (job.seed * 1_000_003 +
@@ -79,7 +79,7 @@ def eval_metrics(responses: Sequence[EvalResponse], n: int) -> dict[str, float]:
         for r in judged:
             sources.setdefault(r.source, []).append(r.correct)
         for name, values in sorted(sources.items()):
-            out[f"eval/source/{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}/accuracy"] = sum(values) / len(values)
+            out[f"eval/source/{source_key(name)}/accuracy"] = sum(values) / len(values)
         if n > 1:
             best: dict[int, float] = {}
             for r in judged:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import re
 
 import torch
 
 from titanrl.distributed import all_gather_objects, all_reduce_max, all_reduce_sum
+from titanrl.metrics import source_key
 from titanrl.rl.grpo import count_uniform_groups
 from titanrl.rl.reward_runner import reward_metrics, reward_sums
 from titanrl.rl.timing import busy_metrics
@@ -54,7 +54,7 @@ def source_metrics(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
                 acc[i] += v
     out = {}
     for name, (n, reward, correct, judged) in sorted(total.items()):
-        key = "source/" + re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+        key = "source/" + source_key(name)
         out[f"{key}/responses"] = n
         out[f"{key}/reward"] = reward / max(n, 1.0)
         if judged:

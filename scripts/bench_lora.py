@@ -54,7 +54,7 @@ def run(config: str, steps: int, lora: bool) -> dict:
 
 def trained_params(config: str, lora: bool) -> tuple[int, int]:
     """(trained, total) parameters of the config's policy, built on the meta device."""
-    code = ("import sys, torch; from titanrl.config import parse_args; from titanrl import assets, memory;"
+    code = ("import sys, torch; from titanrl.config import parse_args; from titanrl import memory;"
             "cfg = parse_args(sys.argv[1:]); args, _ = memory.resolve_shape(cfg);"
             "n = memory.param_counts(args).total;"
             "print(memory.lora_params(args, cfg.lora) if cfg.lora.enabled else n, n)")

@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 from titanrl.config.errors import ConfigError
-from titanrl.config.job_config import JobConfig
+from titanrl.config.job_config import LORA_TOWER_ATTENTION, JobConfig
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 
 Device = Literal["cpu", "cuda"]
@@ -204,12 +204,13 @@ def lora_params(args: Qwen2_5_VLArgs, lora) -> int:
     tower = {"qkv": hv + 3 * hv, "proj": hv + hv, "gate_proj": hv + iv, "up_proj": hv + iv, "down_proj": iv + hv}
     targets = set(lora.targets)
     per_layer = sum(size for name, size in text.items() if name in targets)
-    per_block = sum(size for name, size in tower.items() if name in targets | {"qkv", "proj"}) if lora.vision else 0
-    full = {"lm_head": 0 if t.tie_word_embeddings else t.vocab_size * h, "embed_tokens": t.vocab_size * h, "norm": h}
-    if t.tie_word_embeddings and ("lm_head" in lora.modules_to_save) and "embed_tokens" not in lora.modules_to_save:
-        full["lm_head"] = t.vocab_size * h  # the tied matrix, once
-    return lora.rank * (per_layer * t.num_hidden_layers + per_block * v.depth) + sum(
-        full[m] for m in lora.modules_to_save)
+    per_block = (sum(size for name, size in tower.items() if name in targets | set(LORA_TOWER_ATTENTION))
+                 if lora.vision else 0)
+    full = set(lora.modules_to_save)
+    if t.tie_word_embeddings and "lm_head" in full:  # one matrix for both
+        full = (full - {"lm_head"}) | {"embed_tokens"}
+    sizes = {"lm_head": t.vocab_size * h, "embed_tokens": t.vocab_size * h, "norm": h}
+    return lora.rank * (per_layer * t.num_hidden_layers + per_block * v.depth) + sum(sizes[m] for m in full)
 
 
 def param_counts(args: Qwen2_5_VLArgs) -> ParamCounts:

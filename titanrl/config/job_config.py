@@ -892,6 +892,12 @@ class WorkflowConfig:
         return world_size - self.rollout_ranks if self.placement == "disaggregated" else world_size
 
 
+# [lora]'s module names (HF's, as PEFT's target_modules / modules_to_save; titanrl.models.lora maps them to the model)
+LORA_TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TOWER_ATTENTION = ("qkv", "proj")  # the vision blocks' attention projections, adapted with lora.vision
+LORA_FULL_MODULES = ("lm_head", "embed_tokens", "norm")
+
+
 @dataclass(kw_only=True, slots=True)
 class LoRAConfig:
     """[lora] Low-rank adapters on the policy (LoRA): the base weights frozen in model.dtype (no float32 master, no
@@ -906,8 +912,7 @@ class LoRAConfig:
     """Scale numerator: an adapter adds (alpha / rank) B A x."""
     dropout: float = 0.0
     """Dropout on an adapter's input, in the update's forward only (the log-prob stages run without it)."""
-    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                        "up_proj", "down_proj"])
+    targets: list[str] = field(default_factory=lambda: list(LORA_TEXT_TARGETS))
     """Which linear layers of the language model's decoder layers get adapters (HF module names, as PEFT's
     target_modules)."""
     vision: bool = False
@@ -923,7 +928,7 @@ class LoRAConfig:
         return self.rank > 0
 
     def problems(self) -> list[str]:
-        known = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv", "proj")
+        known = LORA_TEXT_TARGETS + LORA_TOWER_ATTENTION
         found = []
         if self.rank < 0:
             found.append(f"lora.rank must be >= 0, got {self.rank}")
@@ -934,9 +939,9 @@ class LoRAConfig:
         unknown = [t for t in self.targets if t not in known]
         if unknown:
             found.append(f"lora.targets: unknown module names {unknown}; known: {list(known)}")
-        unknown = [m for m in self.modules_to_save if m not in ("lm_head", "embed_tokens", "norm")]
+        unknown = [m for m in self.modules_to_save if m not in LORA_FULL_MODULES]
         if unknown:
-            found.append(f"lora.modules_to_save: unknown modules {unknown}; known: ['lm_head', 'embed_tokens', 'norm']")
+            found.append(f"lora.modules_to_save: unknown modules {unknown}; known: {list(LORA_FULL_MODULES)}")
         if self.rank > 0 and not self.targets and not self.vision:
             found.append("lora.rank > 0 with lora.targets empty and lora.vision false adapts nothing")
         return found

@@ -29,12 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# the default targets: every projection of the language model's decoder layers (HF's names, which PEFT's
-# target_modules use too); lora.vision adds the vision blocks' (qkv, proj and the same MLP names)
-TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-VISION_TARGETS = ("qkv", "proj", "gate_proj", "up_proj", "down_proj")
-KNOWN_TARGETS = tuple(dict.fromkeys(TEXT_TARGETS + VISION_TARGETS))
-# lora.modules_to_save (PEFT's name): modules trained in full beside the adapters, HF name -> titanrl module
+from titanrl.config.job_config import LORA_TOWER_ATTENTION
+
+# lora.modules_to_save (PEFT's name; config.job_config.LORA_FULL_MODULES): trained in full, HF name -> titanrl module
 FULL_MODULES = {"lm_head": "output", "embed_tokens": "tok_embeddings", "norm": "norm"}
 ADAPTER_MARK = ".lora_"  # in the name of every adapter parameter (lora_a.weight, lora_b.weight)
 
@@ -76,7 +73,7 @@ def target_modules(model: nn.Module, targets: Iterable[str], vision: bool) -> li
     ``targets``. The embeddings, the output head, the vision patch
     embedding and merger stay frozen as they are."""
     text = set(targets)
-    tower = text | {"qkv", "proj"}  # the vision blocks' attention, and their MLP projections among ``targets``
+    tower = text | set(LORA_TOWER_ATTENTION)  # the vision blocks' attention, and their MLP projections among targets
     out = []
     for name, module in model.named_modules():
         if type(module) is not nn.Linear:

@@ -194,11 +194,13 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
     (``value_head.*``, a saved critic), else zeros (every value 0 at first)."""
     from safetensors import safe_open
 
+    from titanrl.models.lora import is_adapter
+
     args = model.args  # type: ignore[attr-defined]
     on_disk = hf_tensor_index(path)
     critic = getattr(model, "value_head", None) is not None
     # a tied output.weight is listed once; LoRA adapters (titanrl.models.lora) are not the base checkpoint's
-    params = {clean_name(n): p for n, p in model.named_parameters() if ".lora_" not in n}
+    params = {clean_name(n): p for n, p in model.named_parameters() if not is_adapter(n)}
     expected = set(params)
     wanted: dict[str, tuple[str, Path] | None] = {}
     for name in expected:

@@ -167,6 +167,7 @@ def test_config_refusals():
            "--lora.dropout=1": "lora.dropout must be in [0, 1)",
            "--lora.targets=q_proj,wq": "unknown module names ['wq']",
            "--lora.modules_to_save=lm_head,head": "unknown modules ['head']",
+           "--lora.rank=8 --lora.targets=qkv": "adapts nothing",
            "--lora.rank=8 --lora.modules_to_save=lm_head --rl.kl_coef=0.01": "set rl.kl_coef = 0",
            # a second copy of the base to offload does not exist: refused with the reason
            "--lora.rank=8 --rl.kl_coef=0.01 --rl.ref_offload=true": "with LoRA (lora.rank > 0) the reference is "

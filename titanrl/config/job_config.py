@@ -942,8 +942,10 @@ class LoRAConfig:
         unknown = [m for m in self.modules_to_save if m not in LORA_FULL_MODULES]
         if unknown:
             found.append(f"lora.modules_to_save: unknown modules {unknown}; known: {list(LORA_FULL_MODULES)}")
-        if self.rank > 0 and not self.targets and not self.vision:
-            found.append("lora.rank > 0 with lora.targets empty and lora.vision false adapts nothing")
+        if self.rank > 0 and not self.vision and not set(self.targets) & set(LORA_TEXT_TARGETS):
+            found.append(f"lora.rank > 0 with lora.targets = {self.targets} and lora.vision = false adapts nothing "
+                         f"(the decoder layers' projections are {list(LORA_TEXT_TARGETS)}; qkv and proj are the "
+                         "vision blocks': set lora.vision = true)")
         return found
 
 

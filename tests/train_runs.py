@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import fork_launch
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,10 +122,27 @@ def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", **(_CLUSTER.env if _CLUSTER else {}), **(extra or {})}
 
 
+def _log_launch(argv: list[str], seconds: float) -> None:
+    """``TITANRL_TEST_LAUNCH_LOG=<file>``: one JSON line per finished launch (the test, the command, its seconds), to
+    see which runs the suite's time goes to."""
+    path = os.environ.get("TITANRL_TEST_LAUNCH_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "seconds": round(seconds, 1),
+                                "argv": argv}) + "\n")
+
+
 def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 900,
-        check: bool = True) -> subprocess.CompletedProcess:
-    """Run a command (:func:`train_cmd`) to its end; ``check``: a failure fails the test (:func:`failure_report`)."""
-    proc = subprocess.run(argv, cwd=ROOT, env=run_env(env), capture_output=True, text=True, timeout=timeout)
+        check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run a command (:func:`train_cmd`) to its end; ``check``: a failure fails the test (:func:`failure_report`).
+    A ``titanrl.train`` run expected to succeed (``check``) starts from the session's forkserver
+    (:mod:`fork_launch`) unless ``fresh``: then, as any other command, a new process (torchrun or python)."""
+    t0 = time.monotonic()
+    forked = check and not fresh and fork_launch.enabled()
+    proc = fork_launch.run(argv, run_env(env), ROOT, timeout) if forked else None
+    if proc is None:
+        proc = subprocess.run(argv, cwd=ROOT, env=run_env(env), capture_output=True, text=True, timeout=timeout)
+    _log_launch(argv, time.monotonic() - t0)
     if check:
         assert proc.returncode == 0, failure_report(proc)
     return proc

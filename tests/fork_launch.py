@@ -1,15 +1,17 @@
-"""The tests' runs of ``titanrl.train`` started from a process that has imported the heavy third-party modules once.
+"""The tests' runs of ``titanrl.train`` (and of the scripts in ``tests/dist``) started from a process that has
+imported the heavy third-party modules once.
 
 Every launch of the tiny model spends ~11 s per rank importing vLLM, transformers, torch's compiler and Ray before
 titanrl does anything (``python -X importtime -c "import vllm.entrypoints.llm"``), and the suite launches ~100
 runs. Python's ``forkserver`` start method with a preload list imports them once per test session; each rank is
 then a fork of that server. The ranks of a multi-rank run are started by torchrun's own launcher
-(``torch.distributed.run``'s argument parsing and ``elastic_launch``, the rendezvous, the agent), with
-``start_method="forkserver"`` instead of a fresh interpreter per rank; each rank runs ``titanrl.train.main`` as
-``python -m titanrl.train`` would. titanrl itself is imported afresh in every rank (it is not preloaded).
+(``torch.distributed.run``'s argument parsing and ``elastic_launch``: the rendezvous, the agent, the environment),
+with ``start_method="forkserver"`` instead of a fresh interpreter per rank; each rank runs its module or file as
+``python -m`` / ``python file.py`` would (``runpy``). titanrl itself is imported afresh in every rank.
 
-Used for runs expected to succeed (:func:`train_runs.run` with ``check``); the tests of the launcher's own
-behaviour (SIGTERM to torchrun, kill -9 of ranks, a failing rank's console) start real processes.
+Used for runs expected to succeed (:func:`train_runs.run` with ``check``, the ``tests/dist`` launches); the tests
+of the launcher's own behaviour (SIGTERM to torchrun, kill -9 of ranks, a failing rank's console) start real
+processes, and ``test_fork_launch`` shows a forked run equals a fresh torchrun bit for bit.
 ``TITANRL_TEST_FORK=0`` turns it off (every run a fresh ``torchrun`` / ``python``)."""
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import runpy
 import tempfile
 import threading
 import uuid
@@ -28,7 +31,6 @@ import psutil
 
 PRELOAD = ["torch", "torch._dynamo", "torch._inductor.lowering", "transformers", "torchtitan", "ray",
            "vllm.entrypoints.llm"]
-_TRAIN = ["-m", "titanrl.train"]
 _started = False
 
 
@@ -45,8 +47,10 @@ def _context():
     return ctx
 
 
-def _entry(argv: list[str], env: dict[str, str], cwd: str, out: str | None = None, err: str | None = None):
-    """A rank: the run's environment, its working folder, then ``titanrl.train.main`` (its exit code)."""
+def _entry(target: str, argv: list[str], env: dict[str, str], cwd: str, out: str | None = None,
+           err: str | None = None):
+    """A rank: the run's environment, its working folder, then ``target`` as ``python -m target argv`` (a module)
+    or ``python target argv`` (a ``.py`` file) would run it (its exit code)."""
     os.environ.update(env)
     os.chdir(cwd)
     if out is not None:  # one process: its console into files (torchrun's launcher redirects its ranks itself)
@@ -63,41 +67,55 @@ def _entry(argv: list[str], env: dict[str, str], cwd: str, out: str | None = Non
         import torch
 
         torch.set_num_threads(int(threads))
-    sys.argv = ["titanrl.train", *argv]
-    from titanrl.train import main
+    try:
+        if target.endswith(".py"):
+            sys.argv = [target, *argv]
+            sys.path.insert(0, str(Path(target).resolve().parent))
+            runpy.run_path(target, run_name="__main__")
+        else:
+            sys.argv = [target, *argv]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
 
-    code = main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        sys.exit(code)
 
-
-def split(argv: list[str]) -> tuple[list[str] | None, list[str]] | None:
-    """``(torchrun's arguments or None for one process, titanrl.train's arguments)`` of a command made by
-    :func:`train_runs.launch`, or None for any other command."""
-    if argv[:1] != [sys.executable]:
+def split(argv: list[str]) -> tuple[list[str] | None, str, list[str]] | None:
+    """``(torchrun's arguments or None for one process, the module or .py file, its arguments)`` of a command
+    ``python -m module ...``, ``python file.py ...`` or ``python -m torch.distributed.run [options] (-m module |
+    file.py) ...``; None for any other command."""
+    if len(argv) < 2 or argv[0] != sys.executable:
         return None
-    if argv[1:3] == _TRAIN:
-        return None, argv[3:]
-    if argv[1:3] == ["-m", "torch.distributed.run"] and "titanrl.train" in argv:
-        i = argv.index("titanrl.train")
-        if argv[i - 1] == "-m":
-            return argv[3:i - 1], argv[i + 1:]
+    if argv[1] == "-m" and len(argv) > 2 and argv[2] != "torch.distributed.run":
+        return None, argv[2], argv[3:]
+    if argv[1].endswith(".py"):
+        return None, argv[1], argv[2:]
+    if argv[1:3] == ["-m", "torch.distributed.run"]:
+        from torch.distributed.run import parse_args
+
+        args = parse_args(argv[3:])
+        if args.no_python or not (args.module or args.training_script.endswith(".py")):
+            return None
+        n = len(args.training_script_args)
+        return argv[3:len(argv) - n - 1], args.training_script, argv[len(argv) - n:]
     return None
 
 
-def run(argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess | None:
-    """Run a ``titanrl.train`` command from the forkserver; None when ``argv`` is not one (run it as a process)."""
-    parts = split(argv)
+def run(argv: list[str], env: dict[str, str] | None = None, cwd: Path | str | None = None,
+        timeout: float = 900) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)``, with a command
+    :func:`split` reads started from the forkserver (one process, or torchrun's ranks)."""
+    parts = split(argv) if enabled() else None
+    env = dict(os.environ) if env is None else env
+    cwd = os.getcwd() if cwd is None else str(cwd)
     if parts is None:
-        return None
-    launcher, train_argv = parts
+        return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    launcher, target, target_argv = parts
     ctx = _context()
     with tempfile.TemporaryDirectory(prefix="titanrl-fork-") as tmp:
         if launcher is None:
             out, err = f"{tmp}/stdout", f"{tmp}/stderr"
-            proc = ctx.Process(target=_entry, args=(train_argv, env, str(cwd), out, err))
+            proc = ctx.Process(target=_entry, args=(target, target_argv, env, cwd, out, err))
             proc.start()
             proc.join(timeout)
             if proc.exitcode is None:
@@ -107,27 +125,28 @@ def run(argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subp
             code = proc.exitcode
             stdout, stderr = Path(out).read_text(errors="replace"), Path(err).read_text(errors="replace")
         else:
-            code, stdout, stderr = _torchrun(launcher, train_argv, env, str(cwd), Path(tmp), timeout)
+            code, stdout, stderr = _torchrun(launcher, target, target_argv, env, cwd, Path(tmp), timeout)
     return subprocess.CompletedProcess(argv, code, stdout, stderr)
 
 
-def _torchrun(launcher: list[str], train_argv: list[str], env: dict[str, str], cwd: str, tmp: Path,
-             timeout: float):
+def _torchrun(launcher: list[str], target: str, target_argv: list[str], env: dict[str, str], cwd: str, tmp: Path,
+              timeout: float):
     saved = dict(os.environ)  # torchrun's argument handling sets OMP_NUM_THREADS in the launcher's environment
     try:
-        return _launch(launcher, train_argv, env, cwd, tmp, timeout)
+        return _launch(launcher, target, target_argv, env, cwd, tmp, timeout)
     finally:
         os.environ.clear()
         os.environ.update(saved)
 
 
-def _launch(launcher: list[str], train_argv: list[str], env: dict[str, str], cwd: str, tmp: Path, timeout: float):
+def _launch(launcher: list[str], target: str, target_argv: list[str], env: dict[str, str], cwd: str, tmp: Path,
+            timeout: float):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
-    args = parse_args([*launcher, "-m", "titanrl.train"])
+    args = parse_args([*launcher, target])
     assert args.standalone, "the tests' multi-rank runs are --standalone"
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = config_from_args(args)
@@ -145,17 +164,16 @@ def _launch(launcher: list[str], train_argv: list[str], env: dict[str, str], cwd
     timer = threading.Timer(timeout, expire)
     timer.start()
     try:
-        elastic_launch(config, entrypoint=_entry)(train_argv, env, cwd)
+        elastic_launch(config, entrypoint=_entry)(target, target_argv, env, cwd)
     except ChildFailedError:
         code = 1  # what torchrun exits with when a rank fails
     finally:
         timer.cancel()
     if expired.is_set():
-        raise subprocess.TimeoutExpired(["torchrun", *launcher, "-m", "titanrl.train", *train_argv], timeout)
+        raise subprocess.TimeoutExpired(["torchrun", *launcher, target, *target_argv], timeout)
     stdout = stderr = ""
     for rank in range(config.nproc_per_node):
-        found = sorted(tmp.glob(f"logs/**/attempt_0/{rank}"))
-        for d in found:
+        for d in sorted(tmp.glob(f"logs/**/attempt_0/{rank}")):
             stdout += (d / "stdout.log").read_text(errors="replace") if (d / "stdout.log").exists() else ""
             stderr += (d / "stderr.log").read_text(errors="replace") if (d / "stderr.log").exists() else ""
     return code, stdout, stderr

@@ -9,10 +9,10 @@ Ranks see different media (some only text), which also proves the collectives st
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import fork_launch
 import pytest
 import torch
 
@@ -27,12 +27,11 @@ def run(out: Path, nproc: int | None, *extra: str) -> dict:
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--standalone", str(SCRIPT)]
-    proc = subprocess.run(cmd + ["--out", str(out), *extra], env=env, capture_output=True, text=True, timeout=300)
+    proc = fork_launch.run(cmd + ["--out", str(out), *extra], env, timeout=300)
     if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
         # Seen once in ~30 runs: a rank aborting in gloo's teardown after the work was done.
         # Run once more so that rare teardown flake does not fail CI; a second failure does.
-        proc = subprocess.run(cmd + ["--out", str(out), *extra], env=env, capture_output=True, text=True,
-                              timeout=300)
+        proc = fork_launch.run(cmd + ["--out", str(out), *extra], env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
 

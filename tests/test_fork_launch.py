@@ -12,13 +12,17 @@ import fork_launch
 from titanrl.rl.dump import load_dumps, max_differences
 
 
-def test_split_tells_titanrl_runs_from_other_commands():
+def test_split_reads_the_commands_it_can_fork():
     py = sys.executable
-    assert fork_launch.split([py, "-m", "titanrl.train", "--config", "c.toml"]) == (None, ["--config", "c.toml"])
+    assert fork_launch.split([py, "-m", "titanrl.train", "--config", "c.toml"]) == (None, "titanrl.train",
+                                                                                    ["--config", "c.toml"])
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    assert fork_launch.split([*torchrun, "-m", "titanrl.train", "--x=1"]) == (torchrun[3:], ["--x=1"])
-    assert fork_launch.split([*torchrun, "script.py", "--x=1"]) is None
-    assert fork_launch.split([py, "-m", "titanrl.plot", "out"]) is None
+    assert fork_launch.split([*torchrun, "-m", "titanrl.train", "--x=1"]) == (torchrun[3:] + ["-m"], "titanrl.train",
+                                                                             ["--x=1"])
+    assert fork_launch.split([*torchrun, "dist/step.py", "--out", "o"]) == (torchrun[3:], "dist/step.py",
+                                                                           ["--out", "o"])
+    assert fork_launch.split([py, "dist/step.py", "--out"]) == (None, "dist/step.py", ["--out"])
+    assert fork_launch.split([py, "-c", "print(1)"]) is None
     assert fork_launch.split(["torchrun", "-m", "titanrl.train"]) is None
 
 

@@ -6,11 +6,11 @@ minibatch; ``lb_mini`` with FlexUlysses (sharded groups first) too. Plus the pur
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import fork_launch
 import pytest
 import torch
 
@@ -64,9 +64,9 @@ def run(out: Path, nproc: int | None, ref: Path | None = None) -> dict:
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", str(SCRIPT),
         "--ref", str(ref)]
     cmd += ["--out", str(out), "--cases", CASES]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = fork_launch.run(cmd, env, timeout=600)
     if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)  # gloo teardown flake
+        proc = fork_launch.run(cmd, env, timeout=600)  # gloo teardown flake
     assert proc.returncode == 0, proc.stderr[-5000:]
     return torch.load(out)
 

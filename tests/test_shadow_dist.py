@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import fork_launch
 import pytest
 from train_runs import failure_report
 
@@ -38,7 +38,7 @@ def test_shadow_under_torchrun(tmp_path, tiny_ckpt):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC), "--standalone",
            str(SCRIPT), "--ckpt", str(tiny_ckpt), "--manifest", str(manifest), "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+    proc = fork_launch.run(cmd, env, timeout=420)
     assert proc.returncode == 0, failure_report(proc)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(NPROC)]
 

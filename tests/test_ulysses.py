@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import fork_launch
 import pytest
 import torch
 
@@ -191,9 +191,9 @@ def run(out: Path, *extra: str, nproc: int = 4, timeout: float = 600) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
            str(SCRIPT), "--out", str(out), *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = fork_launch.run(cmd, env, timeout=timeout)
     if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)  # gloo teardown flake
+        proc = fork_launch.run(cmd, env, timeout=timeout)  # gloo teardown flake
     assert proc.returncode == 0, proc.stderr[-5000:]
     return torch.load(out)
 

@@ -139,8 +139,9 @@ def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 900
     (:mod:`fork_launch`) unless ``fresh``: then, as any other command, a new process (torchrun or python)."""
     t0 = time.monotonic()
     forked = check and not fresh and fork_launch.enabled()
-    proc = fork_launch.run(argv, run_env(env), ROOT, timeout) if forked else None
-    if proc is None:
+    if forked:
+        proc = fork_launch.run(argv, run_env(env), ROOT, timeout)
+    else:
         proc = subprocess.run(argv, cwd=ROOT, env=run_env(env), capture_output=True, text=True, timeout=timeout)
     _log_launch(argv, time.monotonic() - t0)
     if check:

@@ -12,7 +12,9 @@ with ``start_method="forkserver"`` instead of a fresh interpreter per rank; each
 Used for runs expected to succeed (:func:`train_runs.run` with ``check``, the ``tests/dist`` launches); the tests
 of the launcher's own behaviour (SIGTERM to torchrun, kill -9 of ranks, a failing rank's console) start real
 processes, and ``test_fork_launch`` shows a forked run equals a fresh torchrun bit for bit.
-``TITANRL_TEST_FORK=0`` turns it off (every run a fresh ``torchrun`` / ``python``)."""
+A forked rank must end by returning or ``sys.exit``: torchrun's launcher waits for the return value of a rank that
+exits 0, so one ending with ``os._exit(0)`` (``scripts/bench_load.py``'s worker: its test keeps a fresh torchrun)
+would keep it waiting until the timeout kills the ranks. ``TITANRL_TEST_FORK=0`` turns it off (every run a fresh ``torchrun`` / ``python``)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import fork_launch
 from train_runs import failure_report
 
 from titanrl.assets import _build_once
@@ -243,7 +244,6 @@ def test_import_on_four_ranks_reads_own_row_groups_and_matches_one_process(synth
     machines without a shared cache (ranks 0-1 and 2-3 each with their own model.cache_dir): each pair finds the
     other does not share it, builds its own tiny checkpoint and imports into its own cache, the same output."""
     import os
-    import subprocess
     import sys
 
     import pyarrow as pa
@@ -267,10 +267,9 @@ def test_import_on_four_ranks_reads_own_row_groups_and_matches_one_process(synth
     out = tmp_path / "out"
     out.mkdir()
     script = Path(__file__).parent / "dist" / "import_rows.py"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           str(script), "--data", str(data), "--bad", str(bad), "--cache", str(tmp_path / "cache"),
-                           "--out", str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
+    proc = fork_launch.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                            str(script), "--data", str(data), "--bad", str(bad), "--cache", str(tmp_path / "cache"),
+                            "--out", str(out)], {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, failure_report(proc)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     target = Path(ranks[0]["manifest"]).parent

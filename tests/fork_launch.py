@@ -14,15 +14,16 @@ of the launcher's own behaviour (SIGTERM to torchrun, kill -9 of ranks, a failin
 processes, and ``test_fork_launch`` shows a forked run equals a fresh torchrun bit for bit.
 A forked rank must end by returning or ``sys.exit``: torchrun's launcher waits for the return value of a rank that
 exits 0, so one ending with ``os._exit(0)`` (``scripts/bench_load.py``'s worker: its test keeps a fresh torchrun)
-would keep it waiting until the timeout kills the ranks. ``TITANRL_TEST_FORK=0`` turns it off (every run a fresh ``torchrun`` / ``python``)."""
+would keep it waiting until the timeout kills the ranks. ``TITANRL_TEST_FORK=0`` turns it off (every run a fresh
+``torchrun`` / ``python``)."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import runpy
 import subprocess
 import sys
-import runpy
 import tempfile
 import threading
 import uuid
@@ -33,7 +34,6 @@ import psutil
 
 PRELOAD = ["torch", "torch._dynamo", "torch._inductor.lowering", "transformers", "torchtitan", "ray",
            "vllm.entrypoints.llm"]
-_started = False
 
 
 def enabled() -> bool:
@@ -41,11 +41,9 @@ def enabled() -> bool:
 
 
 def _context():
-    global _started
+    """The forkserver context; the preload list applies when the server starts (the first launch)."""
     ctx = multiprocessing.get_context("forkserver")
-    if not _started:
-        ctx.set_forkserver_preload(PRELOAD)
-        _started = True
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
@@ -69,13 +67,12 @@ def _entry(target: str, argv: list[str], env: dict[str, str], cwd: str, out: str
         import torch
 
         torch.set_num_threads(int(threads))
+    sys.argv = [target, *argv]
     try:
         if target.endswith(".py"):
-            sys.argv = [target, *argv]
             sys.path.insert(0, str(Path(target).resolve().parent))
             runpy.run_path(target, run_name="__main__")
         else:
-            sys.argv = [target, *argv]
             runpy.run_module(target, run_name="__main__", alter_sys=True)
     finally:
         sys.stdout.flush()
@@ -132,17 +129,7 @@ def run(argv: list[str], env: dict[str, str] | None = None, cwd: Path | str | No
 
 
 def _torchrun(launcher: list[str], target: str, target_argv: list[str], env: dict[str, str], cwd: str, tmp: Path,
-              timeout: float):
-    saved = dict(os.environ)  # torchrun's argument handling sets OMP_NUM_THREADS in the launcher's environment
-    try:
-        return _launch(launcher, target, target_argv, env, cwd, tmp, timeout)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def _launch(launcher: list[str], target: str, target_argv: list[str], env: dict[str, str], cwd: str, tmp: Path,
-            timeout: float):
+              timeout: float) -> tuple[int, str, str]:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -151,6 +138,7 @@ def _launch(launcher: list[str], target: str, target_argv: list[str], env: dict[
     args = parse_args([*launcher, target])
     assert args.standalone, "the tests' multi-rank runs are --standalone"
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    saved = dict(os.environ)  # torchrun's launcher sets OMP_NUM_THREADS (and its own variables) in its environment
     config, _, _ = config_from_args(args)
     config.start_method = "forkserver"
     config.logs_specs = DefaultLogsSpecs(log_dir=str(tmp / "logs"), redirects=Std.ALL)
@@ -171,11 +159,11 @@ def _launch(launcher: list[str], target: str, target_argv: list[str], env: dict[
         code = 1  # what torchrun exits with when a rank fails
     finally:
         timer.cancel()
+        os.environ.clear()
+        os.environ.update(saved)
     if expired.is_set():
         raise subprocess.TimeoutExpired(["torchrun", *launcher, target, *target_argv], timeout)
-    stdout = stderr = ""
-    for rank in range(config.nproc_per_node):
-        for d in sorted(tmp.glob(f"logs/**/attempt_0/{rank}")):
-            stdout += (d / "stdout.log").read_text(errors="replace") if (d / "stdout.log").exists() else ""
-            stderr += (d / "stderr.log").read_text(errors="replace") if (d / "stderr.log").exists() else ""
+    logs = [d for rank in range(config.nproc_per_node) for d in sorted(tmp.glob(f"logs/**/attempt_0/{rank}"))]
+    stdout, stderr = ("".join((d / name).read_text(errors="replace") for d in logs if (d / name).exists())
+                      for name in ("stdout.log", "stderr.log"))
     return code, stdout, stderr

@@ -138,8 +138,7 @@ def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 900
     A ``titanrl.train`` run expected to succeed (``check``) starts from the session's forkserver
     (:mod:`fork_launch`) unless ``fresh``: then, as any other command, a new process (torchrun or python)."""
     t0 = time.monotonic()
-    forked = check and not fresh and fork_launch.enabled()
-    if forked:
+    if check and not fresh:
         proc = fork_launch.run(argv, run_env(env), ROOT, timeout)
     else:
         proc = subprocess.run(argv, cwd=ROOT, env=run_env(env), capture_output=True, text=True, timeout=timeout)

@@ -77,7 +77,7 @@ def worker(opts) -> None:
     from titanrl.distributed import all_gather_objects, build_ulysses_groups, new_group
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLModel
     from titanrl.parallel.parallelize import parallelize_qwen2_5_vl
-    from titanrl.rl.vision_inputs import VisionBalancing
+    from titanrl.parallel.vision_plan import VisionBalancing
     from titanrl.rl.stages import StageRunner, build_cost_model
 
     torch.set_num_threads(1)

@@ -20,7 +20,7 @@ from titanrl.parallel.cost_model import CostModel
 from titanrl.parallel.stage_plan import Piece, plan_stage
 from titanrl.parallel.ulysses import admissible_degrees, member_order_permutation, resolve_ulysses
 from titanrl.rl.units import MediaItem, TrajectoryMeta, stage_units
-from titanrl.rl.vision_inputs import frame_runs
+from titanrl.parallel.vision_plan import frame_runs
 
 SCRIPT = Path(__file__).parent / "dist" / "ulysses_step.py"
 TOL = 1e-5

@@ -18,7 +18,7 @@ from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.parallel.cost_model import CostModel
 from titanrl.parallel.vision_plan import FrameRun, ItemShape, plan_wave_vision, route_indices, runs_of
 from titanrl.rl.stages import build_cost_model
-from titanrl.rl.vision_inputs import VisionBalancing
+from titanrl.parallel.vision_plan import VisionBalancing
 
 
 def random_needs(rng, world: int):

@@ -36,7 +36,7 @@ from titanrl.parallel.ulysses import resolve_ulysses
 from titanrl.rl.dump import dump_step
 from titanrl.rl.error_watch import ErrorWatch
 from titanrl.rl.evaluation import Evaluator
-from titanrl.rl.vision_inputs import VisionBalancing
+from titanrl.parallel.vision_plan import VisionBalancing
 from titanrl.rl.grpo import build_policy_loss
 from titanrl.rl.reward_runner import RewardRunner
 from titanrl.rl.stages import StageRunner, build_cost_model

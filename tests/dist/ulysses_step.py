@@ -48,9 +48,9 @@ from titanrl.parallel.parallelize import CompileOptions, parallelize_qwen2_5_vl 
 from titanrl.parallel.stage_plan import plan_stage, stage_from_shard_plans  # noqa: E402
 from titanrl.parallel.ulysses import layout_builder, split_heads  # noqa: E402
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories  # noqa: E402
-from titanrl.rl.exchange import TrajectoryExchange  # noqa: E402
+from titanrl.parallel.vision_plan import VisionBalancing  # noqa: E402
+from titanrl.rl.stages import StageRunner  # noqa: E402
 from titanrl.rl.units import gather_metadata, stage_units  # noqa: E402
-from titanrl.rl.vision_inputs import VisionBalancing  # noqa: E402
 from titanrl.rl.grpo import ppo_clip_loss  # noqa: E402
 
 LOSS = dict(clip_low=0.2, clip_high=0.28, mode="seq-mean-token-mean", kl_coef=0.1, kl_estimator="k3",
@@ -140,9 +140,11 @@ def compare(model, mine, trajs, ref, loss_sum) -> dict[str, float]:
     return errors
 
 
-def run_case(case: str, model, ref, mine, metas, exchange, make_build, world, rank, rng, recompute: bool,
+def run_case(case: str, model, ref, mine, metas, runner, make_build, world, rank, rng, recompute: bool,
              shared_prefix: bool) -> dict:
-    """``case`` = mode[:n] (fixed:<degree>, flex, random:<plans>, deadlock:<plans>)."""
+    """``case`` = mode[:n] (fixed:<degree>, flex, random:<plans>, deadlock:<plans>): plans made here, moved and
+    assembled by the trainer's ``StageRunner.inputs`` (``runner``, begun on ``mine``), one wave at a time."""
+    exchange = runner.exchange
     mode, _, arg = case.partition(":")
     plans = int(arg) if mode in ("random", "deadlock") and arg else 1
     units = stage_units(metas, range(len(metas)), shared_prefix=shared_prefix)
@@ -183,8 +185,8 @@ def run_case(case: str, model, ref, mine, metas, exchange, make_build, world, ra
                 per_pass = sum(n_m * (sum(width) - w_m + sum(q) - q_m) for n_m, w_m, q_m in zip(n, width, q))
                 expected_bytes += passes * text.num_hidden_layers * per_pass * text.head_dim * 4
         for w in range(len(plan.waves)):
-            [inp] = exchange.inputs(plan, units, [w], fields=("old_logprobs", "ref_logprobs"),
-                                    return_entropy=True, layout_builder=build)
+            [inp], _ = runner.inputs(plan, units, [w], table=False, fields=("old_logprobs", "ref_logprobs"),
+                                     return_entropy=True, layout_builder=build)
             if inp.batch is None:
                 dummy = dummy_pack(ARGS, torch.device("cpu"), torch.float32)
                 dummy.batch.vision_route = inp.vision_route
@@ -204,7 +206,7 @@ def run_case(case: str, model, ref, mine, metas, exchange, make_build, world, ra
             for k, e in compare(model, mine, trajs_global, ref, loss_sum).items():
                 errors[k] = max(errors[k], e)
         model.zero_grad(set_to_none=True)
-    v = exchange.vision_stats
+    v = runner.vision_stats
     err = torch.tensor([errors["logp"], errors["loss"], errors["grad"], max_degree], dtype=torch.float64)
     dist.all_reduce(err, op=dist.ReduceOp.MAX)
     total = torch.tensor([measured_bytes, v.route.forward_bytes, v.route.backward_bytes, v.pixel_bytes],
@@ -222,8 +224,6 @@ def run_stage_case(mode: str, model, trajs, ref, world, rank, groups, vision: Vi
     trajectories, Karmarkar-Karp), ``minibatchflex`` (FlexUlysses), on ``trajs`` (whose reference is ``ref``):
     one update minibatch (gradients reduced once) and a log-prob stage, against the single process."""
     from types import SimpleNamespace
-
-    from titanrl.rl.stages import StageRunner
 
     runner = StageRunner(args=ARGS, rank=rank, world=world, device=torch.device("cpu"), dtype=torch.float32,
                          method="flex" if mode == "minibatchflex" else "none", strategy="lb_mini",
@@ -247,7 +247,7 @@ def run_stage_case(mode: str, model, trajs, ref, world, rank, groups, vision: Vi
     metrics = runner.metrics()
     err = torch.tensor([errors["logp"], errors["loss"], errors["grad"]], dtype=torch.float64)
     dist.all_reduce(err, op=dist.ReduceOp.MAX)
-    v = runner.exchange.vision_stats
+    v = runner.vision_stats
     route = torch.tensor([v.route.forward_bytes, v.route.backward_bytes], dtype=torch.float64)
     dist.all_reduce(route)
     return {"logp": err[0].item(), "loss": err[1].item(), "grad": err[2].item(), "plans": 1,
@@ -309,10 +309,7 @@ def main() -> None:
                 model, dp_mesh=mesh, activation_checkpoint=ac, ulysses=True,
                 compile_options=CompileOptions(enable=backend != "none", backend=backend if backend != "none"
                                                else "inductor"))
-        # a fresh exchange per case: its vision counters are per case
-        exchange = TrajectoryExchange(ARGS, rank, world, torch.device("cpu"), torch.float32, mine, metas,
-                                      vision=VisionBalancing(enabled="vision" in variants, cost_model=CostModel(),
-                                                             group=vision_group))
+        vision = VisionBalancing(enabled="vision" in variants, cost_model=CostModel(), group=vision_group)
         def make_build(lengths, segments, overlap="seq" not in variants):
             return layout_builder(groups, rank=rank, lengths=lengths, backend="sdpa", device=torch.device("cpu"),
                                   overlap=overlap, segments=segments)
@@ -325,10 +322,14 @@ def main() -> None:
                 plain.zero_grad(set_to_none=True)
             sub_ref = ref if trajs is trajs_global else reference(plain, trajs)
             results[case] = run_stage_case(base.rstrip("1"), models[key], trajs, sub_ref, world, rank, groups,
-                                           exchange.vision, shared_prefix="prefix" in variants)
+                                           vision, shared_prefix="prefix" in variants)
             results[case]["seconds"] = time.perf_counter() - t0
             continue
-        results[case] = run_case(base, models[key], ref, mine, metas, exchange, make_build, world, rank, rng,
+        # a fresh runner per case: its vision counters are per case (the plans are this harness's own)
+        runner = StageRunner(args=ARGS, rank=rank, world=world, device=torch.device("cpu"), dtype=torch.float32,
+                             method="none", max_tokens=MAX_TOKENS, cost_model=CostModel(), vision=vision)
+        runner.begin_step(mine)
+        results[case] = run_case(base, models[key], ref, mine, metas, runner, make_build, world, rank, rng,
                                  recompute=ac == "full", shared_prefix="prefix" in variants)
         results[case]["seconds"] = time.perf_counter() - t0
     if rank == 0:

@@ -2,7 +2,8 @@
 (FlexRL sec. 3.3, "Vision Tower Balancing", at run time).
 
 Input: each rank's *needs* in a wave - the frame runs whose placeholder tokens fall in its pieces
-(:func:`frame_runs`). Units: a whole image, or one temporal patch of a video
+(:func:`frame_runs`; of each image or video a rank needs only the temporal patches its ranges touch, each once
+however many of its ranges use it: the ``n`` responses of a prompt share one encoding). Units: a whole image, or one temporal patch of a video
 (Qwen2.5-VL's vision attention, windowed and full, never crosses a temporal patch, so a frame
 encoded alone gives exactly its rows of the whole clip). A unit needed by several ranks (the ``n``
 responses of a prompt on different ranks, a frame cut by a slice boundary) is encoded once.
@@ -18,17 +19,26 @@ the order of the destination's needs, and on the destination the permutation tha
 received rows into its need order - the rows the unbalanced path would have encoded itself, so
 everything after the route is unchanged. All of it is derived from the plan on every rank: no
 size handshake.
+
+A stage's vision plan (:func:`plan_stage_vision`, what the trajectory exchange moves and the assembly indexes): per
+wave, or with a stage's vision *table* once for all of a rank's waves, who encodes what; with
+``parallelism.vision_balance`` off every rank encodes what its own tokens use (its cost still planned, for the
+``vision/*`` metrics).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
 from titanrl.parallel.cost_model import CostModel
 from titanrl.parallel.flex_ulysses.vision import assign_units
+from titanrl.parallel.stage_plan import Piece, StagePlan
+
+if TYPE_CHECKING:
+    from titanrl.rl.units import StageUnit, TrajectoryMeta
 
 ItemKey = tuple[int, int]  # (prompt group, media item of the prompt)
 
@@ -211,3 +221,86 @@ def route_indices(plan: WaveVisionPlan, rank: int, shapes: Mapping[ItemKey, Item
         recv_counts=tuple(recv_counts),
         recv_order=np.concatenate(order) if order else empty,
     )
+
+
+# ------------------------------------------------------------------------------------------ a stage's vision plan
+
+def frame_runs(pieces: Sequence[Piece], metas: Sequence[TrajectoryMeta | StageUnit]) -> list[FrameRun]:
+    """The vision inputs a rank needs for ``pieces`` (stage ids index ``metas``, trajectories or
+    units: media tokens sit at the same places in both, the prompt first): per prompt and media
+    item, the union of the temporal patches its pieces touch, as maximal runs, sorted."""
+    needed: dict[tuple[int, int], set[int]] = {}
+    for p in pieces:
+        m = metas[p.seq]
+        for k, item in enumerate(m.media):
+            frames = item.frames(p.start, p.end)
+            if frames is not None:
+                needed.setdefault((m.group, k), set()).update(range(*frames))
+    return runs_of(needed)
+
+
+def run_frames(runs: Sequence[FrameRun]) -> int:
+    """Images and video temporal patches in ``runs``."""
+    return sum(r.f1 - r.f0 for r in runs)
+
+
+def item_shapes(metas: Sequence[TrajectoryMeta]) -> dict[ItemKey, ItemShape]:
+    """(group, media index) -> what the vision planner needs of each image or video."""
+    return {(m.group, k): ItemShape(it.patches_per_frame, it.tokens_per_frame, not it.grid.is_video)
+            for m in metas for k, it in enumerate(m.media)}
+
+
+@dataclass(frozen=True)
+class VisionBalancing:
+    """``parallelism.vision_balance``: when ``enabled``, the vision tower's units of a wave are spread
+    over ranks by ``cost_model`` and embeddings routed over ``group`` (every rank); otherwise every rank
+    encodes what its own tokens use (the cost is still planned, for the ``vision/*`` metrics)."""
+
+    enabled: bool
+    cost_model: CostModel
+    group: object = None
+    tol: float = 0.02
+    speeds: tuple[float, ...] | None = None  # relative rank speeds (balance.rank_speeds); None: equal
+
+    def __post_init__(self) -> None:
+        if self.enabled and float(self.cost_model.vision(1.0)) <= 0.0:
+            raise ValueError("vision balancing needs a cost model that prices the vision tower (its vision "
+                             "coefficients are 0: every unit would cost nothing and land on one rank)")
+
+
+@dataclass(frozen=True)
+class StageVision:
+    """Who encodes what in a stage's ``waves`` (the same on every rank). ``groups``: the waves each vision plan
+    serves, each wave alone or, with a ``table``, all of them at once (every rank encodes in the table's vision
+    pass; only ranks with work in a wave encode in it)."""
+
+    groups: tuple[tuple[int, ...], ...]
+    plans: tuple[WaveVisionPlan, ...]  # one per group with vision balancing; empty without
+    encode: tuple[tuple[tuple[FrameRun, ...], ...], ...]  # [group][rank]: the runs the rank encodes
+    costs: tuple[tuple[float, ...], ...]  # [group][rank]: their planned vision cost
+    table: bool
+
+    def plan(self, g: int) -> WaveVisionPlan | None:
+        return self.plans[g] if self.plans else None
+
+    def moves_pixels(self, home_of_group: Mapping[int, int]) -> bool:
+        """Whether balancing gives some rank runs of a prompt generated elsewhere (pixels then move even where
+        every piece stays home)."""
+        return any(home_of_group[run.group] != r for vp in self.plans for r, runs in enumerate(vp.encode)
+                   for run in runs)
+
+
+def plan_stage_vision(plan: StagePlan, units: Sequence[StageUnit], waves: Sequence[int], *,
+                      shapes: Mapping[ItemKey, ItemShape], vision: VisionBalancing, table: bool) -> StageVision:
+    """The vision plan of ``waves`` of a stage placed by ``plan`` (see :class:`StageVision`)."""
+    world = plan.num_devices
+    groups = (tuple(waves),) if table else tuple((w,) for w in waves)
+    needs = [[frame_runs([p for w in ws for p in plan.pieces(w, r)], units) for r in range(world)] for ws in groups]
+    if vision.enabled:
+        plans = tuple(plan_wave_vision(need, shapes, vision.cost_model, eligible=[True] * world if table
+                                       else [any(plan.pieces(w, r) for w in ws) for r in range(world)],
+                                       tol=vision.tol, speeds=vision.speeds) for ws, need in zip(groups, needs))
+        return StageVision(groups, plans, tuple(vp.encode for vp in plans), tuple(vp.encode_cost for vp in plans),
+                           table)
+    return StageVision(groups, (), tuple(tuple(tuple(n) for n in need) for need in needs),
+                       tuple(tuple(runs_cost(n, shapes, vision.cost_model) for n in need) for need in needs), table)

@@ -1,10 +1,11 @@
-"""Batch assembly: one rank's model inputs of one wave (``WaveInputs``: a ``PackedBatch``, log-prob targets and the
-per-token loss inputs) from the arrays the exchange delivered."""
+"""Batch assembly, after the move: one rank's model inputs of one wave (``WaveInputs``: a ``PackedBatch``, log-prob
+targets and the per-token loss inputs) and of a stage's vision pass, from what the exchange delivered
+(``titanrl.rl.exchange.Delivery``) and the plans. It reads only its arguments."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -12,10 +13,26 @@ import torch
 from titanrl.models.packed import PackedBatch
 from titanrl.models.qwen2_5_vl.model import LogprobTargets
 from titanrl.models.vision_grid import VisionGrid
-from titanrl.parallel.stage_plan import Piece
-from titanrl.parallel.vision_plan import FrameRun, WaveVisionPlan, route_indices
-from titanrl.parallel.vision_route import VisionRoute
-from titanrl.rl.vision_inputs import frame_runs
+from titanrl.parallel.stage_plan import Piece, StagePlan
+from titanrl.parallel.vision_plan import FrameRun, ItemKey, ItemShape, WaveVisionPlan, frame_runs, route_indices
+from titanrl.parallel.vision_route import RouteCounter, VisionRoute
+from titanrl.rl.exchange import Delivery
+from titanrl.rl.units import StageUnit, TrajectoryMeta
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """What assembly needs of the step, fixed for it: this rank and its device, the trajectories' metadata (their
+    advantages; media by prompt group), the media shapes, and the embedding route's group and byte counter."""
+
+    rank: int
+    device: torch.device
+    dtype: torch.dtype
+    metas: Sequence[TrajectoryMeta]
+    by_group: Mapping[int, TrajectoryMeta]
+    shapes: Mapping[ItemKey, ItemShape]
+    route_group: object
+    route_counter: RouteCounter
 
 
 @dataclass
@@ -51,72 +68,65 @@ class VisionPass:
     rows: int  # rows the waves index: this rank's needed runs, in order
 
 
-def _encoder_inputs(ex, runs, received, cursor, fetched) -> tuple[list[VisionGrid], torch.Tensor | None]:
-    """Grids and pixels of the runs this rank encodes, consumed from ``received`` (or ``fetched``) in run order."""
+def _encoder_inputs(asm: Assembly, runs: Sequence[FrameRun], delivered: Delivery,
+                    g: int) -> tuple[list[VisionGrid], torch.Tensor | None]:
+    """Grids and pixels of the runs this rank encodes in vision group ``g``, in run order."""
     pixels, grids = [], []
     for run in runs:
-        if ex.slices is not None:
-            pixels.append(fetched[run])
-        else:
-            src = ex.by_group[run.group].home
-            pixels.append(received[src][cursor[src]])
-            cursor[src] += 1
-        g = ex.by_group[run.group].media[run.item].grid
-        grids.append(VisionGrid(run.f1 - run.f0, g.h, g.w, g.is_video, g.second_per_grid))
-    values = torch.from_numpy(np.concatenate(pixels)).to(ex.device, ex.dtype) if pixels else None
+        pixels.append(delivered.pixels[(g, run)])
+        grid = asm.by_group[run.group].media[run.item].grid
+        grids.append(VisionGrid(run.f1 - run.f0, grid.h, grid.w, grid.is_video, grid.second_per_grid))
+    values = torch.from_numpy(np.concatenate(pixels)).to(asm.device, asm.dtype) if pixels else None
     return grids, values
 
 
-def _route(ex, vplan: WaveVisionPlan) -> VisionRoute:
-    return VisionRoute(route_indices(vplan, ex.rank, ex.shapes), ex.rank, ex.vision.group, collective=vplan.moves(),
-                       counter=ex.vision_stats.route)
+def _route(asm: Assembly, vplan: WaveVisionPlan) -> VisionRoute:
+    return VisionRoute(route_indices(vplan, asm.rank, asm.shapes), asm.rank, asm.route_group,
+                       collective=vplan.moves(), counter=asm.route_counter)
 
 
-def vision_pass(ex, encode: Sequence[FrameRun], needs: Sequence[FrameRun], vplan: WaveVisionPlan | None,
-                received, cursor, fetched: dict[FrameRun, np.ndarray]) -> VisionPass:
-    """This rank's :class:`VisionPass` of a stage: it encodes ``encode`` (with vision balancing its plan's runs,
-    else its ``needs``) and ends with the rows of ``needs``."""
-    grids, pixels = _encoder_inputs(ex, encode, received, cursor, fetched)
-    batch = PackedBatch(input_ids=torch.zeros(0, dtype=torch.int64, device=ex.device),
-                        position_ids=torch.zeros(3, 0, dtype=torch.int64, device=ex.device),
-                        cu_seqlens=torch.zeros(1, dtype=torch.int64, device=ex.device), max_seqlen=0, grids=grids,
-                        pixel_values=pixels, vision_route=_route(ex, vplan) if vplan is not None else None)
-    rows = sum((r.f1 - r.f0) * ex.by_group[r.group].media[r.item].tokens_per_frame for r in needs)
+def vision_pass(asm: Assembly, encode: Sequence[FrameRun], needs: Sequence[FrameRun], vplan: WaveVisionPlan | None,
+                delivered: Delivery, g: int) -> VisionPass:
+    """This rank's :class:`VisionPass` of a stage (vision group ``g``): it encodes ``encode`` (with vision balancing
+    its plan's runs, else its ``needs``) and ends with the rows of ``needs``."""
+    grids, pixels = _encoder_inputs(asm, encode, delivered, g)
+    dev = asm.device
+    batch = PackedBatch(input_ids=torch.zeros(0, dtype=torch.int64, device=dev),
+                        position_ids=torch.zeros(3, 0, dtype=torch.int64, device=dev),
+                        cu_seqlens=torch.zeros(1, dtype=torch.int64, device=dev), max_seqlen=0, grids=grids,
+                        pixel_values=pixels, vision_route=_route(asm, vplan) if vplan is not None else None)
+    rows = sum((r.f1 - r.f0) * asm.by_group[r.group].media[r.item].tokens_per_frame for r in needs)
     return VisionPass(batch, rows)
 
 
-def assemble_wave(ex, plan, wave, mine, metas, received, cursor, fields, temperature, return_entropy,
-                  layout_builder, vplan: WaveVisionPlan | None, fetched: dict[FrameRun, np.ndarray], *,
+def assemble_wave(asm: Assembly, plan: StagePlan, wave: int, units: Sequence[StageUnit], delivered: Delivery,
+                  fields: Sequence[str], *, temperature: float, return_entropy: bool, layout_builder,
+                  encode: Sequence[FrameRun] = (), vplan: WaveVisionPlan | None = None, g: int = 0,
                   table: Sequence[FrameRun] | None = None) -> WaveInputs:
-    """This rank's ``WaveInputs`` of ``wave`` from what it received (``received[src]``, consumed from
-    ``cursor[src]`` in send order) and fetched: pieces in plan order, one vision grid per encoded run, the row of
-    each placeholder token in the encoded (or routed) rows. ``ex`` is the step's ``TrajectoryExchange``.
-    ``table``: the runs of the stage's :class:`VisionPass` on this rank; the wave encodes nothing and its
-    placeholders index the pass's rows instead."""
+    """This rank's ``WaveInputs`` of ``wave`` from what was delivered: pieces in plan order, one vision grid per run
+    it encodes (``encode``, vision group ``g``; ``vplan`` with vision balancing), the row of each placeholder token
+    in the encoded (or routed) rows. ``table``: the runs of the stage's :class:`VisionPass` on this rank; the wave
+    encodes nothing and its placeholders index the pass's rows instead."""
+    metas = units
+    mine = plan.pieces(wave, asm.rank)
     route = None
     if vplan is not None and (vplan.moves() or mine):
-        route = _route(ex, vplan)
+        route = _route(asm, vplan)
     if not mine:  # a dummy forward still joins the route's collective
         return WaveInputs([], None, None, [], None, None, None, {}, vision_route=route)
-    per_piece = []
-    for p in mine:
-        src = metas[p.seq].home
-        k = 3 + len(fields)
-        per_piece.append(received[src][cursor[src]:cursor[src] + k])
-        cursor[src] += k
+    per_piece = [delivered.pieces[(wave, i)] for i in range(len(mine))]
     need_runs = frame_runs(mine, metas) if table is None else table
     if table is not None:
         grids, pixel_values = [], None
     else:
-        grids, pixel_values = _encoder_inputs(ex, list(vplan.encode[ex.rank]) if vplan is not None else need_runs,
-                                              received, cursor, fetched)
+        grids, pixel_values = _encoder_inputs(asm, encode, delivered, g)
 
     # the row of each placeholder token in the rows of the runs it needs (what the route returns, the encoded
     # rows themselves, or the vision pass's rows)
     run_rows: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (group, item) -> (f0, f1, first row)
     rows = 0
     for run in need_runs:
-        item = ex.by_group[run.group].media[run.item]
+        item = asm.by_group[run.group].media[run.item]
         run_rows.setdefault((run.group, run.item), []).append((run.f0, run.f1, rows))
         rows += (run.f1 - run.f0) * item.tokens_per_frame
     token_rows = []
@@ -134,7 +144,7 @@ def assemble_wave(ex, plan, wave, mine, metas, received, cursor, fields, tempera
         # scored token here contribute nothing)
         seq_index.append(sc.response + len(seq_lengths))
         seq_lengths += list(m.response_lens)
-        adv.append(np.asarray([ex.metas[t].advantage for t in m.trajs], dtype=np.float32)[sc.response])
+        adv.append(np.asarray([asm.metas[t].advantage for t in m.trajs], dtype=np.float32)[sc.response])
         for f, values in zip(fields, arrays[3:]):
             extra[f].append(values)
         scored_counts.append(len(sc.positions))
@@ -148,9 +158,9 @@ def assemble_wave(ex, plan, wave, mine, metas, received, cursor, fields, tempera
             start_row = base + (lo - item.token_start) - f0 * item.tokens_per_frame
             token_rows.append(np.arange(start_row, start_row + hi - lo))
         offset += p.num_tokens
-    dev = ex.device
+    dev = asm.device
     lengths = [p.num_tokens for p in mine]
-    layout = layout_builder(plan.waves[wave].ranks[ex.rank]) if layout_builder is not None else None
+    layout = layout_builder(plan.waves[wave].ranks[asm.rank]) if layout_builder is not None else None
     batch = PackedBatch(
         input_ids=torch.from_numpy(np.concatenate(ids)).to(dev),
         position_ids=torch.from_numpy(np.concatenate(pos, axis=1)).to(dev),

@@ -1,15 +1,23 @@
-"""Trajectory exchange: every rank knows the step's trajectories by their metadata (``titanrl.rl.units``); a
-stage plan places token ranges of them on ranks; one all-to-all per wave moves each range from the rank that
-generated it (its *home*) to the rank that computes it, and log-probs come back the same way.
+"""Trajectory exchange, the *move* of a stage: every rank knows the step's trajectories by their metadata
+(``titanrl.rl.units``); a stage plan places token ranges of them on ranks and a vision plan says who encodes which
+frames (``titanrl.parallel.vision_plan``); one all-to-all per wave (per stage with a vision table) moves each range
+from the rank that generated it (its *home*) to the rank that computes it, and log-probs come back the same way.
 
-What travels is built at home (``titanrl.rl.wire``); the vision inputs a wave needs and who encodes them come from
-``titanrl.rl.vision_inputs`` - with slice-aware loading (``slices``, ``titanrl.rl.slice_loading``) no pixels travel
-at all: the encoding rank fetches the frames of its runs from the media preprocessors and patchifies them itself;
-``titanrl.rl.assemble`` builds each rank's model inputs of a wave from what arrived.
+The wire format, built at home. For a piece (a token range of a unit's stream): token ids, mrope positions
+(computed at home on the whole trajectory, so a slice keeps its positions), the next-token targets of its scored
+positions (the target of a slice's last token is the first token of the next slice), and the stage's per-token
+inputs (old / reference log-probs). For a frame run without slice-aware loading: its float32 patch rows. Both sides
+derive every shape from the plan and the metadata (``piece_specs``, ``run_spec``), so buffers move without a size
+handshake. With slice-aware loading (``slices``, ``titanrl.rl.slice_loading``) no pixels travel: the encoding rank
+fetches the frames of its runs from the media preprocessors itself.
+
+What a move returns (:class:`Delivery`) is keyed by piece and run; ``titanrl.rl.assemble`` builds the model
+inputs from it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -17,13 +25,106 @@ import torch
 
 from titanrl.distributed import all_to_all_arrays
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
+from titanrl.models.qwen2_5_vl.positions import mrope_position_ids
 from titanrl.parallel.stage_plan import Piece, StagePlan
-from titanrl.parallel.vision_plan import FrameRun, WaveVisionPlan, runs_cost
-from titanrl.rl.assemble import VisionPass, WaveInputs, assemble_wave, vision_pass
+from titanrl.parallel.vision_plan import FrameRun, StageVision
 from titanrl.rl.slice_loading import StepSlices
 from titanrl.rl.units import StageUnit, TrajectoryMeta
-from titanrl.rl.vision_inputs import VisionBalancing, VisionStats, frame_runs, item_shapes, plan_vision, run_frames
-from titanrl.rl.wire import HomeSide, piece_specs, run_spec
+
+
+class TrajectoryTokens:
+    """Whole-trajectory token arrays built at home once per step: ids, mrope positions."""
+
+    def __init__(self, args: Qwen2_5_VLArgs) -> None:
+        self.args = args
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def get(self, traj) -> tuple[np.ndarray, np.ndarray]:
+        key = id(traj)
+        if key not in self._cache:
+            ids = np.concatenate([traj.prompt.prompt_ids, traj.response_ids]).astype(np.int64)
+            v = self.args.vision
+            pos = mrope_position_ids(ids, traj.prompt.grids, image_token_id=self.args.image_token_id,
+                                     video_token_id=self.args.video_token_id, spatial_merge_size=v.spatial_merge_size,
+                                     tokens_per_second=v.tokens_per_second)
+            self._cache[key] = (ids, pos)
+        return self._cache[key]
+
+
+
+def piece_specs(p: Piece, u: StageUnit, fields: Sequence[str]) -> list[tuple[tuple[int, ...], np.dtype]]:
+    n = p.num_tokens
+    k = len(u.scored(p.start, p.end).positions)
+    specs = [((n,), np.dtype(np.int64)), ((3, n), np.dtype(np.int64)), ((k,), np.dtype(np.int64))]
+    return specs + [((k,), np.dtype(np.float32)) for _ in fields]
+
+
+def run_spec(run: FrameRun, metas_by_group: dict[int, TrajectoryMeta], patch_dim: int):
+    item = metas_by_group[run.group].media[run.item]
+    return ((run.f1 - run.f0) * item.patches_per_frame, patch_dim), np.dtype(np.float32)
+
+
+class HomeSide:
+    """The arrays this rank sends for the units and runs whose home it is (``trajs``: its trajectories;
+    ``metas[i].index`` indexes them)."""
+
+    def __init__(self, args: Qwen2_5_VLArgs, trajs: Sequence, metas: Sequence[TrajectoryMeta]) -> None:
+        self.trajs = trajs
+        self.metas = metas
+        self.tokens = TrajectoryTokens(args)
+        self._streams: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self.by_group = {m.group: m for m in metas}
+
+    def traj(self, u: StageUnit, k: int):
+        return self.trajs[self.metas[u.trajs[k]].index]
+
+    def stream(self, u: StageUnit) -> tuple[np.ndarray, np.ndarray]:
+        """A unit's token ids and mrope positions: the prompt, then each response with the positions
+        it has in its own trajectory (each continues from the prompt)."""
+        if len(u.trajs) == 1:
+            return self.tokens.get(self.traj(u, 0))
+        key = ("unit", u.trajs)
+        if key not in self._streams:
+            parts = [self.tokens.get(self.traj(u, k)) for k in range(len(u.trajs))]
+            p = u.prompt_len
+            self._streams[key] = (np.concatenate([parts[0][0][:p]] + [ids[p:] for ids, _ in parts]),
+                                  np.concatenate([parts[0][1][:, :p]] + [pos[:, p:] for _, pos in parts], axis=1))
+        return self._streams[key]
+
+    def piece_arrays(self, p: Piece, u: StageUnit, fields: Sequence[str]) -> list[np.ndarray]:
+        ids, pos = self.stream(u)
+        sc = u.scored(p.start, p.end)
+        out = [ids[p.start:p.end], pos[:, p.start:p.end], ids[sc.targets]]
+        for f in fields:
+            values = np.empty(len(sc.positions), dtype=np.float32)
+            for k in np.unique(sc.response):
+                sel = sc.response == k
+                values[sel] = np.asarray(getattr(self.traj(u, int(k)), f), dtype=np.float32)[sc.token[sel]]
+            out.append(values)
+        return out
+
+    def run_pixels(self, run: FrameRun) -> np.ndarray | None:
+        """The run's patch rows from the home's prompt (None: the prompt came without pixels - a disaggregated
+        placement with slice-aware loading - and the encoder fetches them)."""
+        m = self.by_group[run.group]
+        item = m.media[run.item]
+        pixels = self.trajs[m.index].prompt.pixel_values
+        if pixels is None:
+            return None
+        lo = item.row_start + run.f0 * item.patches_per_frame
+        return pixels[lo:lo + (run.f1 - run.f0) * item.patches_per_frame]
+
+
+@dataclass
+class Delivery:
+    """What a move delivered to this rank: the arrays of each of its pieces (``pieces[(wave, i)]``, the ``i``-th of
+    ``plan.pieces(wave, rank)``: ids, positions, targets, then one array per field) and the pixel rows of each run
+    it encodes (``pixels[(g, run)]``, ``g`` the vision group of :class:`StageVision`)."""
+
+    pieces: dict[tuple[int, int], list[np.ndarray]]
+    pixels: dict[tuple[int, FrameRun], np.ndarray]
+    bytes_sent: int  # everything this rank sent to other ranks
+    pixel_bytes: int  # of which pixels
 
 
 class TrajectoryExchange:
@@ -31,117 +132,73 @@ class TrajectoryExchange:
     trajectories (``metas[i].index`` indexes them on their home); a stage is a list of
     :class:`StageUnit` (plan sequence ``s`` is ``units[s]``)."""
 
-    def __init__(self, args: Qwen2_5_VLArgs, rank: int, world: int, device: torch.device, dtype: torch.dtype,
-                 trajs: Sequence, metas: Sequence[TrajectoryMeta], vision: VisionBalancing | None = None,
-                 slices: StepSlices | None = None, group=None) -> None:
+    def __init__(self, args: Qwen2_5_VLArgs, rank: int, world: int, device: torch.device, trajs: Sequence,
+                 metas: Sequence[TrajectoryMeta], slices: StepSlices | None = None, group=None) -> None:
         self.args = args
         self.group = group  # the process group whose ranks rank / world count (None: all ranks)
         self.rank = rank
         self.world = world
         self.device = device
-        self.dtype = dtype
-        self.metas = metas
         self.home = HomeSide(args, trajs, metas)
-        self.by_group = self.home.by_group
-        self.vision = vision
+        self.home_of_group = {g: m.home for g, m in self.home.by_group.items()}
         self.slices = slices
-        self.vision_stats = VisionStats()
-        self.shapes = item_shapes(metas)
 
-    def _count_vision(self, costs: Sequence[float]) -> None:
-        """One wave's planned vision cost per rank (``vision/balance_planned``)."""
-        self.vision_stats.planned_peak += max(costs)
-        self.vision_stats.planned_mean += float(np.mean(costs))
-
-    def inputs(self, plan: StagePlan, units: Sequence[StageUnit], waves: Sequence[int], **kw) -> list[WaveInputs]:
-        """This rank's inputs of each of ``waves``, each wave encoding its own vision inputs
-        (:meth:`stage_inputs` with ``table=False``)."""
-        return self.stage_inputs(plan, units, waves, **kw)[0]
-
-    def stage_inputs(self, plan: StagePlan, units: Sequence[StageUnit], waves: Sequence[int], *,
-                     fields: Sequence[str] = (), temperature: float = 1.0, return_entropy: bool = False,
-                     layout_builder=None, collective: bool = True,
-                     table: bool = False) -> tuple[list[WaveInputs], VisionPass | None]:
-        """This rank's inputs of each of ``waves``, moved with one all-to-all (skipped when
-        ``collective`` is False and vision balancing moves no pixels, which every rank agrees on).
-
-        Pixels reach the rank that encodes them (the one whose tokens use them, or with vision
-        balancing the one the vision plan names) in that all-to-all from their home, or with
-        slice-aware loading from the preprocessors, fetched by the encoder itself. Each wave encodes what
-        its tokens use; with ``table`` (every rank passes the same) the rank's whole share of ``waves`` is
-        planned and encoded at once instead, before them: the returned :class:`VisionPass`, whose rows the
-        waves' batches index (each image or frame once per rank whatever the balancer did with the responses
-        that read it, and with vision balancing one embedding route for all the waves)."""
-        metas = units
-        patch_dim = self.args.vision.patch_dim
-        # the waves one vision plan serves: each alone, or all at once (the table); every rank encodes in a
-        # table's vision pass, only ranks with work in a wave encode in it
-        vgroups = [list(waves)] if table else [[w] for w in waves]
-        pieces_of = lambda ws, r: [p for w in ws for p in plan.pieces(w, r)]  # noqa: E731
-        vplans: list[WaveVisionPlan] = []
-        if self.vision is not None and self.vision.enabled:
-            vplans = [plan_vision([pieces_of(ws, r) for r in range(self.world)], metas, self.shapes, self.vision,
-                                  every_rank=table) for ws in vgroups]
-            for vp in vplans:
-                self._count_vision(vp.encode_cost)
-        elif self.vision is not None:  # what each rank's own needs cost (the metric's baseline)
-            for ws in vgroups:
-                self._count_vision([runs_cost(frame_runs(pieces_of(ws, r), metas), self.shapes, self.vision.cost_model)
-                                    for r in range(self.world)])
-        encoded = lambda g, r: vplans[g].encode[r] if vplans else frame_runs(pieces_of(vgroups[g], r), metas)  # noqa: E731
-        home = lambda run: self.by_group[run.group].home  # noqa: E731
+    def move(self, plan: StagePlan, units: Sequence[StageUnit], vision: StageVision, *, fields: Sequence[str] = (),
+             collective: bool = True) -> Delivery:
+        """Every rank's pieces of ``vision.groups``' waves, and the pixels of the runs each encodes, from their
+        homes, with one all-to-all (skipped when ``collective`` is False and no pixels move, which every rank agrees
+        on). Pixels of a run reach its encoder in that all-to-all or, with slice-aware loading, fetched by the
+        encoder itself in one round of fetches."""
+        me, patch_dim = self.rank, self.args.vision.patch_dim
+        home = lambda run: self.home_of_group[run.group]  # noqa: E731
         send: list[list[np.ndarray]] = [[] for _ in range(self.world)]
         specs: list[list] = [[] for _ in range(self.world)]
-        for g, ws in enumerate(vgroups):
+        pixel_bytes = 0
+        # what each source sends me, in its send order: (key, pieces' array count or None for a run's pixels)
+        expected: list[list[tuple]] = [[] for _ in range(self.world)]
+        for g, ws in enumerate(vision.groups):
             for w in ws:
-                mine = plan.pieces(w, self.rank)
                 for dest in range(self.world):
-                    for p in mine if dest == self.rank else plan.pieces(w, dest):
-                        if metas[p.seq].home == self.rank:
-                            send[dest] += self.home.piece_arrays(p, metas[p.seq], fields)
-                for src in range(self.world):
-                    if src != self.rank:
-                        specs[src] += [spec for p in mine if metas[p.seq].home == src
-                                       for spec in piece_specs(p, metas[p.seq], fields)]
+                    for p in plan.pieces(w, dest):
+                        if units[p.seq].home == me:
+                            send[dest] += self.home.piece_arrays(p, units[p.seq], fields)
+                for i, p in enumerate(plan.pieces(w, me)):
+                    src = units[p.seq].home
+                    expected[src].append(((w, i), 3 + len(fields)))
+                    if src != me:
+                        specs[src] += piece_specs(p, units[p.seq], fields)
             if self.slices is not None:  # the encoder fetches its pixels itself: none are sent
                 continue
             for dest in range(self.world):
-                for run in encoded(g, dest):
-                    if home(run) == self.rank:
+                for run in vision.encode[g][dest]:
+                    if home(run) == me:
                         send[dest].append(self.home.run_pixels(run))
-                        if dest != self.rank:
-                            self.vision_stats.pixel_bytes += send[dest][-1].nbytes
-            for src in range(self.world):
-                if src != self.rank:
-                    specs[src] += [run_spec(run, self.by_group, patch_dim) for run in encoded(g, self.rank)
-                                   if home(run) == src]
-        if vplans and self.slices is None:  # pixels move to encoders even where every piece stays home
-            collective = collective or any(home(run) != r for vp in vplans for r, runs in enumerate(vp.encode)
-                                           for run in runs)
-        received, sent = all_to_all_arrays(send, specs, rank=self.rank, device=self.device, collective=collective,
+                        if dest != me:
+                            pixel_bytes += send[dest][-1].nbytes
+            for run in vision.encode[g][me]:
+                expected[home(run)].append(((g, run), None))
+                if home(run) != me:
+                    specs[home(run)].append(run_spec(run, self.home.by_group, patch_dim))
+        if self.slices is None:
+            collective = collective or vision.moves_pixels(self.home_of_group)
+        received, sent = all_to_all_arrays(send, specs, rank=me, device=self.device, collective=collective,
                                            group=self.group)
-        fetched: dict[FrameRun, np.ndarray] = {}
-        if self.slices is not None:  # every run this rank encodes in these waves, in one round of fetches
-            enc = [run for g in range(len(vgroups)) for run in encoded(g, self.rank)]
-            local = lambda run: self.home.run_pixels(run) if home(run) == self.rank else None  # noqa: E731
-            fetched = dict(zip(enc, self.slices.rows(enc, local)))
-        self.vision_stats.frames_encoded += sum(run_frames(encoded(g, self.rank)) for g in range(len(vgroups)))
-        cursor = [0] * self.world  # next array of each source, consumed in send order
-        out, vpass = [], None
-        for g, ws in enumerate(vgroups):
-            vplan = vplans[g] if vplans else None
-            if table:
-                needs = frame_runs(pieces_of(ws, self.rank), metas)
-                out += [assemble_wave(self, plan, w, plan.pieces(w, self.rank), metas, received, cursor, fields,
-                                      temperature, return_entropy, layout_builder, None, fetched, table=needs)
-                        for w in ws]
-                vpass = vision_pass(self, encoded(g, self.rank), needs, vplan, received, cursor, fetched)
-            else:
-                out += [assemble_wave(self, plan, w, plan.pieces(w, self.rank), metas, received, cursor, fields,
-                                      temperature, return_entropy, layout_builder, vplan, fetched) for w in ws]
-        if out:
-            out[0].bytes_sent = sent
-        return out, vpass
+        out = Delivery({}, {}, sent, pixel_bytes)
+        for src in range(self.world):
+            cursor = 0
+            for key, count in expected[src]:
+                if count is None:
+                    out.pixels[key] = received[src][cursor]
+                    cursor += 1
+                else:
+                    out.pieces[key] = received[src][cursor:cursor + count]
+                    cursor += count
+        if self.slices is not None:
+            enc = [(g, run) for g in range(len(vision.groups)) for run in vision.encode[g][me]]
+            local = lambda run: self.home.run_pixels(run) if home(run) == me else None  # noqa: E731
+            fetched = dict(zip([run for _, run in enc], self.slices.rows([run for _, run in enc], local)))
+            out.pixels.update({(g, run): fetched[run] for g, run in enc})
+        return out
 
     # ------------------------------------------------------------------ results home
 
@@ -181,11 +238,6 @@ class TrajectoryExchange:
                     sel = sc.response == k
                     getattr(self.home.traj(u, int(k)), attr)[torch.from_numpy(sc.token[sel])] = values[torch.from_numpy(sel)]
         return sent
-
-    def count_frames_used(self, plan: StagePlan, units: Sequence[StageUnit]) -> None:
-        """The distinct images and temporal patches a stage's tokens use (``vision/encode_repeats``' denominator)."""
-        pieces = [p for wave in range(len(plan.waves)) for r in range(self.world) for p in plan.pieces(wave, r)]
-        self.vision_stats.frames_used += run_frames(frame_runs(pieces, units))
 
     def begin_results(self, attr: str, ids: Sequence[int]) -> None:
         """Give each home trajectory among ``ids`` (global trajectory ids, the stage's) an empty ``attr`` for

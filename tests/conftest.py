@@ -1,16 +1,56 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and how the suite splits over pytest-xdist's workers (the README's test command runs
+``-m "not serial"`` on two workers, then the ``serial`` tests alone)."""
 
 from __future__ import annotations
 
+import inspect
+import os
 from pathlib import Path
 
 import pytest
+
+# What is made once and read by several tests stays on one worker, so no worker makes it again (xdist's
+# ``--dist loadgroup`` keeps a group on one worker): the runs and the engine made once per session
+# (train_runs.shared_run, the vllm_probe_results fixture), and a module's module-scoped fixtures (the Ulysses
+# harness's one launch, the namespaced hosts, the engines of test_rollout).
+_SESSION_RUNS = {"shared_run": ("reference_run(", "ppo_reference_run(", "shared_run(", "shared=True"),
+                 "vllm_probe": ("vllm_probe_results",)}
+
+
+def _group(item) -> str | None:
+    try:
+        source = inspect.getsource(item.function)
+    except (OSError, TypeError):
+        source = ""
+    for group, names in _SESSION_RUNS.items():
+        if any(name in source for name in names):
+            return group
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    if any(d.scope == "module" for fixture_defs in defs.values() for d in fixture_defs):
+        return f"module:{item.module.__name__}"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = _group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _xdist_worker() -> str | None:
+    return os.environ.get("PYTEST_XDIST_WORKER")
 
 
 @pytest.fixture(scope="session")
 def run_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One ``model.cache_dir`` for the end-to-end runs of the session: the tiny checkpoint and the
-    synthetic dataset are built once (under the asset builder's file lock), not once per test."""
+    synthetic dataset are built once (under the asset builder's file lock), not once per test, nor once per xdist
+    worker (the workers share one folder beside their own)."""
+    if _xdist_worker() is not None:
+        shared = tmp_path_factory.getbasetemp().parent / "titanrl_cache"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("titanrl_cache")
 
 

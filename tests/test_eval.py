@@ -119,7 +119,11 @@ def test_an_evaluation_equals_one_computed_without_the_trainer(run_cache, tmp_pa
     from train_runs import evaluations, metrics, reference_run
 
     run_dir = reference_run(run_cache)
-    held = sorted((Path(run_cache) / "data").glob("heldout_*/manifest.jsonl"))
+    import tomllib
+
+    # the held-out set of the reference's mixture (the cache holds every run's of the session)
+    mixture = tomllib.loads((run_dir / "config.toml").read_text())["data"]["mixture"]
+    held = sorted((Path(run_cache) / "data").glob(f"heldout_{mixture}_*/manifest.jsonl"))
     assert len(held) == 1, held
     out = tmp_path / "direct.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "eval_direct.py"), str(run_dir), str(held[0]),

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from netns_hosts import OBJECT_MANAGER_PORT, Hosts, HostsUnavailable  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # one xdist worker runs them all (the module's hosts fixture: tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -121,6 +121,7 @@ def test_cli_hf_engine_generation(tmp_path: Path, tiny_ckpt: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_two_ranks_a_shared_core_measures_slower(tmp_path: Path, wrapper: Path):
     """Rank 0 alone on one core, rank 1 on another core shared with three spinning processes (so it gets about a
     quarter of it; even if something else lands on rank 0's core, rank 0 keeps about half)."""

@@ -206,6 +206,7 @@ def test_profile_speeds_refusals():
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_profile_speeds_at_start_up_give_a_slowed_rank_less_work(run_cache, tmp_path):
     """balance.profile_speeds: rank 1 pinned to a core shared with a spinning process (about half its speed)
     measures slower at start-up and is given less of the log-prob and update work."""

@@ -195,6 +195,7 @@ def reward(response, record):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_live_run_holds_its_folder_and_a_second_run_there_stops_at_once(tmp_path, run_cache):
     """While a run is training, its folder is held (seen from its own reward worker, another process); a second
     run (2 ranks) given the same folder stops in seconds with exit 2 and one line naming the folder and the live run's pid,

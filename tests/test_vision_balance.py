@@ -144,3 +144,18 @@ def test_everything_together_under_lb_mini_equals_one_process(tmp_path, run_cach
     assert all(r["vision/bytes_moved"] > 0 and r["balance/syncs_per_minibatch"] == 1 for r in every)
     assert max(r["parallel/sharded_sequences"] for r in every) > 0
     assert all(r["vision/encode_repeats"] > 1.5 for r in one)  # per wave: a prompt's frames in every microbatch
+
+
+def test_a_stage_with_nothing_to_place_has_an_empty_vision_share_on_every_rank():
+    """A minibatch whose trajectories are all elsewhere (async partial rollouts can leave one empty) has a plan without
+    waves; its vision plan still gives each rank an empty share and a zero cost (not a plan over no ranks)."""
+    from titanrl.parallel.stage_plan import plan_stage
+    from titanrl.parallel.vision_plan import plan_stage_vision
+
+    for strategy in ("lb_mini", "lb_micro"):
+        plan = plan_stage([], [], 2, method="none", strategy=strategy, max_tokens=100, cost_model=CostModel())
+        assert plan.waves == ()
+        for enabled in (False, True):
+            vision = plan_stage_vision(plan, [], [], world=2, shapes={}, table=True,
+                                       vision=VisionBalancing(enabled=enabled, cost_model=CostModel()))
+            assert vision.encode == (((), ()),) and vision.costs == ((0.0, 0.0),)

@@ -172,6 +172,7 @@ def _tree(pid: int) -> list:
     return [root, *root.children(recursive=True)]
 
 
+@pytest.mark.serial
 def test_sigterm_past_the_grace_abandons_the_step_within_it_saves_it_and_the_reruns_resume_exactly(run_cache,
                                                                                                    tmp_path):
     """SIGTERM to torchrun (2 ranks; job.preempt_grace_s 25, torchrun kills 30 s after it forwards SIGTERM), twice:

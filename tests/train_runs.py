@@ -249,7 +249,8 @@ def shared_run(cache: Path, nproc: int, *overrides: str) -> Path:
     reused by every test that asks for the same one. Returns its run folder."""
     key = (str(cache), nproc, overrides)
     if key not in _SHARED:
-        _SHARED[key] = run_tiny(Path(cache) / "shared_runs" / f"run{len(_SHARED)}", cache, nproc, *overrides)
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")  # xdist's workers share the cache folder
+        _SHARED[key] = run_tiny(Path(cache) / "shared_runs" / f"{worker}-run{len(_SHARED)}", cache, nproc, *overrides)
     return _SHARED[key]
 
 

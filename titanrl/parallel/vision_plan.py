@@ -290,10 +290,10 @@ class StageVision:
                    for run in runs)
 
 
-def plan_stage_vision(plan: StagePlan, units: Sequence[StageUnit], waves: Sequence[int], *,
+def plan_stage_vision(plan: StagePlan, units: Sequence[StageUnit], waves: Sequence[int], *, world: int,
                       shapes: Mapping[ItemKey, ItemShape], vision: VisionBalancing, table: bool) -> StageVision:
-    """The vision plan of ``waves`` of a stage placed by ``plan`` (see :class:`StageVision`)."""
-    world = plan.num_devices
+    """The vision plan of ``waves`` of a stage placed by ``plan`` over ``world`` ranks (see :class:`StageVision`;
+    a stage with nothing to place has no waves, and still a share, empty, for every rank)."""
     groups = (tuple(waves),) if table else tuple((w,) for w in waves)
     needs = [[frame_runs([p for w in ws for p in plan.pieces(w, r)], units) for r in range(world)] for ws in groups]
     if vision.enabled:

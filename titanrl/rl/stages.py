@@ -262,7 +262,8 @@ class StageRunner:
         the balancer did with the responses that read it, and with vision balancing one embedding route for all
         the waves). ``collective`` False: no piece crosses ranks (every rank agrees), so the move may skip its
         all-to-all."""
-        vision = plan_stage_vision(plan, units, waves, shapes=self.assembly.shapes, vision=self.vision, table=table)
+        vision = plan_stage_vision(plan, units, waves, world=self.world, shapes=self.assembly.shapes,
+                                   vision=self.vision, table=table)
         v = self.vision_stats
         for costs in vision.costs:
             v.planned_peak += max(costs)

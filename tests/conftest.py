@@ -31,11 +31,17 @@ def _group(item) -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the node ids
 def pytest_collection_modifyitems(config, items):
+    """Group (above), then order: the groups first, then the other slow tests, then the fast ones, so that the
+    workers' last minutes hold short tests (the longest first, as a scheduler of unequal jobs would)."""
+    rank = {}
     for item in items:
         group = _group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+        rank[item.nodeid] = 0 if group is not None else 1 if item.get_closest_marker("slow") else 2
+    items.sort(key=lambda item: rank[item.nodeid])
 
 
 def _xdist_worker() -> str | None:

@@ -124,6 +124,7 @@ def rank_main(ckpt: str, out_dir: str, manifest: str, tp: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # it asserts what appears in /dev/shm while it runs: nothing else may run beside it
 @pytest.mark.parametrize("tp", [1, 2])
 def test_engines_in_torchrun_ranks_take_an_in_memory_push(tiny_ckpt, tmp_path, tp):
     """Each rank hands vLLM its own rank and device (external launcher); with T = 2 one engine spans both ranks

@@ -31,7 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from netns_hosts import OBJECT_MANAGER_PORT, Hosts, HostsUnavailable  # noqa: E402
 
-pytestmark = pytest.mark.slow  # one xdist worker runs them all (the module's hosts fixture: tests/conftest.py)
+# serial: the namespaced hosts add interfaces and routes to this machine while they exist (a Ray cluster started
+# beside them may advertise an address that goes with them), and their ports are fixed
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""Shared pytest fixtures, and how the suite splits over pytest-xdist's workers (the README's test command runs
-``-m "not serial"`` on two workers, then the ``serial`` tests alone)."""
+"""Shared pytest fixtures, and how the suite splits over pytest-xdist's workers when asked to (not yet the README's
+command: ``-n 2 --dist loadgroup -m "not serial"``, then ``-m serial`` alone; benchmarks/README.md says why)."""
 
 from __future__ import annotations
 
@@ -33,15 +33,16 @@ def _group(item) -> str | None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the node ids
 def pytest_collection_modifyitems(config, items):
-    """Group (above), then order: the groups first, then the other slow tests, then the fast ones, so that the
-    workers' last minutes hold short tests (the longest first, as a scheduler of unequal jobs would)."""
+    """Group (above), then, on xdist's workers, order: the groups first, then the other slow tests, then the fast
+    ones, so that the workers' last minutes hold short tests (the longest first)."""
     rank = {}
     for item in items:
         group = _group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
         rank[item.nodeid] = 0 if group is not None else 1 if item.get_closest_marker("slow") else 2
-    items.sort(key=lambda item: rank[item.nodeid])
+    if _xdist_worker() is not None:  # one process keeps the collection order
+        items.sort(key=lambda item: rank[item.nodeid])
 
 
 def _xdist_worker() -> str | None:

@@ -275,6 +275,7 @@ class StageVision:
     pass; only ranks with work in a wave encode in it)."""
 
     groups: tuple[tuple[int, ...], ...]
+    needs: tuple[tuple[tuple[FrameRun, ...], ...], ...]  # [group][rank]: the runs the rank's pieces use
     plans: tuple[WaveVisionPlan, ...]  # one per group with vision balancing; empty without
     encode: tuple[tuple[tuple[FrameRun, ...], ...], ...]  # [group][rank]: the runs the rank encodes
     costs: tuple[tuple[float, ...], ...]  # [group][rank]: their planned vision cost
@@ -295,12 +296,13 @@ def plan_stage_vision(plan: StagePlan, units: Sequence[StageUnit], waves: Sequen
     """The vision plan of ``waves`` of a stage placed by ``plan`` over ``world`` ranks (see :class:`StageVision`;
     a stage with nothing to place has no waves, and still a share, empty, for every rank)."""
     groups = (tuple(waves),) if table else tuple((w,) for w in waves)
-    needs = [[frame_runs([p for w in ws for p in plan.pieces(w, r)], units) for r in range(world)] for ws in groups]
+    needs = tuple(tuple(tuple(frame_runs([p for w in ws for p in plan.pieces(w, r)], units)) for r in range(world))
+                  for ws in groups)
     if vision.enabled:
         plans = tuple(plan_wave_vision(need, shapes, vision.cost_model, eligible=[True] * world if table
                                        else [any(plan.pieces(w, r) for w in ws) for r in range(world)],
                                        tol=vision.tol, speeds=vision.speeds) for ws, need in zip(groups, needs))
-        return StageVision(groups, plans, tuple(vp.encode for vp in plans), tuple(vp.encode_cost for vp in plans),
-                           table)
-    return StageVision(groups, (), tuple(tuple(tuple(n) for n in need) for need in needs),
+        return StageVision(groups, needs, plans, tuple(vp.encode for vp in plans),
+                           tuple(vp.encode_cost for vp in plans), table)
+    return StageVision(groups, needs, (), needs,
                        tuple(tuple(runs_cost(n, shapes, vision.cost_model) for n in need) for need in needs), table)

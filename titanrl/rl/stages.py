@@ -276,7 +276,7 @@ class StageRunner:
         for g, ws in enumerate(vision.groups):
             encode = vision.encode[g][self.rank]
             if table:
-                needs = frame_runs([p for w in ws for p in plan.pieces(w, self.rank)], units)
+                needs = vision.needs[g][self.rank]
                 out += [assemble_wave(self.assembly, plan, w, units, delivered, fields, table=needs, **kw) for w in ws]
                 vpass = vision_pass(self.assembly, encode, needs, vision.plan(g), delivered, g)
             else:

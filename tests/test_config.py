@@ -466,14 +466,24 @@ def _value_strategy(tp: Any) -> st.SearchStrategy:
     raise AssertionError(tp)
 
 
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quotes, backslashes and control characters escaped (JSON's escapes are not TOML's for
+    characters past the BMP, and JSON leaves DEL raw, which TOML refuses)."""
+    escaped = "".join(f"\\u{ord(c):04X}" if ord(c) < 0x20 or ord(c) == 0x7F else "\\" + c if c in '"\\' else c
+                      for c in text)
+    return f'"{escaped}"'
+
+
 def _as_tokens(key: str, value: Any, spaced: bool) -> list[str]:
     """How a user would type ``value`` for ``key``."""
     if isinstance(value, bool):
         return [f"--{key}"] if value else [f"--no-{key}"]
     if value is None:
         text = "none"
-    elif isinstance(value, (list, float)):
-        text = json.dumps(value, ensure_ascii=False) if isinstance(value, list) else repr(value)
+    elif isinstance(value, list):
+        text = "[" + ", ".join(_toml_string(v) if isinstance(v, str) else json.dumps(v) for v in value) + "]"
+    elif isinstance(value, float):
+        text = repr(value)
     else:
         text = str(value)
     if spaced and not text.startswith("--"):

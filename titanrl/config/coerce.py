@@ -101,20 +101,28 @@ def from_cli(text: str, tp: Any) -> Any:
 def _parse_list(text: str, element: Any) -> list[Any]:
     """``[0.9,0.95]``, ``["a", "b,c"]`` (TOML array syntax), ``[a,b]``, ``a,b`` or empty."""
     stripped = text.strip()
+    toml_error = None
     if stripped.startswith("["):
         try:
             items = tomllib.loads(f"v = {stripped}")["v"]
             return [_element(from_toml, item, element) for item in items]
-        except (tomllib.TOMLDecodeError, Mismatch):
-            # Not TOML (``[model,loss]``) or TOML of other types (``[1,2]`` for list[str]):
-            # read it as comma-separated words instead.
+        except tomllib.TOMLDecodeError as error:
+            toml_error = error
+        except Mismatch:
             pass
+        # Not TOML (``[model,loss]``) or TOML of other types (``[1,2]`` for list[str]): read it as comma-separated
+        # words instead
         if not stripped.endswith("]"):
             raise Mismatch("unbalanced '['")
         stripped = stripped[1:-1].strip()
     if not stripped:
         return []
-    return [_element(from_cli, item.strip(), element) for item in stripped.split(",")]
+    words = [item.strip() for item in stripped.split(",")]
+    if toml_error is not None and any(w[:1] in ('"', "'") for w in words):
+        # quoted strings TOML refused (a control character, a bad escape): never the quotes as part of a value
+        raise Mismatch(f"a quoted list that is not a TOML array ({toml_error}); escape control characters as "
+                       "\\uXXXX")
+    return [_element(from_cli, w, element) for w in words]
 
 
 def _element(convert, item: Any, element: Any) -> Any:

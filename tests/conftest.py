@@ -1,5 +1,5 @@
-"""Shared pytest fixtures, and how the suite splits over pytest-xdist's workers when asked to (not yet the README's
-command: ``-n 2 --dist loadgroup -m "not serial"``, then ``-m serial`` alone; benchmarks/README.md says why)."""
+"""Shared pytest fixtures, and how the suite splits over pytest-xdist's workers (the README's command:
+``-n 2 --dist loadgroup -m "not serial"``, then ``-m serial`` alone)."""
 
 from __future__ import annotations
 
@@ -103,11 +103,28 @@ def vllm_probe_results(titanrl_saved_ckpt: Path, tmp_path_factory: pytest.TempPa
     return results
 
 
+def _xdist_controller(config) -> bool:
+    return _xdist_worker() is None and bool(getattr(config.option, "numprocesses", None))
+
+
+def pytest_configure(config):
+    """The xdist controller names the folder where its workers' one Ray head is described
+    (``train_runs.SHARED_RAY_ENV``; the workers inherit the variable). Short: Ray's socket paths must fit 107
+    bytes."""
+    from train_runs import SHARED_RAY_ENV
+
+    if _xdist_controller(config):
+        os.environ[SHARED_RAY_ENV] = f"/tmp/titanrl-ray-{os.getpid()}"
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Stop the Ray head the session's runs shared (``train_runs.ray_cluster``), if one was started."""
-    from train_runs import stop_ray_cluster
+    """Stop the Ray head the session's runs shared (``train_runs.ray_cluster``), if one was started: in one process
+    by the process, under xdist by the controller once every worker is done."""
+    from train_runs import SHARED_RAY_ENV, stop_ray_cluster, stop_shared_ray_cluster
 
     stop_ray_cluster()
+    if _xdist_controller(session.config) and os.environ.get(SHARED_RAY_ENV):
+        stop_shared_ray_cluster(Path(os.environ[SHARED_RAY_ENV]))
 
 
 @pytest.fixture

@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from netns_hosts import OBJECT_MANAGER_PORT, Hosts, HostsUnavailable  # noqa: E402
 
-# serial: the namespaced hosts add interfaces and routes to this machine while they exist (a Ray cluster started
-# beside them may advertise an address that goes with them), and their ports are fixed
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+# Beside other tests: the hosts live in namespaces of their own (this machine's interfaces and routes do not change)
+# and their fixed ports are theirs. Only the shaped link's measurement is serial (a measured bandwidth).
+pytestmark = [pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +195,7 @@ def test_fetch_blocked_mid_run_names_the_samples_and_hosts_and_stops_every_rank(
     assert elapsed < 90, (elapsed, lines)
 
 
+@pytest.mark.serial
 def test_profile_measures_a_shaped_link_and_the_scheduler_prices_it(hosts, tmp_path):
     """`titanrl.profile` across two namespaced hosts whose links tbf limits to 200 Mbit/s measures about that
     bandwidth between them, and the scheduler's cluster takes the pair's link from it (HetRL's profiler)."""

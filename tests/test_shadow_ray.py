@@ -32,11 +32,18 @@ INFO = DistInfo(0, 1, 0, torch.device("cpu"))
 
 @pytest.fixture(scope="module")
 def ray_session():
+    """A private instance in this process. Its start sets Ray's variables in this process's environment (loopback
+    servers, a token): they are put back after, so that nothing started later from this process inherits them."""
+    import os
+
     from titanrl.data.shadow import ray_runtime
 
+    saved = dict(os.environ)
     session = ray_runtime.connect("", 256 << 20, Comm(), local_world_size=1)
     yield session
     ray_runtime.shutdown(session, Comm())
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")

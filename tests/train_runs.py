@@ -7,11 +7,15 @@ shuts it down at the end (~6 s of a tiny 2-rank run here); the runs of a session
 with Ray's own ``ray start --head`` on 127.0.0.1 (token authentication, a fresh token) the first time a run needs
 it, stopped when the session ends (``conftest.pytest_sessionfinish``). That is the multi-node path users take
 (``data.ray_address``, one preprocessor per node of the cluster); a test that is about the private instance
-(SIGTERM under torchrun, the product surface) passes ``own_ray=True``."""
+(SIGTERM under torchrun, the product surface) passes ``own_ray=True``. Under pytest-xdist the workers share one
+head too (``SHARED_RAY_ENV``: the controller names a folder, the first worker to need a cluster starts it there,
+the others join it, the controller stops it at the end): two heads on one machine were seen to lose a driver (one
+GCS listened on 127.0.0.1 only while the driver dialled the machine's address)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -45,11 +49,14 @@ _SHARED: dict[tuple, Path] = {}
 class RayCluster:
     address: str
     env: dict[str, str]  # what a driver needs to join (token authentication)
-    proc: subprocess.Popen  # ``ray start --head --block``: SIGTERM stops the head's processes
+    pid: int  # ``ray start --head --block`` (its own session): SIGTERM stops the head's processes
     temp_dir: Path
+    proc: subprocess.Popen | None = None  # started by this process (None: joined, another process stops it)
 
 
 _CLUSTER: RayCluster | None = None
+# Set by the xdist controller (conftest): the folder where the workers' one Ray head is described (cluster.json)
+SHARED_RAY_ENV = "TITANRL_TEST_SHARED_RAY"
 
 
 def _free_port() -> int:
@@ -58,22 +65,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def ray_cluster(timeout_s: float = 120.0) -> RayCluster:
-    """The session's Ray head (started on first use)."""
-    global _CLUSTER
-    if _CLUSTER is not None:
-        assert _CLUSTER.proc.poll() is None, f"the session's Ray head exited ({_CLUSTER.temp_dir})"
-        return _CLUSTER
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _start_head(temp_dir: Path, timeout_s: float) -> RayCluster:
     port = _free_port()
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    temp_dir = Path("/tmp") / f"titanrl-test-ray-{os.getpid()}"  # short: Ray's socket paths must fit 107 bytes
     temp_dir.mkdir(parents=True, exist_ok=True)
     log = temp_dir / "head.log"
+    # Not the variable a private instance sets in its process (``ray_runtime._local_env``, "0": every server binds
+    # 127.0.0.1), left in this one by an in-process test: a head started with it listens on 127.0.0.1 only, while a
+    # driver forked from the forkserver (whose Ray read its environment before) dials the machine's address
+    base = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(port),
          "--node-ip-address", "127.0.0.1", "--num-cpus", str(os.cpu_count() or 1), "--include-dashboard=false",
          "--disable-usage-stats", f"--temp-dir={temp_dir}", "--object-store-memory", str(256 << 20)],
-        env={**os.environ, **env, "RAY_USAGE_STATS_ENABLED": "0"}, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        env={**base, **env, "RAY_USAGE_STATS_ENABLED": "0"}, stdout=log.open("w"), stderr=subprocess.STDOUT,
         start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while "Ray runtime started" not in log.read_text(errors="replace"):
@@ -81,22 +93,69 @@ def ray_cluster(timeout_s: float = 120.0) -> RayCluster:
             proc.kill()
             raise RuntimeError(f"ray start --head failed:\n{log.read_text(errors='replace')[-3000:]}")
         time.sleep(0.1)
-    _CLUSTER = RayCluster(f"127.0.0.1:{port}", env, proc, temp_dir)
-    return _CLUSTER
+    return RayCluster(f"127.0.0.1:{port}", env, proc.pid, temp_dir, proc)
+
+
+def ray_cluster(timeout_s: float = 120.0) -> RayCluster:
+    """The session's Ray head (started on first use; under xdist, the workers' one head)."""
+    global _CLUSTER
+    if _CLUSTER is not None:
+        assert _alive(_CLUSTER.pid), f"the session's Ray head exited ({_CLUSTER.temp_dir})"
+        return _CLUSTER
+    shared = os.environ.get(SHARED_RAY_ENV)
+    if not shared:
+        # short: Ray's socket paths must fit 107 bytes
+        _CLUSTER = _start_head(Path("/tmp") / f"titanrl-test-ray-{os.getpid()}", timeout_s)
+        return _CLUSTER
+    folder = Path(shared)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker starts it, the others wait and join
+        described = folder / "cluster.json"
+        if described.exists():
+            d = json.loads(described.read_text())
+            _CLUSTER = RayCluster(d["address"], d["env"], d["pid"], Path(d["temp_dir"]))
+        else:
+            started = _start_head(folder / "ray", timeout_s)
+            described.write_text(json.dumps({"address": started.address, "env": started.env, "pid": started.pid,
+                                             "temp_dir": str(started.temp_dir)}))
+            _CLUSTER = RayCluster(started.address, started.env, started.pid, started.temp_dir)  # not ours to stop
+    return ray_cluster(timeout_s)
+
+
+def _stop_head(pid: int, temp_dir: Path, proc: subprocess.Popen | None) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)  # ``ray start --block`` stops the head's processes on SIGTERM
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + 60
+    while (proc.poll() is None if proc else _alive(pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if proc.poll() is None if proc else _alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    if proc:
+        proc.wait()
+    shutil.rmtree(temp_dir, ignore_errors=True)  # the head's logs and sockets
 
 
 def stop_ray_cluster() -> None:
+    """This session's head, if this process started it (a worker leaves the shared one to the controller)."""
     global _CLUSTER
     if _CLUSTER is None:
         return
     cluster, _CLUSTER = _CLUSTER, None
-    cluster.proc.terminate()  # ``ray start --block`` stops the head's processes on SIGTERM
-    try:
-        cluster.proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(cluster.proc.pid, signal.SIGKILL)
-        cluster.proc.wait()
-    shutil.rmtree(cluster.temp_dir, ignore_errors=True)  # the head's logs and sockets
+    if cluster.proc is not None:
+        _stop_head(cluster.pid, cluster.temp_dir, cluster.proc)
+
+
+def stop_shared_ray_cluster(folder: Path) -> None:
+    """The xdist controller, at the session's end: the head a worker started for all of them."""
+    described = folder / "cluster.json"
+    if described.exists():
+        d = json.loads(described.read_text())
+        _stop_head(d["pid"], Path(d["temp_dir"]), None)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def launch(nproc: int | None) -> list[str]:

@@ -38,6 +38,8 @@ def format_step_line(step: int, total: int, metrics: dict[str, float]) -> str:
         parts.append(f"skipped {int(metrics['data/skipped'])}")
     if metrics.get("reward/errors", 0):
         parts.append(f"reward errors {int(metrics['reward/errors'])}")
+    if metrics.get("rollout/env_errors", 0):
+        parts.append(f"env errors {int(metrics['rollout/env_errors'])}")
     return " | ".join(parts)
 
 

@@ -23,6 +23,7 @@ _USER_ERRORS = (
     "titanrl.data.media.MediaError",
     "titanrl.rl.timing.CollectiveError",
     "titanrl.rl.reward_runner.RewardError",
+    "titanrl.envs.EnvError",
 )
 
 

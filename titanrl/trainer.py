@@ -12,6 +12,7 @@ import os
 import pickle
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,9 @@ from titanrl.parallel.balance import balance_ranks
 from titanrl.parallel.parallelize import CompileOptions, build_parallel_model
 from titanrl.parallel.ulysses import resolve_ulysses
 from titanrl.rl.dump import dump_step
+from titanrl.envs import load_env
 from titanrl.rl.error_watch import ErrorWatch
+from titanrl.rl.turns import TurnSetup
 from titanrl.rl.evaluation import Evaluator
 from titanrl.parallel.vision_plan import VisionBalancing
 from titanrl.rl.grpo import build_policy_loss
@@ -235,8 +238,11 @@ class Trainer:
             launch = engine_launch(info.rank, info.local_rank, info.world_size, tp, info.device.type,
                                    process_group=dist.is_initialized(), own_process=self.placement.disaggregated,
                                    local_world=int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size)))
-            self.engine = build_rollout_engine(cfg, self.model_dir, info.rank,
-                                               mm_limits=mm_limits_for(self.records + held_out), launch=launch,
+            mm_limits = mm_limits_for(self.records + held_out)
+            if cfg.rollout.max_turns > 1:  # the observations' images come after the prompt's
+                extra = (cfg.rollout.max_turns - 1) * cfg.rollout.max_turn_images
+                mm_limits = {**mm_limits, "image": mm_limits.get("image", 0) + extra}
+            self.engine = build_rollout_engine(cfg, self.model_dir, info.rank, mm_limits=mm_limits, launch=launch,
                                                tp_group=tp_group, sleep=self.engine_sleeps)
             # the trainer's close ends its process: no garbage collection of vLLM's heap
             self._resources.callback(self.engine.close, collect=False)
@@ -295,7 +301,7 @@ class Trainer:
             ref_model=self.ref_model, critic=self.critic, stages=self.stages, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, critic_optimizer=getattr(self, "critic_optimizer", None),
             critic_lr_scheduler=getattr(self, "critic_lr_scheduler", None), policy_loss=self.policy_loss,
-            off_policy=self.off_policy)
+            off_policy=self.off_policy, turns=self._turn_setup(cfg) if cfg.rollout.max_turns > 1 else None)
         self.history: list[dict[str, float]] = []  # every step's metrics, for the end-of-run summary
         self.evals: list[tuple[int, dict[str, float]]] = []  # this process's evaluations (step, metrics)
         self._step_seconds: list[float] = []  # wall seconds of this process's steps (SIGTERM's estimate)
@@ -304,6 +310,16 @@ class Trainer:
     step = property(lambda self: self.state.step, lambda self, value: setattr(self.state, "step", value))
     partial_rollouts = property(lambda self: self.state.partial_rollouts,
                                 lambda self, value: setattr(self.state, "partial_rollouts", value))
+
+    def _turn_setup(self, cfg) -> TurnSetup:
+        """Multi-turn rollouts: rl.env's class (loaded now: a missing file or class stops the start with its name),
+        the checkpoint's image processing for the observations, and where the records' media paths start."""
+        from titanrl.data.shadow.factory import media_settings
+
+        return TurnSetup(make_env=load_env(cfg.rl.env), settings=media_settings(cfg, self.model_dir),
+                         manifest_dir=str(Path(self.manifest).parent.resolve()), max_turns=cfg.rollout.max_turns,
+                         max_turn_images=cfg.rollout.max_turn_images, max_context_tokens=cfg.model.max_seq_len,
+                         strict=cfg.rl.on_reward_error == "error")
 
     def _build_model(self, mesh, *, trainable: bool, value_head: bool = False, path=None,
                      offload: bool = False, lora=None) -> Qwen2_5_VLModel:

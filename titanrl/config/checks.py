@@ -68,6 +68,7 @@ def cross_section_problems(cfg: "JobConfig") -> list[str]:
             "sequences as if every rank were equally fast (its nested groups are planned by equal loads): use "
             "parallelism.ulysses = 'none' with unequal speeds, or equal speeds"
         )
+    found += _multiturn_problems(cfg)
     tp = cfg.rollout.tensor_parallel_size
     if tp > 1 and cfg.rollout.engine != "vllm":
         found.append(f"rollout.tensor_parallel_size={tp} runs one vLLM engine over several ranks: set "
@@ -123,6 +124,34 @@ def cross_section_problems(cfg: "JobConfig") -> list[str]:
             f"{cfg.rollout.max_new_tokens} = {prompt_and_response}) must be <= "
             f"model.max_seq_len ({cfg.model.max_seq_len})"
         )
+    return found
+
+
+def _multiturn_problems(cfg: "JobConfig") -> list[str]:
+    """Multi-turn rollouts (rollout.max_turns > 1, rl.env): what they need, and what they do not run with yet."""
+    turns, found = cfg.rollout.max_turns, []
+    if turns > 1 and not cfg.rl.env:
+        found.append(f"rollout.max_turns = {turns} needs an environment to answer each turn: set rl.env (e.g. "
+                     "'titanrl.envs.zoom:ZoomEnv')")
+    if cfg.rl.env and turns == 1:
+        found.append(f"rl.env = {cfg.rl.env!r} answers turns after the first, but rollout.max_turns = 1: set "
+                     "rollout.max_turns > 1, or leave rl.env empty")
+    if turns == 1:
+        return found
+    not_yet = {
+        "rl.algorithm = 'ppo' (the critic's GAE over turns whose observations are not the policy's)":
+            cfg.rl.algorithm == "ppo",
+        "rl.advantage = 'reinforce++' (its per-token KL returns over the observations)":
+            cfg.rl.advantage == "reinforce++",
+        "partial rollouts (rollout.tokens_per_update)": bool(cfg.rollout.tokens_per_update),
+        "workflow.mode = 'async'": cfg.workflow.mode == "async",
+        "workflow.placement = 'disaggregated'": cfg.workflow.placement == "disaggregated",
+        "evaluation ([eval], which samples one turn)": cfg.eval.enabled,
+    }
+    for what, on in not_yet.items():
+        if on:
+            found.append(f"rollout.max_turns = {turns} (multi-turn rollouts) does not run with {what} yet: set "
+                         "rollout.max_turns = 1, or turn that off (docs/multiturn.md)")
     return found
 
 

@@ -28,7 +28,7 @@ from titanrl.config.errors import ConfigError
 
 # "package.module:function" or "path/to/file.py:function" (or a REWARD_BUILTINS name) -- checked for shape
 # only; importing it here could pull in torch (titanrl.rl.rewards.load_reward resolves it).
-_REWARD_SPEC = re.compile(
+_ENV_SPEC = _REWARD_SPEC = re.compile(
     r"^(?:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"  # package.module:function
     r"|[^:]+\.py:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$"  # path/to/file.py:function
 )
@@ -368,6 +368,14 @@ class RolloutConfig:
     (its prompt group waits: it is trained when all its responses have finished), instead of being cut or thrown
     away; every token records the policy version that sampled it. A response then spans up to
     ceil(max_new_tokens / tokens_per_update) steps, whose extra steps count against workflow.max_staleness."""
+    max_turns: int = 1
+    """Turns per trajectory (1 = one response per sample). Above 1, after each turn the environment rl.env reads the
+    response and may answer with text and images, appended as a user message; the policy continues from the whole
+    context, up to this many turns (each up to rollout.max_new_tokens), until the environment says done.
+    Observation tokens are context: never scored, trained or probed (docs/multiturn.md)."""
+    max_turn_images: int = 1
+    """Most images one observation may carry (rollout.max_turns > 1): the engine is built with room for the
+    prompt's media plus this many per turn; an observation with more is an environment error (counted)."""
     kv_cache_bytes: int = 268_435_456
     """KV cache memory reserved by the vllm engine of each rank, in bytes."""
     sleep: Literal["auto", "on", "off"] = "auto"
@@ -414,6 +422,10 @@ class RolloutConfig:
             found.append(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             found.append(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_turns < 1:
+            found.append(f"rollout.max_turns must be >= 1 (1 = single turn), got {self.max_turns}")
+        if self.max_turn_images < 0:
+            found.append(f"rollout.max_turn_images must be >= 0, got {self.max_turn_images}")
         if self.kv_cache_bytes < 1:
             found.append(f"rollout.kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if self.num_threads < 0:
@@ -462,6 +474,14 @@ class RLConfig:
     or 'path/to/file.py:function', loaded when training starts. It returns a float score, or a dict with 'score',
     optionally 'correct' (reward/accuracy is its mean; absent when the reward gives none) and other numbers (each
     logged as reward/<name>). docs/data.md#rewards"""
+    env: str = ""
+    """Multi-turn environment (rollout.max_turns > 1): 'path/to/file.py:ClassName' or 'module:ClassName',
+    constructed once per trajectory as ClassName(record) (the sample's record, media paths absolute); its
+    step(response) returns {'observation': str or None, 'images': [H x W x 3 uint8 arrays], 'done': bool} and
+    optionally 'reward' (then the trajectory's reward, in place of rl.reward's score). A step that raises or returns
+    anything else ends that trajectory with reward 0, counted in rollout/env_errors (rl.on_reward_error = 'error':
+    the run stops naming the sample). Built in: titanrl.envs.zoom:ZoomEnv. It runs in the rank's process.
+    docs/multiturn.md"""
     reward_timeout_s: float = 10.0
     """Longest one reward call may run, in seconds; then its worker process is killed and replaced and the call
     counts as failed (rl.on_reward_error). Only enforced with rl.reward_workers >= 1."""
@@ -535,6 +555,8 @@ class RLConfig:
                 "'path/to/file.py:function', "
                 f"got {self.reward!r}"
             )
+        if self.env and not _ENV_SPEC.match(self.env):
+            found.append(f"rl.env must be 'package.module:ClassName' or 'path/to/file.py:ClassName', got {self.env!r}")
         if self.advantage == "gae" and self.algorithm != "ppo":
             found.append("rl.advantage = gae needs the critic of rl.algorithm = ppo")
         if self.advantage == "reinforce++" and self.policy_loss == "gspo":

@@ -91,5 +91,27 @@ class PromptEncoder:
             raise ValueError(f"prompt has fewer media placeholders than media items ({len(grids)})")
         return np.asarray(out, dtype=np.int64)
 
+    def observation_text(self, text: str | None, num_images: int, last_token: str) -> str:
+        """A multi-turn observation as the chat template writes it after an assistant turn that ended with
+        ``last_token`` (its end-of-turn token, already in the response): the rest of that turn's ending, a user
+        message with ``num_images`` image placeholders and then ``text``, and the next assistant header. Taken as
+        the difference between the template's rendering of a conversation with and without the message, so any
+        checkpoint's template writes it."""
+        base = [{"role": "user", "content": [{"type": "text", "text": "x"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "y"}]}]
+        content: list[dict[str, Any]] = [{"type": "image"} for _ in range(num_images)]
+        if text:
+            content.append({"type": "text", "text": text})
+        before = self.tokenizer.apply_chat_template(base, tokenize=False)
+        after = self.tokenizer.apply_chat_template(base + [{"role": "user", "content": content}], tokenize=False,
+                                                   add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError("the chat template renders an earlier turn differently once a user message follows it; "
+                             "multi-turn rollouts need a template that appends turns")
+        ending = before[before.rindex("y") + 1:]  # what closes the assistant turn
+        if ending.startswith(last_token):
+            ending = ending[len(last_token):]
+        return ending + after[len(before):]
+
     def encode_text(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)

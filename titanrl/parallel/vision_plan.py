@@ -40,12 +40,13 @@ from titanrl.parallel.stage_plan import Piece, StagePlan
 if TYPE_CHECKING:
     from titanrl.rl.units import StageUnit, TrajectoryMeta
 
-ItemKey = tuple[int, int]  # (prompt group, media item of the prompt)
+ItemKey = tuple[int, int]  # (owner, media item of the owner): MediaItem.owner / .index
 
 
 @dataclass(frozen=True)
 class FrameRun:
-    """Temporal patches ``[f0, f1)`` of media item ``item`` of prompt ``group``."""
+    """Temporal patches ``[f0, f1)`` of media item ``item`` of ``group``: the owner of the item (the prompt's group,
+    or a multi-turn trajectory's key for its observations' images: ``titanrl.rl.units.MediaItem.owner``)."""
 
     group: int
     item: int
@@ -231,11 +232,10 @@ def frame_runs(pieces: Sequence[Piece], metas: Sequence[TrajectoryMeta | StageUn
     item, the union of the temporal patches its pieces touch, as maximal runs, sorted."""
     needed: dict[tuple[int, int], set[int]] = {}
     for p in pieces:
-        m = metas[p.seq]
-        for k, item in enumerate(m.media):
+        for item in metas[p.seq].media:
             frames = item.frames(p.start, p.end)
             if frames is not None:
-                needed.setdefault((m.group, k), set()).update(range(*frames))
+                needed.setdefault((item.owner, item.index), set()).update(range(*frames))
     return runs_of(needed)
 
 
@@ -245,9 +245,9 @@ def run_frames(runs: Sequence[FrameRun]) -> int:
 
 
 def item_shapes(metas: Sequence[TrajectoryMeta]) -> dict[ItemKey, ItemShape]:
-    """(group, media index) -> what the vision planner needs of each image or video."""
-    return {(m.group, k): ItemShape(it.patches_per_frame, it.tokens_per_frame, not it.grid.is_video)
-            for m in metas for k, it in enumerate(m.media)}
+    """(owner, media index) -> what the vision planner needs of each image or video."""
+    return {(it.owner, it.index): ItemShape(it.patches_per_frame, it.tokens_per_frame, not it.grid.is_video)
+            for m in metas for it in m.media}
 
 
 @dataclass(frozen=True)
@@ -284,11 +284,11 @@ class StageVision:
     def plan(self, g: int) -> WaveVisionPlan | None:
         return self.plans[g] if self.plans else None
 
-    def moves_pixels(self, home_of_group: Mapping[int, int]) -> bool:
-        """Whether balancing gives some rank runs of a prompt generated elsewhere (pixels then move even where
-        every piece stays home)."""
-        return any(home_of_group[run.group] != r for vp in self.plans for r, runs in enumerate(vp.encode)
-                   for run in runs)
+    def moves_pixels(self, home_of_owner: Mapping[int, int], sent=lambda run: True) -> bool:
+        """Whether balancing gives some rank runs of media generated elsewhere (pixels then move even where
+        every piece stays home); ``sent``: the runs whose pixels travel (the others are fetched)."""
+        return any(home_of_owner[run.group] != r and sent(run) for vp in self.plans
+                   for r, runs in enumerate(vp.encode) for run in runs)
 
 
 def plan_stage_vision(plan: StagePlan, units: Sequence[StageUnit], waves: Sequence[int], *, world: int,

@@ -23,13 +23,14 @@ from titanrl.rl.units import StageUnit, TrajectoryMeta
 @dataclass(frozen=True)
 class Assembly:
     """What assembly needs of the step, fixed for it: this rank and its device, the trajectories' metadata (their
-    advantages; media by prompt group), the media shapes, and the embedding route's group and byte counter."""
+    advantages; media by owner: ``units.media_owners``), the media shapes, and the embedding route's group and byte
+    counter."""
 
     rank: int
     device: torch.device
     dtype: torch.dtype
     metas: Sequence[TrajectoryMeta]
-    by_group: Mapping[int, TrajectoryMeta]
+    by_owner: Mapping[int, TrajectoryMeta]
     shapes: Mapping[ItemKey, ItemShape]
     route_group: object
     route_counter: RouteCounter
@@ -44,7 +45,7 @@ class WaveInputs:
     targets: LogprobTargets | None
     scored_counts: list[int]  # scored log-probs per piece, in order
     seq_index: torch.Tensor | None  # [K] local response (a piece's response) of each scored log-prob
-    seq_lengths: torch.Tensor | None  # [local responses] full length of each
+    seq_lengths: torch.Tensor | None  # [local responses] scored (generated) tokens of each, whole
     advantages: torch.Tensor | None  # [K]
     fields: dict[str, torch.Tensor]  # [K] per requested field
     bytes_sent: int = 0
@@ -74,7 +75,7 @@ def _encoder_inputs(asm: Assembly, runs: Sequence[FrameRun], delivered: Delivery
     pixels, grids = [], []
     for run in runs:
         pixels.append(delivered.pixels[(g, run)])
-        grid = asm.by_group[run.group].media[run.item].grid
+        grid = asm.by_owner[run.group].media[run.item].grid
         grids.append(VisionGrid(run.f1 - run.f0, grid.h, grid.w, grid.is_video, grid.second_per_grid))
     values = torch.from_numpy(np.concatenate(pixels)).to(asm.device, asm.dtype) if pixels else None
     return grids, values
@@ -95,7 +96,7 @@ def vision_pass(asm: Assembly, encode: Sequence[FrameRun], needs: Sequence[Frame
                         position_ids=torch.zeros(3, 0, dtype=torch.int64, device=dev),
                         cu_seqlens=torch.zeros(1, dtype=torch.int64, device=dev), max_seqlen=0, grids=grids,
                         pixel_values=pixels, vision_route=_route(asm, vplan) if vplan is not None else None)
-    rows = sum((r.f1 - r.f0) * asm.by_group[r.group].media[r.item].tokens_per_frame for r in needs)
+    rows = sum((r.f1 - r.f0) * asm.by_owner[r.group].media[r.item].tokens_per_frame for r in needs)
     return VisionPass(batch, rows)
 
 
@@ -123,10 +124,10 @@ def assemble_wave(asm: Assembly, plan: StagePlan, wave: int, units: Sequence[Sta
 
     # the row of each placeholder token in the rows of the runs it needs (what the route returns, the encoded
     # rows themselves, or the vision pass's rows)
-    run_rows: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (group, item) -> (f0, f1, first row)
+    run_rows: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (owner, item) -> (f0, f1, first row)
     rows = 0
     for run in need_runs:
-        item = asm.by_group[run.group].media[run.item]
+        item = asm.by_owner[run.group].media[run.item]
         run_rows.setdefault((run.group, run.item), []).append((run.f0, run.f1, rows))
         rows += (run.f1 - run.f0) * item.tokens_per_frame
     token_rows = []
@@ -143,17 +144,17 @@ def assemble_wave(asm: Assembly, plan: StagePlan, wave: int, units: Sequence[Sta
         # every response of the piece's unit is a local sequence of the loss (those without a
         # scored token here contribute nothing)
         seq_index.append(sc.response + len(seq_lengths))
-        seq_lengths += list(m.response_lens)
+        seq_lengths += list(m.scored_lens)
         adv.append(np.asarray([asm.metas[t].advantage for t in m.trajs], dtype=np.float32)[sc.response])
         for f, values in zip(fields, arrays[3:]):
             extra[f].append(values)
         scored_counts.append(len(sc.positions))
-        for j, item in enumerate(m.media):
+        for item in m.media:
             frames = item.frames(p.start, p.end)
             if frames is None:
                 continue
             # a piece's frames of one item lie inside one run (runs are maximal)
-            f0, _, base = next(r for r in run_rows[(m.group, j)] if r[0] <= frames[0] < r[1])
+            f0, _, base = next(r for r in run_rows[(item.owner, item.index)] if r[0] <= frames[0] < r[1])
             lo, hi = max(p.start, item.token_start), min(p.end, item.token_end)
             start_row = base + (lo - item.token_start) - f0 * item.tokens_per_frame
             token_rows.append(np.arange(start_row, start_row + hi - lo))

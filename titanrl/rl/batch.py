@@ -1,13 +1,14 @@
 """Rollouts as training data: one ``Trajectory`` per sampled response, packed into microbatches.
 
-A trajectory is prompt + response; only response tokens are scored (the prompt is context).
+A trajectory is prompt + response; only response tokens are scored (the prompt is context), and of a multi-turn
+response only the tokens the policy generated (its observations are context too).
 ``pack_trajectories`` packs whole trajectories (the reference path, the probe); the training
 stages place whole or sliced trajectories through ``titanrl.rl.exchange``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -35,6 +36,14 @@ class Trajectory:
     extras: dict = field(default_factory=dict)
     version: int = 0  # the policy version (updates pushed to the engine) that generated its first token
     token_versions: np.ndarray | None = None  # int32 [R]: the version of each token (partial rollouts: rising)
+    # Multi-turn (rollout.max_turns > 1): the response holds every turn, the observations between them included;
+    # ``generated`` marks the tokens the policy sampled (the only ones scored, trained and probed; None: all), and
+    # the observations' images follow the prompt's media (their placeholders are in the response)
+    generated: np.ndarray | None = None  # bool [R]
+    turn_media: list = field(default_factory=list)  # DecodedMedia of the observations' images, in order
+    turn_grids: list = field(default_factory=list)  # VisionGrid of each
+    turn_pixels: np.ndarray | None = None  # float32 [sum of their patches, patch_dim]
+    turns: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -44,13 +53,44 @@ class Trajectory:
     def num_response_tokens(self) -> int:
         return len(self.response_ids)
 
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.response_ids) if self.generated is None else int(self.generated.sum())
+
+    @property
+    def grids(self) -> list:
+        """Every media item's grid in token order: the prompt's, then the observations'."""
+        return list(self.prompt.grids) + list(self.turn_grids)
+
+    @property
+    def pixel_values(self) -> np.ndarray | None:
+        """Pixel rows of :attr:`grids` (None: the prompt came without pixels and no observation added any)."""
+        if self.turn_pixels is None:
+            return self.prompt.pixel_values
+        if self.prompt.pixel_values is None:
+            if self.prompt.grids:
+                return None  # the prompt's rows are fetched (slice-aware loading); the observations' are sent
+            return self.turn_pixels
+        return np.concatenate([self.prompt.pixel_values, self.turn_pixels])
+
+    def request(self, encoder) -> "RolloutRequest":
+        """The engine request of the trajectory's whole context (the probe scores its response after it)."""
+        from titanrl.rollout import RolloutRequest
+
+        base = RolloutRequest.from_prepared(self.prompt, encoder)
+        if not self.turn_grids:
+            return base
+        pixels = self.pixel_values
+        return replace(base, media=list(self.prompt.media) + list(self.turn_media), grids=self.grids,
+                       pixel_values=pixels)
+
 
 @dataclass
 class TrainingPack:
     batch: PackedBatch
     targets: LogprobTargets
     seq_index: torch.Tensor  # [K] which local trajectory each scored token belongs to
-    seq_lengths: torch.Tensor  # [S] response tokens per trajectory
+    seq_lengths: torch.Tensor  # [S] scored (generated) response tokens per trajectory
 
 
 def pack_trajectories(
@@ -61,13 +101,15 @@ def pack_trajectories(
     offset = 0
     for i, t in enumerate(trajs):
         ids = np.concatenate([t.prompt.prompt_ids, t.response_ids])
-        pixels = torch.from_numpy(t.prompt.pixel_values) if t.prompt.pixel_values is not None else None
-        seq = make_sequence_input(args, ids, t.prompt.grids, pixels)
-        seq.vision_key = id(t.prompt)  # the n responses of a prompt share one vision encoding
+        pixels = t.pixel_values
+        seq = make_sequence_input(args, ids, t.grids, torch.from_numpy(pixels) if pixels is not None else None)
+        # the n responses of a prompt share one vision encoding (a multi-turn trajectory's images are its own)
+        seq.vision_key = id(t.prompt) if not t.turn_grids else id(t)
         seqs.append(seq)
         first = offset + len(t.prompt.prompt_ids)
-        positions.append(np.arange(first - 1, first - 1 + len(t.response_ids)))
-        seq_index.append(np.full(len(t.response_ids), i))
+        scored = np.arange(len(t.response_ids)) if t.generated is None else np.flatnonzero(t.generated)
+        positions.append(first - 1 + scored)
+        seq_index.append(np.full(len(scored), i))
         offset += len(ids)
     batch = pack_sequences(seqs, spatial_merge_size=args.vision.spatial_merge_size).to(device, dtype)
     pos = torch.from_numpy(np.concatenate(positions)).to(device)
@@ -76,7 +118,7 @@ def pack_trajectories(
         targets=LogprobTargets(positions=pos, token_ids=batch.input_ids[pos + 1], temperature=temperature,
                                return_entropy=return_entropy),
         seq_index=torch.from_numpy(np.concatenate(seq_index)).to(device),
-        seq_lengths=torch.tensor([t.num_response_tokens for t in trajs], device=device),
+        seq_lengths=torch.tensor([t.num_generated_tokens for t in trajs], device=device),
     )
 
 

@@ -28,6 +28,8 @@ def trajectory_record(t) -> dict:
            "advantage": float(t.advantage)}
     if getattr(t, "token_versions", None) is not None:
         rec["token_versions"] = np.asarray(t.token_versions).copy()
+    if getattr(t, "generated", None) is not None:  # multi-turn: which tokens the policy sampled
+        rec["generated"] = np.asarray(t.generated).copy()
     for name in PER_TOKEN:
         value = getattr(t, name, None)
         if value is not None:

@@ -26,12 +26,14 @@ class ErrorWatch:
     def observe(self, step: int, metrics: dict[str, float], first_errors: dict[str, str]) -> None:
         errors, calls = metrics.get("reward/errors", 0.0), metrics.get("reward/calls", 0.0)
         self.totals["reward"] = self.totals.get("reward", 0.0) + errors
+        self.totals["env"] = self.totals.get("env", 0.0) + metrics.get("rollout/env_errors", 0.0)
         for kind, message in first_errors.items():
             if kind not in self.first:
                 self.first[kind] = message
                 if self.is_main:
-                    self.say(f"[titanrl] warning: step {step}: a {kind} call failed on {message}; it scores 0 "
-                             f"(rl.on_reward_error = zero) and is counted in {kind}/errors; later failures are "
+                    what, counted = _KINDS[kind]
+                    self.say(f"[titanrl] warning: step {step}: {what} failed on {message}; it scores 0 "
+                             f"(rl.on_reward_error = zero) and is counted in {counted}; later failures are "
                              "counted, not printed")
         self.failing_steps = self.failing_steps + [step] if calls > 0 and errors >= calls else []
         if self.max_error_steps and len(self.failing_steps) >= self.max_error_steps and self.is_main:
@@ -42,8 +44,15 @@ class ErrorWatch:
 
     def summary(self) -> list[str]:
         """The summary's lines for counted errors (none when there were none)."""
-        failed = int(self.totals.get("reward", 0))
-        if not failed:
-            return []
-        return [f"  errors     {failed} reward call(s) failed and scored 0 (reward/errors); the first: "
-                f"{self.first.get('reward', '?')}"]
+        lines = []
+        for kind, (_, counted) in _KINDS.items():
+            failed = int(self.totals.get(kind, 0))
+            if failed:
+                lines.append(f"  errors     {failed} {_PLURAL[kind]} failed and scored 0 ({counted}); the first: "
+                             f"{self.first.get(kind, '?')}")
+        return lines
+
+
+# kind -> (what failed, the metric that counts it)
+_KINDS = {"reward": ("a reward call", "reward/errors"), "env": ("an environment step (rl.env)", "rollout/env_errors")}
+_PLURAL = {"reward": "reward call(s)", "env": "environment step(s)"}

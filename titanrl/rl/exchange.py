@@ -29,7 +29,7 @@ from titanrl.models.qwen2_5_vl.positions import mrope_position_ids
 from titanrl.parallel.stage_plan import Piece, StagePlan
 from titanrl.parallel.vision_plan import FrameRun, StageVision
 from titanrl.rl.slice_loading import StepSlices
-from titanrl.rl.units import StageUnit, TrajectoryMeta
+from titanrl.rl.units import StageUnit, TrajectoryMeta, media_owners
 
 
 class TrajectoryTokens:
@@ -44,7 +44,7 @@ class TrajectoryTokens:
         if key not in self._cache:
             ids = np.concatenate([traj.prompt.prompt_ids, traj.response_ids]).astype(np.int64)
             v = self.args.vision
-            pos = mrope_position_ids(ids, traj.prompt.grids, image_token_id=self.args.image_token_id,
+            pos = mrope_position_ids(ids, traj.grids, image_token_id=self.args.image_token_id,
                                      video_token_id=self.args.video_token_id, spatial_merge_size=v.spatial_merge_size,
                                      tokens_per_second=v.tokens_per_second)
             self._cache[key] = (ids, pos)
@@ -59,8 +59,8 @@ def piece_specs(p: Piece, u: StageUnit, fields: Sequence[str]) -> list[tuple[tup
     return specs + [((k,), np.dtype(np.float32)) for _ in fields]
 
 
-def run_spec(run: FrameRun, metas_by_group: dict[int, TrajectoryMeta], patch_dim: int):
-    item = metas_by_group[run.group].media[run.item]
+def run_spec(run: FrameRun, by_owner: dict[int, TrajectoryMeta], patch_dim: int):
+    item = by_owner[run.group].media[run.item]
     return ((run.f1 - run.f0) * item.patches_per_frame, patch_dim), np.dtype(np.float32)
 
 
@@ -73,7 +73,7 @@ class HomeSide:
         self.metas = metas
         self.tokens = TrajectoryTokens(args)
         self._streams: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-        self.by_group = {m.group: m for m in metas}
+        self.by_owner = media_owners(metas)
 
     def traj(self, u: StageUnit, k: int):
         return self.trajs[self.metas[u.trajs[k]].index]
@@ -104,14 +104,17 @@ class HomeSide:
         return out
 
     def run_pixels(self, run: FrameRun) -> np.ndarray | None:
-        """The run's patch rows from the home's prompt (None: the prompt came without pixels - a disaggregated
+        """The run's patch rows from the home's trajectory (None: the prompt came without pixels - a disaggregated
         placement with slice-aware loading - and the encoder fetches them)."""
-        m = self.by_group[run.group]
+        m = self.by_owner[run.group]
         item = m.media[run.item]
-        pixels = self.trajs[m.index].prompt.pixel_values
+        traj = self.trajs[m.index]
+        pixels, first = traj.prompt.pixel_values, item.row_start
+        if run.group < 0:  # an observation's image (multi-turn): its rows follow the prompt's
+            pixels, first = traj.turn_pixels, first - sum(g.num_patches for g in traj.prompt.grids)
         if pixels is None:
             return None
-        lo = item.row_start + run.f0 * item.patches_per_frame
+        lo = first + run.f0 * item.patches_per_frame
         return pixels[lo:lo + (run.f1 - run.f0) * item.patches_per_frame]
 
 
@@ -140,7 +143,7 @@ class TrajectoryExchange:
         self.world = world
         self.device = device
         self.home = HomeSide(args, trajs, metas)
-        self.home_of_group = {g: m.home for g, m in self.home.by_group.items()}
+        self.home_of_owner = {g: m.home for g, m in self.home.by_owner.items()}
         self.slices = slices
 
     def move(self, plan: StagePlan, units: Sequence[StageUnit], vision: StageVision, *, fields: Sequence[str] = (),
@@ -150,7 +153,10 @@ class TrajectoryExchange:
         on). Pixels of a run reach its encoder in that all-to-all or, with slice-aware loading, fetched by the
         encoder itself in one round of fetches."""
         me, patch_dim = self.rank, self.args.vision.patch_dim
-        home = lambda run: self.home_of_group[run.group]  # noqa: E731
+        home = lambda run: self.home_of_owner[run.group]  # noqa: E731
+        # with slice-aware loading the encoder fetches a prompt's frames itself; a multi-turn observation's image
+        # (owner < 0) exists only where it was rolled out, and is sent
+        sent_here = lambda run: self.slices is None or run.group < 0  # noqa: E731
         send: list[list[np.ndarray]] = [[] for _ in range(self.world)]
         specs: list[list] = [[] for _ in range(self.world)]
         pixel_bytes = 0
@@ -167,20 +173,18 @@ class TrajectoryExchange:
                     expected[src].append(((w, i), 3 + len(fields)))
                     if src != me:
                         specs[src] += piece_specs(p, units[p.seq], fields)
-            if self.slices is not None:  # the encoder fetches its pixels itself: none are sent
-                continue
             for dest in range(self.world):
                 for run in vision.encode[g][dest]:
-                    if home(run) == me:
+                    if home(run) == me and sent_here(run):
                         send[dest].append(self.home.run_pixels(run))
                         if dest != me:
                             pixel_bytes += send[dest][-1].nbytes
             for run in vision.encode[g][me]:
-                expected[home(run)].append(((g, run), None))
-                if home(run) != me:
-                    specs[home(run)].append(run_spec(run, self.home.by_group, patch_dim))
-        if self.slices is None:
-            collective = collective or vision.moves_pixels(self.home_of_group)
+                if sent_here(run):
+                    expected[home(run)].append(((g, run), None))
+                    if home(run) != me:
+                        specs[home(run)].append(run_spec(run, self.home.by_owner, patch_dim))
+        collective = collective or vision.moves_pixels(self.home_of_owner, sent_here)
         received, sent = all_to_all_arrays(send, specs, rank=me, device=self.device, collective=collective,
                                            group=self.group)
         out = Delivery({}, {}, sent, pixel_bytes)
@@ -194,7 +198,7 @@ class TrajectoryExchange:
                     out.pieces[key] = received[src][cursor:cursor + count]
                     cursor += count
         if self.slices is not None:
-            enc = [(g, run) for g in range(len(vision.groups)) for run in vision.encode[g][me]]
+            enc = [(g, run) for g in range(len(vision.groups)) for run in vision.encode[g][me] if run.group >= 0]
             local = lambda run: self.home.run_pixels(run) if home(run) == me else None  # noqa: E731
             fetched = dict(zip([run for _, run in enc], self.slices.rows([run for _, run in enc], local)))
             out.pixels.update({(g, run): fetched[run] for g, run in enc})

@@ -32,6 +32,7 @@ from titanrl.rl.grpo import ValueLossOutput, aggregate
 from titanrl.rl.grpo import group_advantages as grpo_advantages
 from titanrl.rl.grpo import rloo_advantages
 from titanrl.rl.slice_loading import StepSlices
+from titanrl.rl.turns import rollout_turns
 from titanrl.rollout import RolloutRequest
 
 
@@ -61,6 +62,14 @@ def generate(batch, ctx):
     sampling = dict(temperature=r.temperature, top_p=r.top_p,
                     seed=(r.seed if r.seed is not None else ctx.cfg.job.seed) * 1_000_003 + batch.step)
     budget = min(r.tokens_per_update or r.max_new_tokens, r.max_new_tokens)
+    if ctx.turns is not None:  # multi-turn: the environment answers each turn (titanrl.rl.turns)
+        groups, stats = rollout_turns(ctx.engine, ctx.encoder, ctx.turns, batch.prompts, requests, n=r.n,
+                                      max_new_tokens=r.max_new_tokens, sampling=sampling, version=ctx.step)
+        if ctx.engine is not None:
+            ctx.engine.sleep()
+        _turn_metrics(batch, stats)
+        batch.trajectories += [t for trajs in groups.values() for t in trajs]  # texts: each one's last turn
+        return
     # (an engine over several ranks runs their prompts together: every rank of it calls, with prompts or none)
     results = ctx.engine.generate(requests, n=r.n, max_new_tokens=budget, **sampling) if ctx.engine is not None else []
     groups = {}
@@ -79,6 +88,17 @@ def generate(batch, ctx):
         for t in trajs:
             t.response_text = ctx.encoder.tokenizer.decode(t.response_ids.tolist(), skip_special_tokens=True)
             batch.trajectories.append(t)
+
+
+def _turn_metrics(batch, stats) -> None:
+    """The step's multi-turn counts over the ranks that generated (``rollout/*``). Each trajectory whose
+    environment failed carries its message (``extras["env_error"]``): the step's metrics print the run's first."""
+    sums = all_reduce_sum(torch.tensor(stats.metrics(), dtype=torch.float64), group=batch.group).tolist()
+    longest = all_reduce_max(float(stats.context_tokens_max), group=batch.group)
+    trajs, turns, calls, images, errors = sums
+    batch.metrics.update({"rollout/turns_mean": turns / max(trajs, 1), "rollout/tool_calls": calls,
+                          "rollout/images_per_trajectory": images / max(trajs, 1), "rollout/env_errors": errors,
+                          "rollout/context_tokens_max": float(longest)})
 
 
 def _finished(t, max_new_tokens: int) -> bool:
@@ -131,6 +151,11 @@ def score(batch, ctx):
     for t, result in zip(trajs, results):
         t.reward = result.score
         t.extras["reward"] = result
+        # multi-turn: an environment's own reward replaces rl.reward's score; one that failed scores 0
+        if "env_error" in t.extras:
+            t.reward = 0.0
+        elif "env_reward" in t.extras:
+            t.reward = t.extras["env_reward"]
 
 
 def group_advantages(batch, ctx):
@@ -270,7 +295,9 @@ def probe(trajs, ctx) -> float:
                 # engines report untempered log-probs
                 pack = pack_trajectories([t], ctx.args, ctx.info.device, ctx.param_dtype, temperature=1.0)
                 ours = ctx.model(pack.batch, pack.targets).logprobs.float().cpu()
-                item = (RolloutRequest.from_prepared(t.prompt, ctx.encoder), t.response_ids.tolist(), ours)
+                # (multi-turn: the whole context; the engine scores every response token, ours are the generated)
+                keep = None if t.generated is None else np.flatnonzero(t.generated)
+                item = (t.request(ctx.encoder), t.response_ids.tolist(), ours, keep)
     if not ctx.placement.disaggregated:
         items = [item]
     else:
@@ -282,9 +309,9 @@ def probe(trajs, ctx) -> float:
     if ctx.engine is None:
         return -1.0
     # one engine call (an engine over several ranks scores their probes together: every rank of it calls)
-    scored = ctx.engine.score_many([(request, response_ids) for request, response_ids, _ in items])
-    diffs = [float((ours - torch.tensor(theirs)).abs().max()) if len(theirs) else 0.0
-             for (_, _, ours), theirs in zip(items, scored)]
+    scored = ctx.engine.score_many([(request, response_ids) for request, response_ids, _, _ in items])
+    diffs = [float((ours - torch.tensor(theirs if keep is None else np.asarray(theirs)[keep])).abs().max())
+             if len(theirs) else 0.0 for (_, _, ours, keep), theirs in zip(items, scored)]
     return max(diffs, default=-1.0)
 
 

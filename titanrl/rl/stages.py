@@ -47,7 +47,7 @@ from titanrl.parallel.vision_plan import (VisionBalancing, frame_runs, item_shap
 from titanrl.parallel.vision_route import RouteCounter
 from titanrl.rl.assemble import Assembly, VisionPass, WaveInputs, assemble_wave, vision_pass
 from titanrl.rl.exchange import TrajectoryExchange
-from titanrl.rl.units import StageUnit, TrajectoryMeta, gather_metadata, stage_units
+from titanrl.rl.units import StageUnit, TrajectoryMeta, gather_metadata, media_owners, stage_units
 
 
 _ATTENTION = CostModel.attention_only()  # attention_coef 1, no linear term: a unit's attention feature
@@ -193,7 +193,7 @@ class StageRunner:
         self.exchange = TrajectoryExchange(self.args, self.rank, self.world, self.device, trajs, self.metas,
                                            slices=slices, group=self.process_group)
         self.vision_stats = VisionStats()
-        self.assembly = Assembly(self.rank, self.device, self.dtype, self.metas, {m.group: m for m in self.metas},
+        self.assembly = Assembly(self.rank, self.device, self.dtype, self.metas, media_owners(self.metas),
                                  item_shapes(self.metas), self.vision.group, self.vision_stats.route)
         self._plans = {}
         self.stats = StepStats()
@@ -412,7 +412,7 @@ class StageRunner:
         ``account=False`` (a second model trained on the same minibatches: PPO's critic): its busy time counts,
         but the update's ``train/tokens_*`` and ``balance/*`` statistics stay the policy update's."""
         metas = [self.metas[i] for i in ids]
-        global_tokens = float(max(sum(m.response_len for m in metas), 1))
+        global_tokens = float(max(sum(m.scored_len for m in metas), 1))
         global_seqs = float(max(len(metas), 1))
         units, plan = self.plan(ids)
         self.stats.features = self.stats.features + self._features(plan, units)  # busy_seconds counts it either way

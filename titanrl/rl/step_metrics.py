@@ -97,9 +97,11 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> tuple[dict[str, float], d
     # how many policy versions each trained response lags the policy it trains (0 synchronous)
     lags = [ctx.step - 1 - t.version for t in trajs]
     failed = next((t.extras["reward"].error for t in trajs if t.extras["reward"].error is not None), None)
+    env_failed = next((t.extras["env_error"] for t in trajs if "env_error" in t.extras), None)
+    firsts = {kind: f"rank {ctx.info.rank}: {message}" for kind, message in (("reward", failed), ("env", env_failed))
+              if message}
     gathered = all_gather_objects((reward_sums(t.extras["reward"] for t in trajs), source_sums(trajs), stats,
-                                   timer.busy, timer.times, fetches, (sum(lags), max(lags, default=0)),
-                                   {"reward": f"rank {ctx.info.rank}: {failed}"} if failed else {}))
+                                   timer.busy, timer.times, fetches, (sum(lags), max(lags, default=0)), firsts))
     first_errors: dict[str, str] = {}
     for g in gathered:
         for kind, message in g[7].items():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -24,12 +24,17 @@ from titanrl.models.vision_grid import VisionGrid
 
 @dataclass(frozen=True)
 class MediaItem:
-    """One image or video of a prompt: its grid, first placeholder token and first pixel row."""
+    """One image or video of a trajectory: its grid, first placeholder token and first pixel row (in the
+    trajectory's pixels: the prompt's, then its observations'), and whose it is: ``owner`` the prompt's group (the
+    ``n`` responses of a prompt share its media: one encoding) or, for an observation's image in a multi-turn
+    trajectory, the trajectory's own key (:func:`turn_owner`, < 0); ``index`` its place among the owner's items."""
 
     grid: VisionGrid
     token_start: int
     row_start: int
     merge: int
+    owner: int = 0
+    index: int = 0
 
     @property
     def tokens_per_frame(self) -> int:
@@ -62,10 +67,17 @@ class TrajectoryMeta:
     advantage: float
     media: tuple[MediaItem, ...]
     name: str  # sample id, for messages
+    # multi-turn: the response's spans [a, b) of tokens the policy generated (the only scored ones); None: all
+    generated: tuple[tuple[int, int], ...] | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.prompt_len + self.response_len
+
+    @property
+    def scored_len(self) -> int:
+        """Scored (generated) response tokens."""
+        return self.response_len if self.generated is None else sum(b - a for a, b in self.generated)
 
 
 class Scored(NamedTuple):
@@ -80,15 +92,19 @@ class Scored(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _scored(prompt_len: int, response_lens: tuple[int, ...], start: int, end: int) -> Scored:
+def _scored(prompt_len: int, response_lens: tuple[int, ...], start: int, end: int,
+            generated: tuple[tuple[tuple[int, int], ...] | None, ...] | None = None) -> Scored:
     positions, targets, response, token = [], [], [], []
     offset = prompt_len
     for k, r in enumerate(response_lens):
-        pos = np.arange(offset - 1, offset + r - 1)
-        if r:
-            pos[0] = prompt_len - 1  # every response's first token is predicted by the prompt's last
-        keep = np.flatnonzero((pos >= start) & (pos < end))
-        positions.append(pos[keep])
+        spans = generated[k] if generated is not None else None
+        toks = np.arange(r) if spans is None else np.concatenate(
+            [np.arange(a, b) for a, b in spans] or [np.zeros(0, np.int64)]).astype(np.int64)
+        pos = offset - 1 + toks
+        pos[toks == 0] = prompt_len - 1  # every response's first token is predicted by the prompt's last
+        inside = (pos >= start) & (pos < end)
+        keep = toks[inside]
+        positions.append(pos[inside])
         targets.append(offset + keep)
         response.append(np.full(keep.size, k))
         token.append(keep)
@@ -110,12 +126,20 @@ class StageUnit:
     group: int
     prompt_len: int
     response_lens: tuple[int, ...]
-    media: tuple[MediaItem, ...]
+    media: tuple[MediaItem, ...]  # the prompt's, then each response's observation images, at their stream tokens
     name: str
+    generated: tuple[tuple[tuple[int, int], ...] | None, ...] | None = None  # per response (multi-turn)
 
     @property
     def num_tokens(self) -> int:
         return self.prompt_len + sum(self.response_lens)
+
+    @property
+    def scored_lens(self) -> tuple[int, ...]:
+        """Scored (generated) tokens of each response."""
+        if self.generated is None:
+            return self.response_lens
+        return tuple(r if g is None else sum(b - a for a, b in g) for r, g in zip(self.response_lens, self.generated))
 
     @property
     def segments(self) -> tuple[int, ...]:
@@ -127,7 +151,7 @@ class StageUnit:
 
     def scored(self, start: int, end: int) -> Scored:
         """The log-probs computed from stream positions ``[start, end)``."""
-        return _scored(self.prompt_len, self.response_lens, start, end)
+        return _scored(self.prompt_len, self.response_lens, start, end, self.generated)
 
 
 def split_responses(prompt_len: int, response_lens: Sequence[int], max_tokens: int | None) -> list[list[int]]:
@@ -159,8 +183,18 @@ def stage_units(metas: Sequence[TrajectoryMeta], ids: Sequence[int], *, shared_p
     by :func:`split_responses` at ``max_tokens``."""
     def unit(members: Sequence[int]) -> StageUnit:
         m = metas[members[0]]
-        return StageUnit(tuple(members), m.home, m.group, m.prompt_len,
-                         tuple(metas[i].response_len for i in members), m.media, m.name)
+        lens = tuple(metas[i].response_len for i in members)
+        if all(metas[i].generated is None for i in members):
+            return StageUnit(tuple(members), m.home, m.group, m.prompt_len, lens, m.media, m.name)
+        # multi-turn: the prompt's media once, then each response's observation images where the stream has them
+        media = [it for it in m.media if it.token_start < m.prompt_len]
+        shift = 0
+        for i, r in zip(members, lens):
+            media += [replace(it, token_start=it.token_start + shift) for it in metas[i].media
+                      if it.token_start >= m.prompt_len]
+            shift += r
+        return StageUnit(tuple(members), m.home, m.group, m.prompt_len, lens, tuple(media), m.name,
+                         tuple(metas[i].generated for i in members))
 
     if not shared_prefix:
         return [unit([i]) for i in ids]
@@ -175,28 +209,65 @@ def stage_units(metas: Sequence[TrajectoryMeta], ids: Sequence[int], *, shared_p
     return out
 
 
-def media_items(grids: Sequence[VisionGrid], prompt_ids: np.ndarray, args: Qwen2_5_VLArgs) -> tuple[MediaItem, ...]:
-    vision = np.flatnonzero((prompt_ids == args.image_token_id) | (prompt_ids == args.video_token_id))
+def media_items(grids: Sequence[VisionGrid], ids: np.ndarray, args: Qwen2_5_VLArgs,
+                owners: Sequence[tuple[int, int]] | None = None) -> tuple[MediaItem, ...]:
+    """The items of ``grids`` whose placeholders are in ``ids`` (in order); ``owners``: each one's (owner, index),
+    by default (0, its position)."""
+    vision = np.flatnonzero((ids == args.image_token_id) | (ids == args.video_token_id))
     merge = args.vision.spatial_merge_size
     items, token, row = [], 0, 0
-    for g in grids:
+    for k, g in enumerate(grids):
         start = int(vision[token])
-        items.append(MediaItem(g, start, row, merge))
+        owner, index = owners[k] if owners is not None else (0, k)
+        items.append(MediaItem(g, start, row, merge, owner, index))
         token += g.num_tokens(merge)
         row += g.num_patches
     return tuple(items)
 
 
+def turn_owner(group: int, response_index: int) -> int:
+    """The key that owns a multi-turn trajectory's observation images (< 0: never a prompt group)."""
+    return -(1 + group * 4096 + response_index)
+
+
+def _spans(mask: np.ndarray) -> tuple[tuple[int, int], ...]:
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return tuple((int(a), int(b)) for a, b in zip(edges[::2], edges[1::2]))
+
+
 def gather_metadata(trajs: Sequence, rank: int, args: Qwen2_5_VLArgs, group=None) -> list[TrajectoryMeta]:
     """Every trajectory of the step on every rank (of ``group``: ``rank`` counts in it), sorted by (group,
-    index): the same list on any number of ranks. Media descriptions are built once per prompt."""
+    index): the same list on any number of ranks. Media descriptions are built once per prompt (a multi-turn
+    trajectory's, with its observations' images, once per trajectory)."""
     items_of: dict[int, tuple[MediaItem, ...]] = {}
     mine = []
     for i, t in enumerate(trajs):
-        key = id(t.prompt)
-        if key not in items_of:
-            items_of[key] = media_items(t.prompt.grids, t.prompt.prompt_ids, args)
-        mine.append(TrajectoryMeta(rank, i, int(t.group), len(t.prompt.prompt_ids), t.num_response_tokens,
-                                   float(t.advantage), items_of[key], str(t.prompt.record.id)))
+        g = int(t.group)
+        if t.turn_grids:
+            prompt = len(t.prompt.grids)
+            owners = [(g, k) for k in range(prompt)] + [(turn_owner(g, t.response_index), prompt + k)
+                                                         for k in range(len(t.turn_grids))]
+            items = media_items(t.grids, np.concatenate([t.prompt.prompt_ids, t.response_ids]), args, owners)
+        else:
+            key = id(t.prompt)
+            if key not in items_of:
+                items_of[key] = media_items(t.prompt.grids, t.prompt.prompt_ids, args,
+                                            [(g, k) for k in range(len(t.prompt.grids))])
+            items = items_of[key]
+        generated = None if t.generated is None or t.generated.all() else _spans(t.generated)
+        mine.append(TrajectoryMeta(rank, i, g, len(t.prompt.prompt_ids), t.num_response_tokens,
+                                   float(t.advantage), items, str(t.prompt.record.id), generated))
     every = [m for part in all_gather_objects(mine, group=group) for m in part]
     return sorted(every, key=lambda m: (m.group, m.home, m.index))
+
+
+def media_owners(metas: Sequence[TrajectoryMeta]) -> dict[int, TrajectoryMeta]:
+    """Owner key -> a trajectory that holds the owner's media (every item at its ``index`` in ``media``, pixels in
+    its pixels): a prompt group's any member, a multi-turn trajectory's own key that trajectory."""
+    out: dict[int, TrajectoryMeta] = {}
+    for m in metas:
+        out[m.group] = m
+        for item in m.media:
+            if item.owner < 0:
+                out[item.owner] = m
+    return out

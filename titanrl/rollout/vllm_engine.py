@@ -224,6 +224,17 @@ def _quiet_derived_buffer_warnings(model: torch.nn.Module) -> None:
     logger.addFilter(_DerivedBufferFilter(derived - with_params))
 
 
+def collapse_placeholders(ids: Sequence[int], pads: Sequence[int]) -> list[int]:
+    """``ids`` with each run of one placeholder token (an image's or video's expanded pads) cut to one token."""
+    out: list[int] = []
+    for t in ids:
+        t = int(t)
+        if t in pads and out and out[-1] == t:
+            continue
+        out.append(t)
+    return out
+
+
 def video_metadata(media: DecodedMedia, temporal_patch_size: int) -> dict[str, Any]:
     """vLLM's (frames, metadata) for already-sampled frames. vLLM sets second_per_grid to
     temporal_patch_size / fps, so fps = the sampled fps makes it equal the trainer's
@@ -402,7 +413,10 @@ class VLLMEngine:
             prompt = {"prompt": request.prompt_text}
         else:
             tok = self.llm.get_tokenizer()
-            ids = list(tok(request.prompt_text, add_special_tokens=False)["input_ids"]) + [int(t) for t in completion_ids]
+            # a multi-turn context's observation images sit in the completion with their placeholders expanded;
+            # vLLM expands each image's single placeholder itself (as in the prompt's text)
+            ids = list(tok(request.prompt_text, add_special_tokens=False)["input_ids"]) + collapse_placeholders(
+                completion_ids, (self.image_token_id, self.video_token_id))
             prompt = {"prompt_token_ids": ids}
         mm: dict[str, Any] = {}
         if images:

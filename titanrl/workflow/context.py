@@ -61,6 +61,7 @@ class NodeContext:
     critic_lr_scheduler: Any = None
     policy_loss: Callable | None = None
     off_policy: bool = False
+    turns: Any = None  # multi-turn rollouts (rollout.max_turns > 1): titanrl.rl.turns.TurnSetup
 
     @property
     def step(self) -> int:

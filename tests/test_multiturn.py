@@ -1,0 +1,257 @@
+"""Multi-turn rollouts with image observations (``rollout.max_turns``, ``rl.env``; docs/multiturn.md).
+
+Fast: an environment's return checked; the zoom tool; the observation's template tokens; the turn loop on the hf
+engine (its turns, the observation's image placeholders, and the engine's log-probs of every generated token of a
+3-turn trajectory equal to the trainer model's); observation tokens get exactly zero gradient. Slow: 2 ranks with
+FlexUlysses, vision balancing and shared-prefix packing equal one process on per-token log-probs and parameter
+updates over 3 multi-turn steps with a learning signal; an environment that raises is counted (the run goes on) or,
+with rl.on_reward_error = error, stops every rank with one line naming the sample."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from scripted_env import ScriptedEnv, picture  # noqa: E402
+
+from titanrl.data.manifest import MediaEntry, SampleRecord
+from titanrl.envs import EnvError, check_step
+
+HERE = Path(__file__).parent
+
+
+# ------------------------------------------------------------------------------------------- fast
+
+
+def test_a_step_return_is_checked_and_each_fault_named():
+    image = np.zeros((4, 5, 3), dtype=np.uint8)
+    step = check_step({"observation": "x", "images": [image], "done": False, "reward": 1}, max_images=1)
+    assert step.observation == "x" and step.images[0].shape == (4, 5, 3) and step.reward == 1.0 and not step.done
+    assert check_step({"done": True}, max_images=0).images == []
+    faults = [
+        ([1], "not a dict"),
+        ({"observation": "x"}, "'done' must be a bool"),
+        ({"done": 1}, "'done' must be a bool"),
+        ({"done": False, "observation": 3}, "'observation' must be a str"),
+        ({"done": False, "images": [image, image]}, "2 images; rollout.max_turn_images allows 1"),
+        ({"done": False, "images": [image.astype(np.float32)]}, "H x W x 3 uint8"),
+        ({"done": False, "images": [image[..., :2]]}, "H x W x 3 uint8"),
+        ({"done": True, "reward": float("nan")}, "finite number"),
+        ({"done": True, "reward": True}, "finite number"),
+        ({"done": True, "score": 1.0}, "unknown keys ['score']"),
+    ]
+    for value, message in faults:
+        with pytest.raises(EnvError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            check_step(value, max_images=1)
+
+
+def test_zoom_returns_the_region_enlarged_and_explains_a_bad_call(tmp_path):
+    from PIL import Image
+
+    from titanrl.envs.zoom import ZoomEnv
+
+    image = np.zeros((60, 80, 3), dtype=np.uint8)
+    image[10:20, 40:60] = (255, 0, 0)  # a red mark
+    Image.fromarray(image).save(tmp_path / "a.png")
+    record = SampleRecord("s", "src", "<image>What colour?", [MediaEntry(str(tmp_path / "a.png"), "image")], "red")
+    env = ZoomEnv(record)
+    out = env.step("let me look <zoom>40,10,60,20</zoom>")
+    (crop,) = out["images"]
+    assert not out["done"] and out["observation"] == "zoom 1: 40,10,60,20"
+    assert abs(crop.shape[0] * crop.shape[1] - 60 * 80) < 0.05 * 60 * 80 and crop.shape[1] > crop.shape[0]
+    assert (crop[..., 0] > 200).mean() > 0.9  # the region is the mark
+    for call, why in (("<zoom>1,2,3</zoom>", "four integers"), ("<zoom>70,10,90,20</zoom>", "not inside"),
+                      ("<zoom>5,5,5,9</zoom>", "empty")):
+        out = env.step(call)
+        assert not out["done"] and out["images"] == [] and why in out["observation"], out
+    assert env.step("red") == {"observation": None, "images": [], "done": True}
+
+
+def test_an_observation_closes_the_turn_and_opens_the_next_as_the_template_writes_them(tiny_ckpt):
+    from titanrl.data.prompt import PromptEncoder
+
+    enc = PromptEncoder.from_pretrained(tiny_ckpt)
+    eot = "<|im_end|>"
+    after_stop = enc.observation_text("look", 1, eot)
+    assert after_stop == "\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>look<|im_end|>\n" \
+                         "<|im_start|>assistant\n"
+    assert enc.observation_text("look", 1, "red") == eot + after_stop  # a turn cut at its budget is closed first
+    assert enc.observation_text(None, 0, eot) == "\n<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_only_generated_tokens_are_scored():
+    from titanrl.rl.units import _scored, _spans
+    from titanrl.rollout.vllm_engine import collapse_placeholders
+
+    assert _spans(np.array([1, 1, 0, 0, 1, 0, 1], bool)) == ((0, 2), (4, 5), (6, 7))
+    plain = _scored(5, (3, 4), 0, 100)
+    assert all((a == b).all() for a, b in zip(plain, _scored(5, (3, 4), 0, 100, (None, None))))
+    sc = _scored(5, (3, 6), 0, 100, (None, ((0, 2), (4, 6))))
+    assert sc.token.tolist() == [0, 1, 2, 0, 1, 4, 5] and sc.targets.tolist() == [5, 6, 7, 8, 9, 12, 13]
+    assert sc.positions.tolist() == [4, 5, 6, 4, 8, 11, 12]  # each response's first token from the prompt's last
+    assert collapse_placeholders([1, 7, 7, 7, 2, 7, 8, 8, 3], (7, 8)) == [1, 7, 2, 7, 8, 3]
+
+
+@pytest.fixture(scope="module")
+def turns(tiny_ckpt, tmp_path_factory):
+    """Two image prompts x 2 responses, 3 turns of ScriptedEnv on the hf engine (float32)."""
+    from titanrl.data.manifest import read_manifest
+    from titanrl.data.preprocess import MediaSettings, prepare_sample
+    from titanrl.data.prompt import PromptEncoder
+    from titanrl.data.synth import generate_dataset
+    from titanrl.rl.turns import TurnSetup, rollout_turns
+    from titanrl.rollout import RolloutRequest
+    from titanrl.rollout.hf_engine import HFGenerateEngine
+
+    manifest = generate_dataset(tmp_path_factory.mktemp("turns"), "image-heavy", 2, seed=0)
+    enc = PromptEncoder.from_pretrained(tiny_ckpt)
+    settings = MediaSettings.from_checkpoint(tiny_ckpt, fps=2.0, max_frames=8)
+    prompts = [(i, prepare_sample(r, manifest.parent, enc, settings)) for i, r in enumerate(read_manifest(manifest))]
+    requests = [RolloutRequest.from_prepared(p, enc, key=f"{i}:{p.record.id}") for i, p in prompts]
+    engine = HFGenerateEngine(tiny_ckpt)
+    setup = TurnSetup(ScriptedEnv, settings, str(manifest.parent), max_turns=4, max_turn_images=1,
+                      max_context_tokens=4096, strict=False)
+    groups, stats = rollout_turns(engine, enc, setup, prompts, requests, n=2, max_new_tokens=6,
+                                  sampling=dict(temperature=1.0, top_p=1.0, seed=3), version=0)
+    return engine, enc, groups, stats
+
+
+def test_turns_on_the_hf_engine_append_observations_with_their_images(turns):
+    engine, enc, groups, stats = turns
+    trajs = [t for g in sorted(groups) for t in groups[g]]
+    assert len(trajs) == 4 and stats.trajectories == 4 and stats.turns == 12 and stats.tool_calls == 8
+    assert stats.images == 4 and stats.env_errors == 0
+    pad = engine.image_token_id
+    for t in trajs:
+        assert t.turns == 3 and len(t.turn_grids) == 1 and t.turn_pixels.shape[0] == t.turn_grids[0].num_patches
+        obs = t.response_ids[~t.generated]
+        # the picture's placeholders, expanded to its grid, inside the first observation; none sampled
+        assert (obs == pad).sum() == t.turn_grids[0].num_tokens(2) and not (t.response_ids[t.generated] == pad).any()
+        assert t.generated.sum() == 18 and (t.rollout_logprobs[~t.generated] == 0).all()  # 3 turns x 6 tokens
+        assert np.array_equal(t.turn_media[0].frames[0], picture(t.prompt.record.id, 1))
+        assert t.response_text == enc.tokenizer.decode(t.response_ids[-6:].tolist(), skip_special_tokens=True)
+
+
+def test_the_engine_scores_every_generated_token_of_three_turns_as_the_trainer_does(turns, tiny_ckpt):
+    from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights
+    from titanrl.rl.batch import pack_trajectories
+
+    engine, enc, groups, _ = turns
+    args = Qwen2_5_VLArgs.from_pretrained(tiny_ckpt)
+    model = Qwen2_5_VLModel(args)
+    load_hf_weights(model, tiny_ckpt)
+    model.eval()
+    for t in groups[0]:
+        with torch.no_grad():
+            pack = pack_trajectories([t], args, torch.device("cpu"), torch.float32)
+            ours = model(pack.batch, pack.targets).logprobs.float()
+        theirs = torch.tensor(engine.score(t.request(enc), t.response_ids.tolist()))[torch.from_numpy(t.generated)]
+        assert ours.shape == theirs.shape == (18,)
+        assert float((ours - theirs).abs().max()) <= 1e-4
+
+
+def test_observation_tokens_get_exactly_zero_gradient(turns, tiny_ckpt):
+    """The policy-gradient loss of a 3-turn trajectory, backward: the gradient reaching the output head's input
+    (the final hidden state of each position: the logits' gradient pulled back through the head, a per-position
+    linear map, so zero exactly where the logits' gradient is zero) is non-zero at every position that predicts a
+    generated token and exactly zero at every other, the observations' included."""
+    from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights
+    from titanrl.rl.batch import pack_trajectories
+    from titanrl.rl.grpo import ppo_clip_loss
+
+    _, _, groups, _ = turns
+    t = groups[1][0]
+    args = Qwen2_5_VLArgs.from_pretrained(tiny_ckpt)
+    model = Qwen2_5_VLModel(args)
+    load_hf_weights(model, tiny_ckpt)
+    pack = pack_trajectories([t], args, torch.device("cpu"), torch.float32)
+    out = model(pack.batch, pack.targets)
+    out.hidden.retain_grad()
+    k = out.logprobs.numel()
+    res = ppo_clip_loss(out.logprobs, out.logprobs.detach(), torch.full((k,), 0.7), pack.seq_index, pack.seq_lengths,
+                        clip_low=0.2, clip_high=0.2, mode="token-mean", global_tokens=float(k), global_seqs=1.0)
+    res.loss.backward()
+    grad = out.hidden.grad.abs().sum(-1)
+    prompt = len(t.prompt.prompt_ids)
+    predicts_generated = np.zeros(grad.shape[0], dtype=bool)
+    predicts_generated[prompt - 1 + np.flatnonzero(t.generated)] = True
+    assert k == int(t.generated.sum()) == 18 and (~t.generated).sum() > 0
+    assert (grad[torch.from_numpy(predicts_generated)] > 0).all()
+    assert float(grad[torch.from_numpy(~predicts_generated)].max()) == 0.0  # observations (and the prompt): none
+
+
+def test_multi_turn_keys_are_refused_where_they_do_not_work_yet():
+    from titanrl.config.loader import load_config
+    from titanrl.config.errors import ConfigError
+
+    env = f"--rl.env={HERE / 'scripted_env.py'}:ScriptedEnv"
+    base = ["--rollout.max_turns=3", env]
+    load_config(Path("configs/tiny_cpu.toml"), base)  # accepted
+    for extra, why in ((["--rollout.max_turns=3"], "needs an environment"),
+                       ([env], "rollout.max_turns = 1"),
+                       ([*base, "--rl.algorithm=ppo"], "rl.algorithm = 'ppo'"),
+                       ([*base, "--workflow.mode=async", "--workflow.placement=disaggregated",
+                         "--workflow.rollout_ranks=1"], "workflow.mode = 'async'"),
+                       ([*base, "--rollout.tokens_per_update=1", "--data.slice_loading=false"], "partial rollouts"),
+                       ([*base, "--eval.every=2"], "evaluation"),
+                       (["--rl.env=not a spec", "--rollout.max_turns=2"], "rl.env must be")):
+        with pytest.raises(ConfigError, match=why.replace("(", r"\(").replace(")", r"\)")):
+            load_config(Path("configs/tiny_cpu.toml"), extra)
+
+
+# ------------------------------------------------------------------------------------------- slow
+
+MULTITURN = (f"--rl.env={HERE / 'scripted_env.py'}:ScriptedEnv", "--rollout.max_turns=3", "--rollout.max_new_tokens=4",
+             "--job.steps=3", "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.global_batch_size=4",
+             "--rollout.n=4", "--rl.minibatches=2")
+
+
+@pytest.mark.slow
+def test_multi_turn_on_two_ranks_with_every_balancing_mode_equals_one_process(run_cache, tmp_path):
+    """3 steps of 3-turn trajectories (an image in the first observation) with a learning signal: 2 ranks with
+    FlexUlysses, vision balancing and shared-prefix packing (the observation images encoded where the vision plan
+    puts them, sent from the rank that rolled them out) equal one process on per-token log-probs and parameter
+    updates; vLLM's log-probs of the generated tokens equal the trainer's after every push (probe <= 1e-4)."""
+    from train_runs import SIGNAL, assert_same_computation, metrics, run, train_cmd
+
+    from titanrl.rl.dump import load_dumps
+
+    run(train_cmd(tmp_path / "one", run_cache, *MULTITURN, *SIGNAL))
+    run(train_cmd(tmp_path / "two", run_cache, *MULTITURN, *SIGNAL, "--parallelism.ulysses=flex",
+                  "--parallelism.vision_balance=true", "--balance.strategy=lb_mini", "--rl.shared_prefix=true",
+                  nproc=2))
+    one, two = tmp_path / "one" / "tiny_cpu", tmp_path / "two" / "tiny_cpu"
+    seen = assert_same_computation(one, two, steps=3)
+    assert {"rollout_logprobs", "old_logprobs", "update/policy"} <= set(seen), seen
+    for step, m in metrics(two).items():
+        assert m["rollout/turns_mean"] == 3.0 and m["rollout/tool_calls"] == 32.0, (step, m)
+        assert m["rollout/images_per_trajectory"] == 1.0 and m["rollout/env_errors"] == 0.0
+        assert m["probe/logprob_max_diff"] <= 1e-4, (step, m["probe/logprob_max_diff"])
+    trajs = load_dumps(two)[1]["trajectories"]
+    assert all((~t["generated"]).sum() > 0 and t["generated"].sum() == 12 for t in trajs.values())
+
+
+@pytest.mark.slow
+def test_an_environment_that_raises_is_counted_or_stops_every_rank_naming_the_sample(run_cache, tmp_path):
+    from train_runs import metrics, run, train_cmd
+
+    raising = [f"--rl.env={HERE / 'scripted_env.py'}:RaisingEnv", "--rollout.max_turns=3", "--job.steps=2",
+               "--checkpoint.enable=false", "--rl.global_batch_size=8"]
+    counted = run(train_cmd(tmp_path / "zero", run_cache, *raising, nproc=2))
+    m = metrics(tmp_path / "zero" / "tiny_cpu")
+    errors = sum(m[s]["rollout/env_errors"] for s in m)
+    assert errors > 0, m
+    lines = [x for x in (counted.stdout + counted.stderr).splitlines() if "an environment step (rl.env) failed on" in x]
+    assert len(lines) == 1 and "scripted failure on" in lines[0] and "rollout/env_errors" in lines[0], lines
+    stopped = run(train_cmd(tmp_path / "error", run_cache, *raising, "--rl.on_reward_error=error", nproc=2),
+                  check=False)
+    assert stopped.returncode != 0
+    console = stopped.stdout + stopped.stderr
+    named = [x for x in console.splitlines() if "rl.env failed on sample" in x and "scripted failure on" in x]
+    assert named and all(x.startswith("[titanrl] error on rank ") for x in named), console[-3000:]
+    assert "titanrl/" not in console  # a user's error: its line, no traceback of ours (torchrun prints its own)

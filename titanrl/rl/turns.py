@@ -1,0 +1,179 @@
+"""Multi-turn rollouts with image observations (``rollout.max_turns > 1``, ``rl.env``).
+
+Each prompt's ``rollout.n`` responses are sampled together (turn 1, as a single-turn rollout); then, turn by turn,
+each unfinished trajectory's environment (``titanrl.envs``) reads the turn's response and returns an observation:
+its text and images are appended to the trajectory as a user message (the chat template's tokens, each image's
+placeholder expanded to its grid), and the engine continues the whole context (``RolloutRequest.response_prefix``,
+the observations' images after the prompt's media). The trajectory's response is every turn with the observations
+between them; ``Trajectory.generated`` marks the sampled tokens, the only ones scored, trained and probed.
+
+A turn cut at ``rollout.max_new_tokens`` is closed by the template's end-of-turn tokens (context, like the
+observation after them) and handed to the environment like any other. A trajectory ends when its environment says
+``done``, after ``rollout.max_turns`` turns, when the next turn could pass ``model.max_seq_len``, or when its
+environment fails (reward 0, counted).
+Every rank calls its engine once per turn, with its unfinished trajectories or none (an engine over several ranks
+needs every rank's call), so the number of engine calls does not depend on the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from titanrl.data.preprocess import DecodedMedia, MediaSettings, PreparedSample, media_to_patches
+from titanrl.data.prompt import PromptEncoder
+from titanrl.envs import EnvError, EnvStep, check_step, env_record
+from titanrl.rl.batch import Trajectory
+from titanrl.rollout import RolloutRequest
+
+
+@dataclass
+class TurnStats:
+    """This rank's counts of one step's multi-turn rollouts (summed over ranks for the metrics)."""
+
+    trajectories: int = 0
+    turns: int = 0  # turns sampled, over every trajectory
+    tool_calls: int = 0  # observations given back (turns continued)
+    images: int = 0  # observation images
+    env_errors: int = 0
+    context_tokens_max: int = 0
+
+    def metrics(self) -> list[float]:
+        return [self.trajectories, self.turns, self.tool_calls, self.images, self.env_errors]
+
+
+@dataclass
+class TurnSetup:
+    """What a multi-turn rollout needs besides the engine and the encoder (``NodeContext.turns``)."""
+
+    make_env: Callable[[Any], Any]  # rl.env's class
+    settings: MediaSettings  # the checkpoint's image processing (observation images)
+    manifest_dir: str | None  # where the records' media paths start (the environments get them absolute)
+    max_turns: int
+    max_turn_images: int
+    max_context_tokens: int  # model.max_seq_len: a turn that could pass it is not started
+    strict: bool  # rl.on_reward_error = "error": an environment error stops the run
+
+
+@dataclass
+class _Episode:
+    traj: Trajectory
+    env: Any
+    request: RolloutRequest  # the prompt's request (its media, its key)
+    done: bool = False
+
+
+def observation_tokens(encoder: PromptEncoder, settings: MediaSettings, step: EnvStep, last_token: str
+                       ) -> tuple[np.ndarray, list[DecodedMedia], list, np.ndarray | None]:
+    """An observation's token ids (image placeholders expanded), its images as media, their grids and pixel rows."""
+    media = [DecodedMedia("image", image[None], decoded_frames=1) for image in step.images]
+    patches = [media_to_patches(m, settings) for m in media]
+    grids = [g for _, g in patches]
+    pixels = np.concatenate([p for p, _ in patches]).astype(np.float32) if patches else None
+    text = encoder.observation_text(step.observation, len(media), last_token)
+    return encoder.expand(encoder.encode_text(text), grids), media, grids, pixels
+
+
+def _text(encoder: PromptEncoder, ids: Sequence[int]) -> str:
+    return encoder.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _append(t: Trajectory, ids: Sequence[int], logprobs: Sequence[float], generated: bool, version: int) -> None:
+    t.response_ids = np.concatenate([t.response_ids, np.asarray(ids, dtype=np.int64)])
+    fill = np.asarray(logprobs, dtype=np.float32) if generated else np.zeros(len(ids), dtype=np.float32)
+    t.rollout_logprobs = np.concatenate([t.rollout_logprobs, fill])
+    t.token_versions = np.concatenate([t.token_versions, np.full(len(ids), version, dtype=np.int32)])
+    t.generated = np.concatenate([t.generated, np.full(len(ids), generated, dtype=bool)])
+
+
+def rollout_turns(engine, encoder: PromptEncoder, setup: TurnSetup, prompts: Sequence[tuple[int, PreparedSample]],
+                  requests: Sequence[RolloutRequest], *, n: int, max_new_tokens: int, sampling: dict, version: int
+                  ) -> tuple[dict[int, list[Trajectory]], TurnStats]:
+    """``n`` multi-turn trajectories per prompt (``prompts[i]`` = (global position, sample), ``requests[i]`` its
+    request); returns them by group, and the step's counts."""
+    settings, max_turns, strict = setup.settings, setup.max_turns, setup.strict
+    stats = TurnStats()
+    episodes: list[_Episode] = []
+    results = engine.generate(list(requests), n=n, max_new_tokens=max_new_tokens, **sampling) \
+        if engine is not None else []
+    groups: dict[int, list[Trajectory]] = {}
+    for (group, prompt), request, samples in zip(prompts, requests, results):
+        groups[group] = []
+        for k, s in enumerate(samples):
+            t = Trajectory(prompt=prompt, group=group, response_index=k,
+                           response_ids=np.asarray(s.token_ids, dtype=np.int64),
+                           rollout_logprobs=np.asarray(s.logprobs, dtype=np.float32), finish_reason=s.finish_reason,
+                           response_text=_text(encoder, s.token_ids), version=version,
+                           token_versions=np.full(len(s.token_ids), version, dtype=np.int32),
+                           generated=np.ones(len(s.token_ids), dtype=bool))
+            groups[group].append(t)
+            episodes.append(_Episode(t, None, request))
+    stats.trajectories = len(episodes)
+    stats.turns = len(episodes)
+
+    def fail(e: _Episode, message: str) -> None:
+        e.done = True
+        where = f"sample {e.traj.prompt.record.id!r} (response {e.traj.response_index}, turn {e.traj.turns})"
+        e.traj.extras["env_error"] = f"{where}: {message}"
+        stats.env_errors += 1
+        if strict:
+            raise EnvError(f"rl.env failed on {where}: {message} (rl.on_reward_error = 'error')")
+
+    for turn in range(1, max_turns + 1):
+        todo: list[tuple[_Episode, RolloutRequest]] = []
+        for e in episodes:
+            if e.done:
+                continue
+            t = e.traj
+            try:
+                if e.env is None:
+                    e.env = setup.make_env(env_record(t.prompt.record, setup.manifest_dir))
+                step = check_step(e.env.step(t.response_text), max_images=setup.max_turn_images)
+            except Exception as error:  # the user's code: any failure ends this trajectory, counted
+                fail(e, f"{type(error).__name__}: {error}")
+                continue
+            if step.reward is not None:
+                t.extras["env_reward"] = step.reward
+            if step.done or turn == max_turns:
+                e.done = True
+                continue
+            try:
+                last = encoder.tokenizer.decode([int(t.response_ids[-1])], skip_special_tokens=False)
+                ids, media, grids, pixels = observation_tokens(encoder, settings, step, last)
+            except Exception as error:  # an image the processor cannot take, a template without turns
+                fail(e, f"observation: {type(error).__name__}: {error}")
+                continue
+            if t.num_tokens + len(ids) + max_new_tokens > setup.max_context_tokens:
+                e.done = True  # the next turn could pass model.max_seq_len: this response is the answer
+                continue
+            _append(t, ids, [], False, version)
+            t.turn_media += media
+            t.turn_grids += grids
+            if pixels is not None:
+                t.turn_pixels = pixels if t.turn_pixels is None else np.concatenate([t.turn_pixels, pixels])
+            stats.tool_calls += 1
+            stats.images += len(media)
+            request = replace(e.request, media=list(e.request.media) + list(t.turn_media), grids=t.grids,
+                              pixel_values=t.pixel_values, key=f"{e.request.key}:{t.response_index}:t{turn + 1}",
+                              response_prefix=tuple(int(x) for x in t.response_ids))
+            todo.append((e, request))
+        if turn == max_turns:
+            break
+        # every rank calls, with its unfinished trajectories or none (an engine over several ranks needs them all)
+        outs = engine.generate([r for _, r in todo], n=1, max_new_tokens=max_new_tokens, **sampling) \
+            if engine is not None else []
+        for (e, _), (s,) in zip(todo, outs):
+            t = e.traj
+            _append(t, s.token_ids, s.logprobs, True, version)
+            t.finish_reason = s.finish_reason
+            t.response_text = _text(encoder, s.token_ids)  # the turn's: the answer rl.reward scores is the last
+            t.turns += 1
+            stats.turns += 1
+    for e in episodes:
+        stats.context_tokens_max = max(stats.context_tokens_max, e.traj.num_tokens)
+    return groups, stats
+
+
+__all__ = ["TurnSetup", "TurnStats", "observation_tokens", "rollout_turns"]

@@ -206,26 +206,38 @@ def test_multi_turn_keys_are_refused_where_they_do_not_work_yet():
 
 # ------------------------------------------------------------------------------------------- slow
 
+
+def metric_steps(run_dir: Path) -> list[dict]:
+    from train_runs import metric_records
+
+    return [r for r in metric_records(run_dir) if "rollout/turns_mean" in r]
+
 MULTITURN = (f"--rl.env={HERE / 'scripted_env.py'}:ScriptedEnv", "--rollout.max_turns=3", "--rollout.max_new_tokens=4",
-             "--job.steps=3", "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.global_batch_size=4",
-             "--rollout.n=4", "--rl.minibatches=2")
+             "--job.steps=3", "--metrics.dump_tensors", "--rl.global_batch_size=4", "--rollout.n=4",
+             "--rl.minibatches=2")
 
 
 @pytest.mark.slow
-def test_multi_turn_on_two_ranks_with_every_balancing_mode_equals_one_process(run_cache, tmp_path):
+def test_multi_turn_on_two_ranks_with_every_balancing_mode_killed_and_resumed_equals_one_process(run_cache, tmp_path):
     """3 steps of 3-turn trajectories (an image in the first observation) with a learning signal: 2 ranks with
     FlexUlysses, vision balancing and shared-prefix packing (the observation images encoded where the vision plan
-    puts them, sent from the rank that rolled them out) equal one process on per-token log-probs and parameter
-    updates; vLLM's log-probs of the generated tokens equal the trainer's after every push (probe <= 1e-4)."""
-    from train_runs import SIGNAL, assert_same_computation, metrics, run, train_cmd
+    puts them, sent from the rank that rolled them out), killed with -9 after the step-2 checkpoint and rerun, equal
+    the uninterrupted one-process run on per-token log-probs and parameter updates; vLLM's log-probs of the
+    generated tokens equal the trainer's after every push (probe <= 1e-4)."""
+    from train_runs import SIGNAL, assert_same_computation, kill_ranks_when, metrics, run, train_cmd
 
     from titanrl.rl.dump import load_dumps
 
-    run(train_cmd(tmp_path / "one", run_cache, *MULTITURN, *SIGNAL))
-    run(train_cmd(tmp_path / "two", run_cache, *MULTITURN, *SIGNAL, "--parallelism.ulysses=flex",
-                  "--parallelism.vision_balance=true", "--balance.strategy=lb_mini", "--rl.shared_prefix=true",
-                  nproc=2))
+    run(train_cmd(tmp_path / "one", run_cache, *MULTITURN, *SIGNAL, "--checkpoint.enable=false"))
+    two_cmd = train_cmd(tmp_path / "two", run_cache, *MULTITURN, *SIGNAL, "--parallelism.ulysses=flex",
+                        "--parallelism.vision_balance=true", "--balance.strategy=lb_mini", "--rl.shared_prefix=true",
+                        "--checkpoint.interval=1", nproc=2)
     one, two = tmp_path / "one" / "tiny_cpu", tmp_path / "two" / "tiny_cpu"
+    left = kill_ranks_when(two_cmd, two / "checkpoint" / "step-2" / ".metadata")  # DCP writes it last
+    assert not left, left  # every process of the killed run ended, and its shared memory is gone
+    resumed = run(two_cmd)
+    assert "[titanrl] resumed from step 2" in resumed.stdout + resumed.stderr
+    assert sorted({r["step"] for r in metric_steps(two)}) == [1, 2, 3]
     seen = assert_same_computation(one, two, steps=3)
     assert {"rollout_logprobs", "old_logprobs", "update/policy"} <= set(seen), seen
     for step, m in metrics(two).items():

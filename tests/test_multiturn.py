@@ -218,12 +218,13 @@ MULTITURN = (f"--rl.env={HERE / 'scripted_env.py'}:ScriptedEnv", "--rollout.max_
 
 
 @pytest.mark.slow
-def test_multi_turn_on_two_ranks_with_every_balancing_mode_killed_and_resumed_equals_one_process(run_cache, tmp_path):
+def test_multi_turn_on_two_ranks_killed_and_resumed_and_disaggregated_equals_one_process(run_cache, tmp_path):
     """3 steps of 3-turn trajectories (an image in the first observation) with a learning signal: 2 ranks with
     FlexUlysses, vision balancing and shared-prefix packing (the observation images encoded where the vision plan
     puts them, sent from the rank that rolled them out), killed with -9 after the step-2 checkpoint and rerun, equal
     the uninterrupted one-process run on per-token log-probs and parameter updates; vLLM's log-probs of the
-    generated tokens equal the trainer's after every push (probe <= 1e-4)."""
+    generated tokens equal the trainer's after every push (probe <= 1e-4). So does the disaggregated placement
+    (1 rollout + 1 training rank)."""
     from train_runs import SIGNAL, assert_same_computation, kill_ranks_when, metrics, run, train_cmd
 
     from titanrl.rl.dump import load_dumps
@@ -246,6 +247,16 @@ def test_multi_turn_on_two_ranks_with_every_balancing_mode_killed_and_resumed_eq
         assert m["probe/logprob_max_diff"] <= 1e-4, (step, m["probe/logprob_max_diff"])
     trajs = load_dumps(two)[1]["trajectories"]
     assert all((~t["generated"]).sum() > 0 and t["generated"].sum() == 12 for t in trajs.values())
+    # the disaggregated placement: the environment on the rollout rank, the trajectories (their observation images
+    # with them) moved to the training rank, the engine there probed after the push
+    split = tmp_path / "split"
+    run(train_cmd(split, run_cache, *MULTITURN, *SIGNAL, "--checkpoint.enable=false",
+                  "--workflow.placement=disaggregated", "--workflow.rollout_ranks=1", nproc=2))
+    seen = assert_same_computation(one, split / "tiny_cpu", steps=3)
+    assert {"rollout_logprobs", "old_logprobs", "update/policy"} <= set(seen), seen
+    for step, m in metrics(split / "tiny_cpu").items():
+        assert m["rollout/turns_mean"] == 3.0 and m["probe/logprob_max_diff"] <= 1e-4, (step, m)
+        assert m["workflow/bytes_redistributed"] > 0
 
 
 @pytest.mark.slow

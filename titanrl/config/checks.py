@@ -145,7 +145,6 @@ def _multiturn_problems(cfg: "JobConfig") -> list[str]:
             cfg.rl.advantage == "reinforce++",
         "partial rollouts (rollout.tokens_per_update)": bool(cfg.rollout.tokens_per_update),
         "workflow.mode = 'async'": cfg.workflow.mode == "async",
-        "workflow.placement = 'disaggregated'": cfg.workflow.placement == "disaggregated",
         "evaluation ([eval], which samples one turn)": cfg.eval.enabled,
     }
     for what, on in not_yet.items():

@@ -195,8 +195,6 @@ def test_multi_turn_keys_are_refused_where_they_do_not_work_yet():
     for extra, why in ((["--rollout.max_turns=3"], "needs an environment"),
                        ([env], "rollout.max_turns = 1"),
                        ([*base, "--rl.algorithm=ppo"], "rl.algorithm = 'ppo'"),
-                       ([*base, "--workflow.mode=async", "--workflow.placement=disaggregated",
-                         "--workflow.rollout_ranks=1"], "workflow.mode = 'async'"),
                        ([*base, "--rollout.tokens_per_update=1", "--data.slice_loading=false"], "partial rollouts"),
                        ([*base, "--eval.every=2"], "evaluation"),
                        (["--rl.env=not a spec", "--rollout.max_turns=2"], "rl.env must be")):
@@ -218,13 +216,13 @@ MULTITURN = (f"--rl.env={HERE / 'scripted_env.py'}:ScriptedEnv", "--rollout.max_
 
 
 @pytest.mark.slow
-def test_multi_turn_on_two_ranks_killed_and_resumed_and_disaggregated_equals_one_process(run_cache, tmp_path):
+def test_multi_turn_on_two_ranks_killed_and_resumed_and_async_equals_one_process(run_cache, tmp_path):
     """3 steps of 3-turn trajectories (an image in the first observation) with a learning signal: 2 ranks with
     FlexUlysses, vision balancing and shared-prefix packing (the observation images encoded where the vision plan
     puts them, sent from the rank that rolled them out), killed with -9 after the step-2 checkpoint and rerun, equal
     the uninterrupted one-process run on per-token log-probs and parameter updates; vLLM's log-probs of the
-    generated tokens equal the trainer's after every push (probe <= 1e-4). So does the disaggregated placement
-    (1 rollout + 1 training rank)."""
+    generated tokens equal the trainer's after every push (probe <= 1e-4). So does the disaggregated asynchronous
+    placement without lag (1 rollout + 1 training rank)."""
     from train_runs import SIGNAL, assert_same_computation, kill_ranks_when, metrics, run, train_cmd
 
     from titanrl.rl.dump import load_dumps
@@ -247,16 +245,18 @@ def test_multi_turn_on_two_ranks_killed_and_resumed_and_disaggregated_equals_one
         assert m["probe/logprob_max_diff"] <= 1e-4, (step, m["probe/logprob_max_diff"])
     trajs = load_dumps(two)[1]["trajectories"]
     assert all((~t["generated"]).sum() > 0 and t["generated"].sum() == 12 for t in trajs.values())
-    # the disaggregated placement: the environment on the rollout rank, the trajectories (their observation images
-    # with them) moved to the training rank, the engine there probed after the push
+    # disaggregated and asynchronous (the rollout rank generates the next batch while the training rank trains):
+    # the environment on the rollout rank, the trajectories (their observation images with them) moved to the
+    # training rank. Without lag and without the importance weight it is the synchronous computation exactly
     split = tmp_path / "split"
     run(train_cmd(split, run_cache, *MULTITURN, *SIGNAL, "--checkpoint.enable=false",
-                  "--workflow.placement=disaggregated", "--workflow.rollout_ranks=1", nproc=2))
+                  "--workflow.placement=disaggregated", "--workflow.rollout_ranks=1", "--workflow.mode=async",
+                  "--workflow.max_staleness=0", "--rl.behaviour_weight_cap=0", nproc=2))
     seen = assert_same_computation(one, split / "tiny_cpu", steps=3)
     assert {"rollout_logprobs", "old_logprobs", "update/policy"} <= set(seen), seen
     for step, m in metrics(split / "tiny_cpu").items():
         assert m["rollout/turns_mean"] == 3.0 and m["probe/logprob_max_diff"] <= 1e-4, (step, m)
-        assert m["workflow/bytes_redistributed"] > 0
+        assert m["workflow/bytes_redistributed"] > 0 and m["async/staleness_max"] == 0
 
 
 @pytest.mark.slow

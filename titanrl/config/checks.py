@@ -144,7 +144,6 @@ def _multiturn_problems(cfg: "JobConfig") -> list[str]:
         "rl.advantage = 'reinforce++' (its per-token KL returns over the observations)":
             cfg.rl.advantage == "reinforce++",
         "partial rollouts (rollout.tokens_per_update)": bool(cfg.rollout.tokens_per_update),
-        "workflow.mode = 'async'": cfg.workflow.mode == "async",
         "evaluation ([eval], which samples one turn)": cfg.eval.enabled,
     }
     for what, on in not_yet.items():

@@ -139,10 +139,6 @@ def _multiturn_problems(cfg: "JobConfig") -> list[str]:
     if turns == 1:
         return found
     not_yet = {
-        "rl.algorithm = 'ppo' (the critic's GAE over turns whose observations are not the policy's)":
-            cfg.rl.algorithm == "ppo",
-        "rl.advantage = 'reinforce++' (its per-token KL returns over the observations)":
-            cfg.rl.advantage == "reinforce++",
         "partial rollouts (rollout.tokens_per_update)": bool(cfg.rollout.tokens_per_update),
         "evaluation ([eval], which samples one turn)": cfg.eval.enabled,
     }

@@ -368,34 +368,54 @@ def _whitening(total: torch.Tensor, squares: torch.Tensor, count: torch.Tensor):
     return n, mean, torch.rsqrt(var.clamp(min=0.0) + 1e-8)
 
 
+def _generated(t, values: torch.Tensor) -> torch.Tensor:
+    """A response's per-token ``values`` at the tokens the policy generated (all of them but a multi-turn
+    trajectory's observations: the returns run over the policy's own tokens, as if the observations were not there)."""
+    gen = getattr(t, "generated", None)
+    return values if gen is None else values[torch.from_numpy(np.flatnonzero(gen))]
+
+
+def _scatter(t, values: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_generated`: a full-length response tensor, 0 at the observations' tokens."""
+    gen = getattr(t, "generated", None)
+    if gen is None:
+        return values
+    full = torch.zeros(len(gen), dtype=values.dtype)
+    full[torch.from_numpy(np.flatnonzero(gen))] = values
+    return full
+
+
 def gae_advantages(batch, ctx):
     """Per-token advantages and returns of every response from its reward (at its last token) and the critic's
-    values; the advantages are whitened over every response token of the step (all ranks: one all-reduce)."""
+    values; the advantages are whitened over every response token of the step (all ranks: one all-reduce). A
+    multi-turn response's are computed over its generated tokens alone (0 at its observations, never scored)."""
     rl = ctx.cfg.rl
-    lengths = [t.values.numel() for t in batch.trajectories]
+    own = [_generated(t, t.values.double()) for t in batch.trajectories]
+    lengths = [v.numel() for v in own]
     width = max(lengths, default=0)
     values = torch.zeros(len(lengths), width, dtype=torch.float64)
     rewards = torch.zeros_like(values)
-    for i, (t, n) in enumerate(zip(batch.trajectories, lengths)):
-        values[i, :n] = t.values.double()
+    for i, (t, v, n) in enumerate(zip(batch.trajectories, own, lengths)):
+        values[i, :n] = v
         if n:
             rewards[i, n - 1] = t.reward
     advantages = gae(rewards, values, rl.gamma, rl.lam)  # every response of the rank at once
-    raw = []
+    raw, returns = [], []
     for i, (t, n) in enumerate(zip(batch.trajectories, lengths)):
         adv = advantages[i, :n]
-        t.returns = (adv + values[i, :n]).float()
+        returns.append(adv + values[i, :n])
+        t.returns = _scatter(t, returns[-1]).float()
         raw.append(adv)
     flat = torch.cat(raw) if raw else torch.zeros(0, dtype=torch.float64)
-    returns = torch.cat([t.returns.double() for t in batch.trajectories]) if raw else flat
-    values = torch.cat([t.values.double() for t in batch.trajectories]) if raw else flat
+    returns = torch.cat(returns) if raw else flat
+    values = torch.cat(own) if raw else flat
     err = returns - values
     sums = all_reduce_sum(torch.stack([
         flat.sum(), (flat ** 2).sum(), torch.tensor(float(flat.numel()), dtype=torch.float64),
         returns.sum(), (returns ** 2).sum(), err.sum(), (err ** 2).sum(), values.sum()]), group=batch.group)
     n, mean, scale = _whitening(sums[0], sums[1], sums[2])
     for t, adv in zip(batch.trajectories, raw):
-        t.advantages = ((adv - mean) * scale).float()
+        t.advantages = _scatter(t, (adv - mean) * scale).float()
     var_returns = sums[4] / n - (sums[3] / n) ** 2
     var_err = sums[6] / n - (sums[5] / n) ** 2
     batch.metrics["critic/values_mean"] = (sums[7] / n).item()
@@ -408,10 +428,10 @@ def reinforce_pp_advantages(batch, ctx):
     to the end (gamma = 1), normalised by the mean and std over every response token of the step (all ranks)."""
     beta = ctx.cfg.rl.kl_coef
     raw = []
-    for t in batch.trajectories:
-        old = torch.as_tensor(t.old_logprobs, dtype=torch.float64)
-        kl = old - torch.as_tensor(t.ref_logprobs, dtype=torch.float64) if getattr(t, "ref_logprobs", None) is not \
-            None else torch.zeros_like(old)
+    for t in batch.trajectories:  # (a multi-turn response: over its generated tokens, 0 at its observations)
+        old = _generated(t, torch.as_tensor(t.old_logprobs, dtype=torch.float64))
+        kl = old - _generated(t, torch.as_tensor(t.ref_logprobs, dtype=torch.float64)) \
+            if getattr(t, "ref_logprobs", None) is not None else torch.zeros_like(old)
         rewards = -beta * kl
         if rewards.numel():
             rewards[-1] += t.reward
@@ -422,8 +442,9 @@ def reinforce_pp_advantages(batch, ctx):
                           group=batch.group)
     n, mean, scale = _whitening(sums[0], sums[1], sums[2])
     for t, adv in zip(batch.trajectories, raw):
-        t.advantages = ((adv - mean) * scale).float()
-        t.advantage = float(t.advantages.mean()) if t.advantages.numel() else 0.0
+        own = ((adv - mean) * scale).float()
+        t.advantages = _scatter(t, own)
+        t.advantage = float(own.mean()) if own.numel() else 0.0
     batch.metrics["advantage/kl_in_reward_mean"] = (all_reduce_sum(torch.tensor(
         [sum(float(r.sum()) for r in raw) - sum(t.reward for t in batch.trajectories)], dtype=torch.float64),
         group=batch.group)[0] / n).item() if beta else 0.0

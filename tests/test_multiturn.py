@@ -249,7 +249,6 @@ def test_multi_turn_keys_are_refused_where_they_do_not_work_yet():
     for extra, why in ((["--rollout.max_turns=3"], "needs an environment"),
                        ([env], "rollout.max_turns = 1"),
                        ([*base, "--rollout.tokens_per_update=1", "--data.slice_loading=false"], "partial rollouts"),
-                       ([*base, "--eval.every=2"], "evaluation"),
                        (["--rl.env=not a spec", "--rollout.max_turns=2"], "rl.env must be")):
         with pytest.raises(ConfigError, match=why.replace("(", r"\(").replace(")", r"\)")):
             load_config(Path("configs/tiny_cpu.toml"), extra)
@@ -265,12 +264,13 @@ def metric_steps(run_dir: Path) -> list[dict]:
 
 MULTITURN = (f"--rl.env={HERE / 'scripted_env.py'}:ScriptedEnv", "--rollout.max_turns=3", "--rollout.max_new_tokens=4",
              "--job.steps=3", "--metrics.dump_tensors", "--rl.global_batch_size=4", "--rollout.n=4",
-             "--rl.minibatches=2")
+             "--rl.minibatches=2", "--eval.every=2", "--eval.max_prompts=4", "--eval.n=2", "--eval.temperature=1.0")
 
 
 @pytest.mark.slow
 def test_multi_turn_on_two_ranks_killed_and_resumed_and_async_equals_one_process(run_cache, tmp_path):
-    """3 steps of 3-turn trajectories (an image in the first observation) with a learning signal: 2 ranks with
+    """3 steps of 3-turn trajectories (an image in the first observation) with a learning signal and a multi-turn
+    evaluation of 4 held-out prompts every 2 steps: 2 ranks with
     FlexUlysses, vision balancing and shared-prefix packing (the observation images encoded where the vision plan
     puts them, sent from the rank that rolled them out), killed with -9 after the step-2 checkpoint and rerun, equal
     the uninterrupted one-process run on per-token log-probs and parameter updates; vLLM's log-probs of the
@@ -291,9 +291,10 @@ def test_multi_turn_on_two_ranks_killed_and_resumed_and_async_equals_one_process
     assert "[titanrl] resumed from step 2" in resumed.stdout + resumed.stderr
     assert sorted({r["step"] for r in metric_steps(two)}) == [1, 2, 3]
     seen = assert_same_computation(one, two, steps=3)
-    assert {"rollout_logprobs", "old_logprobs", "update/policy"} <= set(seen), seen
+    assert {"rollout_logprobs", "old_logprobs", "update/policy", "evaluations"} <= set(seen), seen
     for step, m in metrics(two).items():
         assert m["rollout/turns_mean"] == 3.0 and m["rollout/tool_calls"] == 32.0, (step, m)
+        assert step != 2 or m["eval/responses"] == 8.0  # the held-out prompts' 3-turn trajectories, evaluated
         assert m["rollout/images_per_trajectory"] == 1.0 and m["rollout/env_errors"] == 0.0
         assert m["probe/logprob_max_diff"] <= 1e-4, (step, m["probe/logprob_max_diff"])
     trajs = load_dumps(two)[1]["trajectories"]

@@ -11,7 +11,7 @@ import contextlib
 import os
 import pickle
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -252,6 +252,7 @@ class Trainer:
         self.loader = build_loader(cfg, info, self.model_dir, self.manifest, assign=self.assign_prompts,
                                    encoder=self.encoder, cache=self.cache)
         self._resources.callback(lambda: self.loader.close(collective=self._close_collective))
+        self.turns = self._turn_setup(cfg) if cfg.rollout.max_turns > 1 else None  # multi-turn rollouts
         self.evaluator = self._build_evaluator(cfg, info) if cfg.eval.enabled else None
         self.pusher = WeightPusher(self.args, info, self.param_dtype, placement=self.placement, timeout_s=timeout)
         self._resources.callback(self.pusher.close)
@@ -301,7 +302,7 @@ class Trainer:
             ref_model=self.ref_model, critic=self.critic, stages=self.stages, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, critic_optimizer=getattr(self, "critic_optimizer", None),
             critic_lr_scheduler=getattr(self, "critic_lr_scheduler", None), policy_loss=self.policy_loss,
-            off_policy=self.off_policy, turns=self._turn_setup(cfg) if cfg.rollout.max_turns > 1 else None)
+            off_policy=self.off_policy, turns=self.turns)
         self.history: list[dict[str, float]] = []  # every step's metrics, for the end-of-run summary
         self.evals: list[tuple[int, dict[str, float]]] = []  # this process's evaluations (step, metrics)
         self._step_seconds: list[float] = []  # wall seconds of this process's steps (SIGTERM's estimate)
@@ -356,7 +357,9 @@ class Trainer:
             assign=self.assign_prompts, rank=info.rank, world=info.world_size, every=e.every, n=e.n,
             temperature=e.temperature, max_prompts=e.max_prompts, max_new_tokens=cfg.rollout.max_new_tokens,
             seed=cfg.job.seed, strict=cfg.data.on_bad_sample == "error",
-            out_dir=cfg.run_dir / "eval" if info.is_main else None)
+            out_dir=cfg.run_dir / "eval" if info.is_main else None,
+            # multi-turn: the same turns, the environments given the held-out set's media paths
+            turns=replace(self.turns, manifest_dir=str(table.manifest_path.parent.resolve())) if self.turns else None)
         if info.is_main:
             when = ", ".join(([f"every {e.every} steps"] if e.every else []) + (["before training"] if e.before_train
                                                                                  else []))

@@ -140,7 +140,6 @@ def _multiturn_problems(cfg: "JobConfig") -> list[str]:
         return found
     not_yet = {
         "partial rollouts (rollout.tokens_per_update)": bool(cfg.rollout.tokens_per_update),
-        "evaluation ([eval], which samples one turn)": cfg.eval.enabled,
     }
     for what, on in not_yet.items():
         if on:

@@ -24,6 +24,7 @@ from titanrl.data.shadow.metadata import MetadataTable, SampleMeta
 from titanrl.data.shadow.types import BadSampleError
 from titanrl.distributed import all_gather_objects
 from titanrl.metrics import source_key
+from titanrl.rl.turns import rollout_turns
 from titanrl.rollout.types import RolloutRequest
 
 # the sampling seed of every evaluation (with job.seed): distinct from the training steps' (job.seed * 1_000_003 +
@@ -116,7 +117,7 @@ class Evaluator:
     def __init__(self, *, table: MetadataTable, settings: MediaSettings, encoder: Any, engine: Any, rewards: Any,
                  assign: Callable[..., list[list[int]]], rank: int, world: int, every: int, n: int,
                  temperature: float, max_prompts: int, max_new_tokens: int, seed: int, strict: bool,
-                 out_dir: Path | None) -> None:
+                 out_dir: Path | None, turns: Any = None) -> None:
         self.table, self.settings, self.encoder = table, settings, encoder
         self.engine, self.rewards, self.assign = engine, rewards, assign
         self.rank, self.world = rank, world
@@ -124,6 +125,7 @@ class Evaluator:
         self.max_new_tokens, self.seed = max_new_tokens, seed * 1_000_003 + _EVAL_STREAM
         self.strict = strict  # data.on_bad_sample = "error": a bad held-out sample stops the run, named
         self.out_dir = out_dir  # rank 0: where each evaluation's responses go
+        self.turns = turns  # multi-turn rollouts (titanrl.rl.turns.TurnSetup): the environment answers each turn
         self.metas, self.bad = usable(table, max_prompts)
         if strict and self.bad:
             raise BadSampleError(self._bad_line(self.bad[0].record.id, self.bad[0].problem.detail))
@@ -173,19 +175,31 @@ class Evaluator:
                     raise BadSampleError(self._bad_line(meta.record.id, f"{type(err).__name__}: {err}")) from err
                 skipped.append(meta.record.id)
         requests = [RolloutRequest.from_prepared(p, self.encoder, key=f"eval:{meta.record.id}") for meta, p in prepared]
-        results = self.engine.generate(requests, n=self.n, temperature=self.temperature, top_p=1.0,
-                                       max_new_tokens=self.max_new_tokens, seed=self.seed)
+        sampling = dict(temperature=self.temperature, top_p=1.0, seed=self.seed)
+        if self.turns is not None:  # each response its trajectory's last turn; an environment's reward replaces it
+            groups, _ = rollout_turns(self.engine, self.encoder, self.turns, list(enumerate(p for _, p in prepared)),
+                                      requests, n=self.n, max_new_tokens=self.max_new_tokens, sampling=sampling,
+                                      version=0)
+            samples_of = [[(t.response_text, t.num_generated_tokens, t.extras) for t in groups[i]]
+                          for i in range(len(prepared))]
+        else:
+            results = self.engine.generate(requests, n=self.n, max_new_tokens=self.max_new_tokens, **sampling)
+            samples_of = [[(self.encoder.tokenizer.decode(list(s.token_ids), skip_special_tokens=True),
+                            len(s.token_ids), {}) for s in samples] for samples in results]
         self.engine.sleep()  # rollout.sleep: as after a step's generation
-        texts = [[self.encoder.tokenizer.decode(list(s.token_ids), skip_special_tokens=True) for s in samples]
-                 for samples in results]
-        calls = [(text, meta.record) for (meta, _), group in zip(prepared, texts) for text in group]
+        calls = [(text, meta.record) for (meta, _), group in zip(prepared, samples_of) for text, _, _ in group]
         scores = iter(self.rewards.score(calls) if calls else [])
         out = []
-        for (meta, _), samples, group in zip(prepared, results, texts):
-            for k, (sample, text) in enumerate(zip(samples, group)):
+        for (meta, _), group in zip(prepared, samples_of):
+            for k, (text, tokens, extras) in enumerate(group):
                 result = next(scores)
-                out.append(EvalResponse(meta.index, meta.record.id, meta.record.source, k, text,
-                                        len(sample.token_ids), float(result.score), result.correct, result.error))
+                score, correct, error = float(result.score), result.correct, result.error
+                if "env_error" in extras:
+                    score, correct, error = 0.0, 0.0 if correct is not None else None, extras["env_error"]
+                elif "env_reward" in extras:
+                    score = float(extras["env_reward"])
+                out.append(EvalResponse(meta.index, meta.record.id, meta.record.source, k, text, tokens, score,
+                                        correct, error))
         return out, skipped
 
 

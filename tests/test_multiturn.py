@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from scripted_env import ScriptedEnv, picture  # noqa: E402
 
 from titanrl.data.manifest import MediaEntry, SampleRecord
+from titanrl.data.preprocess import DecodedMedia
 from titanrl.envs import EnvError, check_step
 
 HERE = Path(__file__).parent
@@ -70,6 +71,38 @@ def test_zoom_returns_the_region_enlarged_and_explains_a_bad_call(tmp_path):
         out = env.step(call)
         assert not out["done"] and out["images"] == [] and why in out["observation"], out
     assert env.step("red") == {"observation": None, "images": [], "done": True}
+
+
+def test_the_zoom_task_is_unreadable_at_the_first_view_and_plain_in_a_zoom(tmp_path, tiny_ckpt):
+    """The synthetic zoom task (data.mixture = zoom) through the checkpoint's own image processing: at the first
+    view no patch of the picture is near the dot's colour; after ZoomEnv's zoom on 112 x 112 pixels around the dot,
+    the patches hold its colour plainly."""
+    from titanrl.data.manifest import read_manifest
+    from titanrl.data.preprocess import MediaSettings, decode_media, media_to_patches
+    from titanrl.data.synth import COLOURS, generate_dataset
+    from titanrl.envs import env_record
+    from titanrl.envs.zoom import ZoomEnv
+
+    manifest = generate_dataset(tmp_path, "zoom", 4, seed=0)
+    settings = MediaSettings.from_checkpoint(tiny_ckpt, fps=2.0, max_frames=8)
+    mean, std = np.array([0.48145466, 0.4578275, 0.40821073]), np.array([0.26862954, 0.26130258, 0.27577711])
+
+    def closest(pixels: np.ndarray, colour) -> float:
+        """The smallest RGB distance (0-255) of any pixel of the processed patches to ``colour``."""
+        rgb = (pixels.reshape(-1, 3, 2, 14, 14).transpose(0, 2, 3, 4, 1).reshape(-1, 3) * std + mean) * 255
+        return float(np.linalg.norm(rgb - np.array(colour), axis=1).min())
+
+    for record in read_manifest(manifest):
+        (first,) = decode_media(record, manifest.parent, settings)
+        pixels, grid = media_to_patches(first, settings)
+        assert grid.h * grid.w * 14 * 14 <= 50176 and first.frames.shape[1:3] == (896, 896)
+        colour = COLOURS[record.answer]
+        y, x = np.argwhere((first.frames[0] == colour).all(-1)).min(0)
+        env = ZoomEnv(env_record(record, manifest.parent))
+        out = env.step(f"<zoom>{max(x - 53, 0)},{max(y - 53, 0)},{max(x - 53, 0) + 112},{max(y - 53, 0) + 112}</zoom>")
+        zoomed, _ = media_to_patches(DecodedMedia("image", out["images"][0][None], 1), settings)
+        assert closest(pixels, colour) > 40 and closest(zoomed, colour) < 20, (record.answer, closest(pixels, colour),
+                                                                              closest(zoomed, colour))
 
 
 def test_an_observation_closes_the_turn_and_opens_the_next_as_the_template_writes_them(tiny_ckpt):

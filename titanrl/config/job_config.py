@@ -143,10 +143,11 @@ class DataConfig:
     """columns format: the videos column (a list of paths); a row without it has no videos."""
     system_prompt: str = ""
     """columns format: the system message of every row whose prompt has none (empty = no system message)."""
-    mixture: Literal["image-heavy", "video-heavy", "only-video", "arithmetic"] = "image-heavy"
+    mixture: Literal["image-heavy", "video-heavy", "only-video", "arithmetic", "zoom"] = "image-heavy"
     """Media mix of the synthesized dataset (ignored when data.path or data.manifest is set); arithmetic = a
     different task on images only: count the squares and add a number, answered in \\boxed{} (for rl.reward =
-    "math")."""
+    "math"); zoom = the colour of a dot too small to read at the first view, for multi-turn runs with
+    rl.env = 'titanrl.envs.zoom:ZoomEnv' (configs/examples/zoom_tiny.toml)."""
     synth_format: Literal["titanrl", "verl", "easyr1"] = "titanrl"
     """Schema the synthesized dataset is written in (images embedded as bytes in a Parquet file for verl and
     easyr1), then read back through data.format like any data.path (ignored when data.path or data.manifest is

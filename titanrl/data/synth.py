@@ -1,12 +1,13 @@
 """Synthetic stand-ins for the paper's Geo3K / NExTQA / LongVILA-Reason mixtures, generated locally.
 
-    python -m titanrl.data.synth OUTDIR --mixture image-heavy|video-heavy|only-video|arithmetic \
+    python -m titanrl.data.synth OUTDIR --mixture image-heavy|video-heavy|only-video|arithmetic|zoom \
         --num-samples N [--seed S] [--scale tiny|paper] [--format titanrl|verl|easyr1]
 
 writes ``OUTDIR/media/*`` (PNG/JPEG images, h264 mp4 videos) and ``OUTDIR/manifest.jsonl``; with
 ``--format verl|easyr1`` also ``OUTDIR/train.parquet``, the same samples in that schema with the
 images embedded as bytes (``titanrl.data.synth_formats``). ``arithmetic`` is a different task: count
-the squares of an image and add a number, answered in ``\\boxed{}`` (for the ``math`` reward).
+the squares of an image and add a number, answered in ``\\boxed{}`` (for the ``math`` reward). ``zoom``: the colour of
+a dot too small to read at the first view's resolution, for multi-turn runs with ``titanrl.envs.zoom:ZoomEnv``.
 
 The samples have the *shape* of the real sources -- one image of moderate, varied size with a
 geometry-style text (Geo3K); a short clip of tens of frames (NExTQA); a long clip with a long tail of
@@ -443,12 +444,14 @@ def generate_dataset(
     """Generate media and ``manifest.jsonl`` in `outdir`; return the manifest path, or with ``fmt`` =
     verl / easyr1 the path of ``train.parquet`` holding the same samples in that schema. Sample ids (and media file
     names) start with ``id_prefix``."""
-    from titanrl.data.synth_formats import arithmetic_records, write_format
+    from titanrl.data.synth_formats import arithmetic_records, write_format, zoom_records
 
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     if mixture == "arithmetic":
         records = arithmetic_records(outdir, num_samples, seed, id_prefix)
+    elif mixture == "zoom":
+        records = zoom_records(outdir, num_samples, seed, id_prefix)
     else:
         records = [render_sample(spec, outdir) for spec in sample_specs(mixture, num_samples, seed, scale, id_prefix)]
     manifest = write_manifest(records, outdir / "manifest.jsonl")
@@ -462,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m titanrl.data.synth", description="Generate a synthetic Geo3K/NExTQA/LongVILA-shaped dataset."
     )
     parser.add_argument("outdir", type=Path)
-    parser.add_argument("--mixture", choices=[*MIXTURES, "arithmetic"], required=True)
+    parser.add_argument("--mixture", choices=[*MIXTURES, "arithmetic", "zoom"], required=True)
     parser.add_argument("--num-samples", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scale", choices=list(SCALES), default="tiny")
@@ -472,8 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     manifest = generate_dataset(args.outdir, args.mixture, args.num_samples, seed=args.seed, scale=args.scale,
                                 fmt=args.format)
-    counts = {"geo3k": args.num_samples} if args.mixture == "arithmetic" else source_counts(args.mixture,
-                                                                                           args.num_samples)
+    counts = ({"geo3k": args.num_samples} if args.mixture == "arithmetic" else {"zoom": args.num_samples}
+              if args.mixture == "zoom" else source_counts(args.mixture, args.num_samples))
     print(f"wrote {manifest} ({args.num_samples} samples {counts}) in {time.perf_counter() - start:.1f} s")
     return 0
 

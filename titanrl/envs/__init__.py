@@ -61,7 +61,7 @@ def check_step(value: Any, *, max_images: int) -> EnvStep:
         a = np.asarray(image)
         if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3 or min(a.shape[:2]) < 1:
             raise EnvError(f"step's image {i} must be an H x W x 3 uint8 array, got {a.dtype} {a.shape}")
-        checked.append(np.ascontiguousarray(a))
+        checked.append(a if a.flags.writeable and a.flags.c_contiguous else np.array(a))  # ours to keep and read
     reward = value.get("reward")
     if reward is not None:
         if isinstance(reward, bool) or not isinstance(reward, (int, float, np.floating, np.integer)) \

@@ -27,7 +27,7 @@ def crop_and_enlarge(image: np.ndarray, box: tuple[int, int, int, int]) -> np.nd
     h, w = crop.shape[:2]
     scale = (image.shape[0] * image.shape[1] / (h * w)) ** 0.5
     size = (max(1, round(w * scale)), max(1, round(h * scale)))
-    return np.asarray(Image.fromarray(crop).resize(size, Image.BICUBIC))
+    return np.array(Image.fromarray(crop).resize(size, Image.BICUBIC))
 
 
 def parse_box(text: str, width: int, height: int) -> tuple[int, int, int, int] | str:

@@ -99,6 +99,8 @@ def _turn_metrics(batch, stats) -> None:
     batch.metrics.update({"rollout/turns_mean": turns / max(trajs, 1), "rollout/tool_calls": calls,
                           "rollout/images_per_trajectory": images / max(trajs, 1), "rollout/env_errors": errors,
                           "rollout/context_tokens_max": float(longest)})
+    for k, seconds in enumerate(stats.turn_seconds):  # the slowest generating rank's engine call of each turn
+        batch.metrics[f"rollout/turn{k + 1}_s"] = all_reduce_max(seconds, group=batch.group)
 
 
 def _finished(t, max_new_tokens: int) -> bool:

@@ -17,7 +17,8 @@ needs every rank's call), so the number of engine calls does not depend on the d
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -39,6 +40,7 @@ class TurnStats:
     images: int = 0  # observation images
     env_errors: int = 0
     context_tokens_max: int = 0
+    turn_seconds: list = field(default_factory=list)  # the engine's seconds for each turn (every rank calls each)
 
     def metrics(self) -> list[float]:
         return [self.trajectories, self.turns, self.tool_calls, self.images, self.env_errors]
@@ -96,8 +98,10 @@ def rollout_turns(engine, encoder: PromptEncoder, setup: TurnSetup, prompts: Seq
     settings, max_turns, strict = setup.settings, setup.max_turns, setup.strict
     stats = TurnStats()
     episodes: list[_Episode] = []
+    t0 = time.perf_counter()
     results = engine.generate(list(requests), n=n, max_new_tokens=max_new_tokens, **sampling) \
         if engine is not None else []
+    stats.turn_seconds.append(time.perf_counter() - t0)
     groups: dict[int, list[Trajectory]] = {}
     for (group, prompt), request, samples in zip(prompts, requests, results):
         groups[group] = []
@@ -162,8 +166,10 @@ def rollout_turns(engine, encoder: PromptEncoder, setup: TurnSetup, prompts: Seq
         if turn == max_turns:
             break
         # every rank calls, with its unfinished trajectories or none (an engine over several ranks needs them all)
+        t0 = time.perf_counter()
         outs = engine.generate([r for _, r in todo], n=1, max_new_tokens=max_new_tokens, **sampling) \
             if engine is not None else []
+        stats.turn_seconds.append(time.perf_counter() - t0)
         for (e, _), (s,) in zip(todo, outs):
             t = e.traj
             _append(t, s.token_ids, s.logprobs, True, version)

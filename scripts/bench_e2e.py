@@ -157,6 +157,11 @@ def _loss_gap(runs: dict, step: int) -> float:
                 if len(run["per_step"]) > step for k in SAME if base[step].get(k) is not None), default=0.0)
 
 
+def stage_cells(m: dict) -> str:
+    """A row's cells of each stage's median wall seconds (``time/<stage>``)."""
+    return " | ".join(f"{m.get(f'time/{s}', 0.0):.2f}" for s in STAGES)
+
+
 def wall_table(results: dict, ranks: str) -> list[str]:
     head = " | ".join(s.replace("_logprob", " lp") for s in STAGES)
     lines = [f"| mixture | configuration | {head} | step (s) | limit (s) | step / limit | tokens/s | speed-up vs "
@@ -167,8 +172,7 @@ def wall_table(results: dict, ranks: str) -> list[str]:
         fair = runs.get(PAPER_BASELINE, {}).get("median", {}).get("step/wall_s", 0.0)
         for config, run in runs.items():
             m = run["median"]
-            stages = " | ".join(f"{m.get(f'time/{s}', 0.0):.2f}" for s in STAGES)
-            lines.append(f"| {mixture} | {config} | {stages} | {m['step/wall_s']:.2f} | {m['step/limit_s']:.2f} | "
+            lines.append(f"| {mixture} | {config} | {stage_cells(m)} | {m['step/wall_s']:.2f} | {m['step/limit_s']:.2f} | "
                          f"{ratio(m['step/wall_s'], m['step/limit_s'])} | {m['tokens'] / m['step/wall_s']:.0f} | "
                          f"{ratio(base, m['step/wall_s']) if base else '-'} | {ratio(fair, m['step/wall_s']) if fair else '-'} |")
     return lines

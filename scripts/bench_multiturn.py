@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import provenance, provenance_text  # noqa: E402
-from bench_e2e import CONFIGS, SIGNAL, STAGES  # noqa: E402
+from bench_e2e import CONFIGS, SIGNAL, STAGES, stage_cells  # noqa: E402
 from bench_flex_ulysses import ratio  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,8 +74,7 @@ def report(data: dict) -> str:
              "|---|" + "---|" * len(STAGES) + "---|---|---|---|---|---|"]
     for name, run in runs.items():
         m = run["median"]
-        stages = " | ".join(f"{m.get(f'time/{s}', 0.0):.2f}" for s in STAGES)
-        lines.append(f"| {name} | {stages} | {m['step/wall_s']:.2f} | {ratio(base['step/wall_s'], m['step/wall_s'])} "
+        lines.append(f"| {name} | {stage_cells(m)} | {m['step/wall_s']:.2f} | {ratio(base['step/wall_s'], m['step/wall_s'])} "
                      f"| {m.get('rollout/turns_mean', 0):.2f} | {m.get('rollout/images_per_trajectory', 0):.2f} | "
                      f"{m.get('rollout/context_tokens_max', 0):.0f} | {m.get('balance/bubble_measured', 0):.2f} |")
     lines += ["", "Where the rollout's time goes, per turn (the slowest rank's engine call, s):", "",
@@ -92,8 +91,15 @@ def report(data: dict) -> str:
               f"- Everything on takes {speed:.2f}x verl-like's step speed here"
               + (" (we lose)." if speed < 1 else ".")
               + (f" Stages slower with everything on: {', '.join(slower)}." if slower else ""),
-              "- The update bubble is 1 - mean / peak of the ranks' measured unit times in the update (0: perfectly "
-              "even); the planners see the observation images' tokens and vision cost like the prompt's.",
+              f"- The update's measured bubble (1 - mean / peak of the ranks' unit times, 0: even): verl-like "
+              f"{base.get('balance/bubble_measured', 0):.2f}, all {m_all.get('balance/bubble_measured', 0):.2f}"
+              + (f"; the planners do not lower it here (we lose on that measure; the update stage still takes "
+                 f"{m_all.get('time/update', 0):.2f} s against {base.get('time/update', 0):.2f} s, which of the "
+                 "features gives that was not measured apart)." if m_all.get("balance/bubble_measured", 0)
+                 > base.get("balance/bubble_measured", 0) else ".")
+              + " The planners see the observation images' tokens and vision cost like the prompt's.",
+              "- Slower stages are not diagnosed here; with everything on, ShadowLoader's Ray preprocessors run on "
+              "the same 2 cores as the engines.",
               "- Turns after the first continue fewer, longer contexts; the engine continues each from token ids "
               "(vLLM's prefix cache on; its hit rate across turns is not measured here).",
               "- The tool is scripted (the random policy makes no calls): this measures the systems side of "

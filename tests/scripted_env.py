@@ -37,3 +37,13 @@ class RaisingEnv(ScriptedEnv):
         if self.turn == 1 and zlib.crc32(self.id.encode()) % 2 == 0:
             raise RuntimeError(f"scripted failure on {self.id}")
         return super().step(response)
+
+
+class SlowEnv(ScriptedEnv):
+    """ScriptedEnv whose first step never returns in time (it sleeps 30 s)."""
+
+    def step(self, response: str) -> dict:
+        import time
+
+        time.sleep(30)
+        return super().step(response)

@@ -170,6 +170,33 @@ def test_turns_on_the_hf_engine_append_observations_with_their_images(turns):
         assert t.response_text == enc.tokenizer.decode(t.response_ids[-6:].tolist(), skip_special_tokens=True)
 
 
+def test_an_environment_that_hangs_is_abandoned_after_its_timeout_and_counted(turns, tiny_ckpt):
+    import time
+    from dataclasses import replace
+
+    from scripted_env import SlowEnv
+
+    from titanrl.data.preprocess import MediaSettings
+    from titanrl.rl.turns import TurnSetup, rollout_turns
+    from titanrl.rollout import RolloutRequest
+
+    engine, enc, groups, _ = turns
+    settings = MediaSettings.from_checkpoint(tiny_ckpt, fps=2.0, max_frames=8)
+    prompt = groups[0][0].prompt
+    setup = TurnSetup(SlowEnv, settings, None, max_turns=3, max_turn_images=1, max_context_tokens=4096,
+                      strict=False, timeout_s=0.3)
+    t0 = time.monotonic()
+    out, stats = rollout_turns(engine, enc, setup, [(0, prompt)], [RolloutRequest.from_prepared(prompt, enc, key="s")],
+                               n=2, max_new_tokens=4, sampling=dict(temperature=1.0, top_p=1.0, seed=1), version=0)
+    assert time.monotonic() - t0 < 10  # not the 30 s each step sleeps
+    assert stats.env_errors == 2 and all(t.turns == 1 for t in out[0])
+    assert all("step did not return within rl.env_timeout_s = 0.3 s" in t.extras["env_error"] for t in out[0])
+    with pytest.raises(EnvError, match="did not return within"):
+        rollout_turns(engine, enc, replace(setup, strict=True), [(0, prompt)],
+                      [RolloutRequest.from_prepared(prompt, enc, key="s")], n=1, max_new_tokens=4,
+                      sampling=dict(temperature=1.0, top_p=1.0, seed=1), version=0)
+
+
 def test_the_engine_scores_every_generated_token_of_three_turns_as_the_trainer_does(turns, tiny_ckpt):
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights
     from titanrl.rl.batch import pack_trajectories

@@ -320,7 +320,7 @@ class Trainer:
         return TurnSetup(make_env=load_env(cfg.rl.env), settings=media_settings(cfg, self.model_dir),
                          manifest_dir=str(Path(self.manifest).parent.resolve()), max_turns=cfg.rollout.max_turns,
                          max_turn_images=cfg.rollout.max_turn_images, max_context_tokens=cfg.model.max_seq_len,
-                         strict=cfg.rl.on_reward_error == "error")
+                         strict=cfg.rl.on_reward_error == "error", timeout_s=cfg.rl.env_timeout_s)
 
     def _build_model(self, mesh, *, trainable: bool, value_head: bool = False, path=None,
                      offload: bool = False, lora=None) -> Qwen2_5_VLModel:

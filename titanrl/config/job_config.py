@@ -483,6 +483,10 @@ class RLConfig:
     anything else ends that trajectory with reward 0, counted in rollout/env_errors (rl.on_reward_error = 'error':
     the run stops naming the sample). Built in: titanrl.envs.zoom:ZoomEnv. It runs in the rank's process.
     docs/multiturn.md"""
+    env_timeout_s: float = 30.0
+    """Longest an environment's constructor or one step may run, in seconds; then it counts as failed (its
+    trajectory scores 0, rl.on_reward_error) and is abandoned (its thread cannot be stopped; it no longer holds the
+    run)."""
     reward_timeout_s: float = 10.0
     """Longest one reward call may run, in seconds; then its worker process is killed and replaced and the call
     counts as failed (rl.on_reward_error). Only enforced with rl.reward_workers >= 1."""
@@ -571,6 +575,8 @@ class RLConfig:
                          "are per token (use ppo_clip or cispo)")
         if self.max_error_steps < 0:
             found.append(f"rl.max_error_steps must be >= 0 (0 = never stop), got {self.max_error_steps}")
+        if self.env_timeout_s <= 0:
+            found.append(f"rl.env_timeout_s must be > 0, got {self.env_timeout_s}")
         if self.reward_timeout_s <= 0:
             found.append(f"rl.reward_timeout_s must be > 0, got {self.reward_timeout_s}")
         if self.reward_workers < 0:

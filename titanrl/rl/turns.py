@@ -17,6 +17,7 @@ needs every rank's call), so the number of engine calls does not depend on the d
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
@@ -57,6 +58,7 @@ class TurnSetup:
     max_turn_images: int
     max_context_tokens: int  # model.max_seq_len: a turn that could pass it is not started
     strict: bool  # rl.on_reward_error = "error": an environment error stops the run
+    timeout_s: float = 30.0  # rl.env_timeout_s: longest an environment's constructor or step may take
 
 
 @dataclass
@@ -76,6 +78,27 @@ def observation_tokens(encoder: PromptEncoder, settings: MediaSettings, step: En
     pixels = np.concatenate([p for p, _ in patches]).astype(np.float32) if patches else None
     text = encoder.observation_text(step.observation, len(media), last_token)
     return encoder.expand(encoder.encode_text(text), grids), media, grids, pixels
+
+
+def _within(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """``fn()`` in a daemon thread, or EnvError after ``timeout_s`` (the thread is left behind: Python cannot stop
+    it, and a daemon thread does not hold the process at its exit)."""
+    out: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as error:  # handed to the caller
+            out["error"] = error
+
+    thread = threading.Thread(target=call, name="titanrl-env", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise EnvError(f"{what} did not return within rl.env_timeout_s = {timeout_s:g} s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def _text(encoder: PromptEncoder, ids: Sequence[int]) -> str:
@@ -133,8 +156,11 @@ def rollout_turns(engine, encoder: PromptEncoder, setup: TurnSetup, prompts: Seq
             t = e.traj
             try:
                 if e.env is None:
-                    e.env = setup.make_env(env_record(t.prompt.record, setup.manifest_dir))
-                step = check_step(e.env.step(t.response_text), max_images=setup.max_turn_images)
+                    record = env_record(t.prompt.record, setup.manifest_dir)
+                    e.env = _within(lambda: setup.make_env(record), setup.timeout_s, "the environment's constructor")
+                env, text = e.env, t.response_text
+                step = check_step(_within(lambda: env.step(text), setup.timeout_s, "step"),
+                                  max_images=setup.max_turn_images)
             except Exception as error:  # the user's code: any failure ends this trajectory, counted
                 fail(e, f"{type(error).__name__}: {error}")
                 continue

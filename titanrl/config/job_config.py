@@ -28,7 +28,7 @@ from titanrl.config.errors import ConfigError
 
 # "package.module:function" or "path/to/file.py:function" (or a REWARD_BUILTINS name) -- checked for shape
 # only; importing it here could pull in torch (titanrl.rl.rewards.load_reward resolves it).
-_ENV_SPEC = _REWARD_SPEC = re.compile(
+_REWARD_SPEC = re.compile(  # rl.reward's function, rl.env's class
     r"^(?:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"  # package.module:function
     r"|[^:]+\.py:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$"  # path/to/file.py:function
 )
@@ -560,7 +560,7 @@ class RLConfig:
                 "'path/to/file.py:function', "
                 f"got {self.reward!r}"
             )
-        if self.env and not _ENV_SPEC.match(self.env):
+        if self.env and not _REWARD_SPEC.match(self.env):
             found.append(f"rl.env must be 'package.module:ClassName' or 'path/to/file.py:ClassName', got {self.env!r}")
         if self.advantage == "gae" and self.algorithm != "ppo":
             found.append("rl.advantage = gae needs the critic of rl.algorithm = ppo")

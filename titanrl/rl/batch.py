@@ -64,7 +64,8 @@ class Trajectory:
 
     @property
     def pixel_values(self) -> np.ndarray | None:
-        """Pixel rows of :attr:`grids` (None: the prompt came without pixels and no observation added any)."""
+        """Pixel rows of :attr:`grids` (None where the prompt came without its pixels: slice-aware loading fetches
+        them; the observations' rows are then read from ``turn_pixels``)."""
         if self.turn_pixels is None:
             return self.prompt.pixel_values
         if self.prompt.pixel_values is None:
@@ -80,9 +81,8 @@ class Trajectory:
         base = RolloutRequest.from_prepared(self.prompt, encoder)
         if not self.turn_grids:
             return base
-        pixels = self.pixel_values
         return replace(base, media=list(self.prompt.media) + list(self.turn_media), grids=self.grids,
-                       pixel_values=pixels)
+                       pixel_values=self.pixel_values)
 
 
 @dataclass

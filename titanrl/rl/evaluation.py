@@ -24,7 +24,7 @@ from titanrl.data.shadow.metadata import MetadataTable, SampleMeta
 from titanrl.data.shadow.types import BadSampleError
 from titanrl.distributed import all_gather_objects
 from titanrl.metrics import source_key
-from titanrl.rl.turns import rollout_turns
+from titanrl.rl.turns import rollout_turns, trajectory_score
 from titanrl.rollout.types import RolloutRequest
 
 # the sampling seed of every evaluation (with job.seed): distinct from the training steps' (job.seed * 1_000_003 +
@@ -193,13 +193,11 @@ class Evaluator:
         for (meta, _), group in zip(prepared, samples_of):
             for k, (text, tokens, extras) in enumerate(group):
                 result = next(scores)
-                score, correct, error = float(result.score), result.correct, result.error
+                correct, error = result.correct, result.error
                 if "env_error" in extras:
-                    score, correct, error = 0.0, 0.0 if correct is not None else None, extras["env_error"]
-                elif "env_reward" in extras:
-                    score = float(extras["env_reward"])
-                out.append(EvalResponse(meta.index, meta.record.id, meta.record.source, k, text, tokens, score,
-                                        correct, error))
+                    correct, error = 0.0 if correct is not None else None, extras["env_error"]
+                out.append(EvalResponse(meta.index, meta.record.id, meta.record.source, k, text, tokens,
+                                        trajectory_score(extras, result.score), correct, error))
         return out, skipped
 
 

@@ -32,7 +32,7 @@ from titanrl.rl.grpo import ValueLossOutput, aggregate
 from titanrl.rl.grpo import group_advantages as grpo_advantages
 from titanrl.rl.grpo import rloo_advantages
 from titanrl.rl.slice_loading import StepSlices
-from titanrl.rl.turns import rollout_turns
+from titanrl.rl.turns import rollout_turns, trajectory_score
 from titanrl.rollout import RolloutRequest
 
 
@@ -151,13 +151,8 @@ def score(batch, ctx):
     trajs = batch.trajectories
     results = ctx.rewards.score([(t.response_text, t.prompt.record) for t in trajs])
     for t, result in zip(trajs, results):
-        t.reward = result.score
+        t.reward = trajectory_score(t.extras, result.score)  # multi-turn: the environment's reward, or 0 if it failed
         t.extras["reward"] = result
-        # multi-turn: an environment's own reward replaces rl.reward's score; one that failed scores 0
-        if "env_error" in t.extras:
-            t.reward = 0.0
-        elif "env_reward" in t.extras:
-            t.reward = t.extras["env_reward"]
 
 
 def group_advantages(batch, ctx):

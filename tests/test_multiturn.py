@@ -299,6 +299,25 @@ def test_per_token_advantages_run_over_the_generated_tokens_only():
             assert (t.advantages.numpy()[~t.generated] == 0).all()
 
 
+def test_accuracy_with_and_without_the_tool_is_split_by_turns():
+    """reward/tool_share, reward/accuracy_with_tool and reward/accuracy_without_tool against a hand count over two
+    ranks' responses (a response whose reward does not say what is correct counts in neither)."""
+    from types import SimpleNamespace
+
+    from titanrl.rl.reward_runner import RewardResult
+    from titanrl.rl.step_metrics import tool_metrics, tool_sums
+
+    def traj(turns, correct):
+        return SimpleNamespace(turns=turns, extras={"reward": RewardResult(correct or 0.0, correct=correct)})
+
+    rank0 = tool_sums([traj(3, 1.0), traj(2, 0.0), traj(1, 0.0)])
+    rank1 = tool_sums([traj(1, 1.0), traj(1, 1.0), traj(2, None)])
+    assert tool_metrics([rank0, rank1]) == {"reward/tool_share": 2 / 5, "reward/accuracy_with_tool": 0.5,
+                                            "reward/accuracy_without_tool": 2 / 3}
+    assert tool_metrics([tool_sums([traj(1, 0.0)])]) == {"reward/tool_share": 0.0,
+                                                         "reward/accuracy_without_tool": 0.0}
+
+
 def test_multi_turn_keys_are_refused_where_they_do_not_work_yet():
     from titanrl.config.loader import load_config
     from titanrl.config.errors import ConfigError
@@ -356,6 +375,7 @@ def test_multi_turn_on_two_ranks_killed_and_resumed_and_async_equals_one_process
         assert m["rollout/turns_mean"] == 3.0 and m["rollout/tool_calls"] == 32.0, (step, m)
         assert step != 2 or m["eval/responses"] == 8.0  # the held-out prompts' 3-turn trajectories, evaluated
         assert m["rollout/images_per_trajectory"] == 1.0 and m["rollout/env_errors"] == 0.0
+        assert m["reward/tool_share"] == 1.0 and "reward/accuracy_without_tool" not in m
         assert m["probe/logprob_max_diff"] <= 1e-4, (step, m["probe/logprob_max_diff"])
     trajs = load_dumps(two)[1]["trajectories"]
     assert all((~t["generated"]).sum() > 0 and t["generated"].sum() == 12 for t in trajs.values())

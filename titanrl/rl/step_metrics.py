@@ -43,6 +43,31 @@ def source_sums(trajs) -> dict[str, list[float]]:
     return out
 
 
+def tool_sums(trajs) -> list[float]:
+    """Multi-turn runs, on this rank: [responses whose policy called the environment (more than one turn), correct
+    among them, responses answered at once, correct among them] (responses whose reward says what is correct)."""
+    out = [0.0, 0.0, 0.0, 0.0]
+    for t in trajs:
+        result = t.extras.get("reward")
+        if result is not None and result.correct is not None:
+            k = 0 if t.turns > 1 else 2
+            out[k] += 1
+            out[k + 1] += result.correct
+    return out
+
+
+def tool_metrics(per_rank: list[list[float]]) -> dict[str, float]:
+    """``reward/accuracy_with_tool`` and ``reward/accuracy_without_tool`` (where there were such responses): whether
+    looking again pays, from every rank's ``tool_sums``."""
+    n_tool, c_tool, n_direct, c_direct = (sum(x) for x in zip(*per_rank))
+    out = {"reward/tool_share": n_tool / max(n_tool + n_direct, 1.0)}
+    if n_tool:
+        out["reward/accuracy_with_tool"] = c_tool / n_tool
+    if n_direct:
+        out["reward/accuracy_without_tool"] = c_direct / n_direct
+    return out
+
+
 def source_metrics(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
     """``source/<name>/responses``, ``source/<name>/reward`` (mean) and, where the reward says what is correct,
     ``source/<name>/accuracy``, from every rank's ``source_sums``."""
@@ -101,7 +126,8 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> tuple[dict[str, float], d
     firsts = {kind: f"rank {ctx.info.rank}: {message}" for kind, message in (("reward", failed), ("env", env_failed))
               if message}
     gathered = all_gather_objects((reward_sums(t.extras["reward"] for t in trajs), source_sums(trajs), stats,
-                                   timer.busy, timer.times, fetches, (sum(lags), max(lags, default=0)), firsts))
+                                   timer.busy, timer.times, fetches, (sum(lags), max(lags, default=0)), firsts,
+                                   tool_sums(trajs)))
     first_errors: dict[str, str] = {}
     for g in gathered:
         for kind, message in g[7].items():
@@ -131,6 +157,7 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> tuple[dict[str, float], d
         # reward/accuracy (where the reward says what is correct), reward/errors, reward/<extra>
         **reward_metrics([g[0] for g in gathered]),
         **source_metrics([g[1] for g in gathered]),
+        **(tool_metrics([g[8] for g in gathered]) if ctx.cfg.rollout.max_turns > 1 else {}),
         # groups whose responses all scored the same: no gradient from them this step
         "reward/uniform_group_fraction": total[6].item() / max(total[7].item(), 1.0),
         "response/length_mean": total[3].item() / n,

@@ -99,10 +99,11 @@ def manifest_path(cfg: JobConfig, info: DistInfo, group: FolderGroup | None = No
                               "the same path on every machine")
     else:
         key = "synthesized data"
-        target = cfg.cache_dir / "data" / f"{d.mixture}_n{d.num_samples}_seed{cfg.job.seed}"
+        from titanrl.data.synth import cache_name, generate_dataset
+
+        target = cfg.cache_dir / "data" / cache_name(d.mixture, d.num_samples, cfg.job.seed)
         if d.synth_format != "titanrl":
             target = target.with_name(f"{target.name}_{d.synth_format}")
-        from titanrl.data.synth import generate_dataset
 
         _build_once(target, lambda out: generate_dataset(out, d.mixture, d.num_samples, seed=cfg.job.seed,
                                                          fmt=d.synth_format), group)
@@ -133,8 +134,9 @@ def eval_manifest_path(cfg: JobConfig, info: DistInfo, group: FolderGroup | None
                               "the same path on every machine")
         return _import(cfg, info, group, e.path, "eval.path")
     n, seed = held_out_size(cfg), HELD_OUT_SEED + cfg.job.seed
-    target = cfg.cache_dir / "data" / f"heldout_{cfg.data.mixture}_n{n}_seed{cfg.job.seed}"
-    from titanrl.data.synth import generate_dataset
+    from titanrl.data.synth import cache_name, generate_dataset
+
+    target = cfg.cache_dir / "data" / f"heldout_{cache_name(cfg.data.mixture, n, cfg.job.seed)}"
 
     _build_once(target, lambda out: generate_dataset(out, cfg.data.mixture, n, seed=seed, id_prefix="heldout-"), group)
     return target / "manifest.jsonl"

@@ -169,6 +169,17 @@ class SampleSpec:
 # ------------------------------------------------------------------------------------ specs
 
 
+# A mixture's generator changed in a way that changes its samples: its cached sets (model.cache_dir/data) take the
+# version in their folder name, so a cache filled by the earlier generator is not read as this one's.
+GENERATOR_VERSIONS: dict[str, int] = {"zoom": 2}  # 2: the dot in the region the prompt names
+
+
+def cache_name(mixture: str, num_samples: int, seed: int) -> str:
+    """The folder of a synthesized set in ``model.cache_dir/data``."""
+    version = GENERATOR_VERSIONS.get(mixture, 1)
+    return f"{mixture}_n{num_samples}_seed{seed}" + (f"_v{version}" if version > 1 else "")
+
+
 def source_counts(mixture: str, num_samples: int) -> dict[str, int]:
     """Samples per source: the weights apportioned by largest remainder, so counts sum to N and are
     within one of N * weight / total (ties go to the earlier source)."""

@@ -61,28 +61,32 @@ def arithmetic_records(outdir: str | Path, num_samples: int, seed: int = 0, id_p
 
 
 ZOOM_SIDE = 896  # the picture's side: the tiny checkpoint's processor (at most 224 x 224) sees it 4x smaller
-ZOOM_MARK = 3  # the dot's side: under a pixel at the first view, ~6 in a zoom on 112 x 112 pixels around it
+ZOOM_MARK = 3  # the dot's side: under a pixel at the first view, ~12 in a zoom on the region
+ZOOM_REGION = (420, 420, 476, 476)  # x0, y0, x1, y1: the 56 x 56 region the prompt says the dot is in
 
 
 def zoom_records(outdir: str | Path, num_samples: int, seed: int = 0, id_prefix: str = "") -> list[SampleRecord]:
-    """The task that needs ``titanrl.envs.zoom:ZoomEnv``: a small coloured dot on grey noise, its colour the answer,
-    unreadable at the first view's resolution and plain in a zoom around it (``rollout.max_turns > 1``)."""
+    """The task that needs ``titanrl.envs.zoom:ZoomEnv``: a small coloured dot on grey noise, somewhere in the region
+    the prompt names, its colour the answer, unreadable at the first view's resolution and plain in a zoom on the
+    region (``rollout.max_turns > 1``)."""
     from titanrl.data.synth import ANSWER_CHOICES, COLOURS, _grey_noise, _rng, write_image
 
     outdir = Path(outdir)
     (outdir / "media").mkdir(parents=True, exist_ok=True)
+    x0, y0, x1, y1 = ZOOM_REGION
     records = []
     for i in range(num_samples):
         rng = _rng(seed, i, 31)
         colour = ANSWER_CHOICES[int(rng.integers(len(ANSWER_CHOICES)))]
         pixels = _grey_noise(rng, ZOOM_SIDE, ZOOM_SIDE, block=16)
-        y, x = (int(v) for v in rng.integers(ZOOM_MARK, ZOOM_SIDE - 2 * ZOOM_MARK, size=2))
+        x = int(rng.integers(x0 + ZOOM_MARK, x1 - 2 * ZOOM_MARK))
+        y = int(rng.integers(y0 + ZOOM_MARK, y1 - 2 * ZOOM_MARK))
         pixels[y:y + ZOOM_MARK, x:x + ZOOM_MARK] = COLOURS[colour]
         rel = f"media/{id_prefix}zoom-{i:05d}.png"
         write_image(outdir / rel, pixels)
-        prompt = (f"<image>\nA small coloured dot is somewhere in this {ZOOM_SIDE} x {ZOOM_SIDE} picture. To look "
-                  "closer, reply <zoom>x0,y0,x1,y1</zoom> (pixels). Then answer with one word: red, green, blue or "
-                  "yellow.")
+        prompt = (f"<image>\nA small coloured dot is in the region {x0},{y0},{x1},{y1} of this {ZOOM_SIDE} x "
+                  f"{ZOOM_SIDE} picture. To look closer, reply <zoom>x0,y0,x1,y1</zoom> (pixels). Then answer "
+                  "with one word: red, green, blue or yellow.")
         records.append(SampleRecord(f"{id_prefix}zoom-{i:05d}", "zoom", prompt, [MediaEntry(rel, "image")], colour,
                                     list(ANSWER_CHOICES)))
     return records

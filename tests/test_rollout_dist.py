@@ -151,8 +151,9 @@ def test_engines_in_torchrun_ranks_take_an_in_memory_push(tiny_ckpt, tmp_path, t
         assert r["probe"] < 1e-4  # the engine holds exactly the trainer's weights
         assert r["logprob_change"] > 1e-2  # ... which moved
         assert r["uneven_gather"] == 0.0
-        # the push wrote nothing to shared memory (T = 2: vLLM's CPU all-reduce buffers, gone with the process)
-        assert [e for e in r["new_shm"] if not (tp > 1 and "cpushm" in e)] == []
+        # the push wrote nothing to shared memory, and closing the engine removed what vLLM made there (T = 2: its
+        # CPU all-reduce buffers, which its C++ manager never unlinks)
+        assert r["new_shm"] == []
         assert len(r["tokens"]) == 2
     assert results[0]["total_tokens_over_ranks"] == sum(len(r["tokens"][0]) for r in results)
 

@@ -251,6 +251,23 @@ def video_metadata(media: DecodedMedia, temporal_patch_size: int) -> dict[str, A
     }
 
 
+def _dist_ident(worker: Any) -> str | None:
+    """Runs inside each of the engine's workers: the ident vLLM-CPU's worker names its shared memory with."""
+    return os.environ.get("VLLM_DIST_IDENT")
+
+
+def _unlink_cpu_shm(ident: str | None) -> None:
+    """Remove the shared-memory files of vLLM-CPU's tensor-parallel all-reduce named by ``ident`` (each rank of the
+    group removes every one: the others have mapped them already, and a name already gone is no error)."""
+    shm = Path("/dev/shm")
+    if ident is None or not shm.is_dir():
+        return
+    prefix = ident.lstrip("/") + "-"  # shm_open drops leading slashes (an env:// launch's ident is "//")
+    for path in shm.iterdir():
+        if path.name.startswith(prefix) and "cpushm" in path.name:
+            path.unlink(missing_ok=True)
+
+
 class VLLMEngine:
     """``RolloutEngine`` on an in-process vLLM ``LLM``."""
 
@@ -366,6 +383,10 @@ class VLLMEngine:
                 os.environ.pop(NEW_SESSION_ENV, None)
         self.start_s = time.perf_counter() - t0
         self.own_process = own_process
+        # vLLM-CPU's tensor-parallel all-reduce buffers (/dev/shm/<ident>-...-cpushm_<rank>): its C++ SHM manager
+        # unlinks them only when its process exits normally, so an engine's workers that are terminated (an engine in
+        # child processes) leave them behind; close() removes them, named by the ident the workers set
+        self._cpu_shm_ident = self.llm.collective_rpc(_dist_ident)[0] if _device_type() == "cpu" else None
         self._outside_s = 0.0  # wall seconds of calls into an engine in child processes
         self.weight_version = 0
         # Fused modules of the engine's model: partial updates must cover them whole.
@@ -642,6 +663,7 @@ class VLLMEngine:
         finally:
             ps.destroy_distributed_environment = destroy_env
         del llm
+        _unlink_cpu_shm(self._cpu_shm_ident)
         if collect:
             gc.collect()
 

@@ -49,16 +49,14 @@ def worker(opts) -> None:
 
     from titanrl.config.job_config import LoRAConfig
     from titanrl.models.lora import lora_layers
-    from titanrl.models.make_tiny import make_tiny_checkpoint
+    from titanrl.assets import tiny_checkpoint
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs
     from titanrl.parallel.parallelize import build_parallel_model
     from titanrl.rl.weight_sync import hf_state, write_adapters
     from titanrl.rollout.vllm_engine import _reload_tensors, set_vllm_env
 
     torch.set_num_threads(1)
-    ckpt = Path(f"~/.cache/titanrl/models/qwen2_5_vl_{opts.flavor}_seed0").expanduser()  # the trainer's cache
-    if not (ckpt / "config.json").is_file():
-        make_tiny_checkpoint(ckpt, opts.flavor, 0)
+    ckpt = tiny_checkpoint("~/.cache/titanrl", opts.flavor, 0)  # the trainer's cache
     args = Qwen2_5_VLArgs.from_pretrained(ckpt)
     lora = LoRAConfig(rank=RANK, alpha=ALPHA)
     model = build_parallel_model(args, ckpt, device=torch.device("cpu"), dp_mesh=None, lora=lora, seed=0)

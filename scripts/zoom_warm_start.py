@@ -45,7 +45,7 @@ def main() -> None:
     from titanrl.data.synth_formats import ZOOM_REGION
     from titanrl.envs import check_step, env_record
     from titanrl.envs.zoom import ZoomEnv
-    from titanrl.models.make_tiny import make_tiny_checkpoint
+    from titanrl.assets import tiny_checkpoint
     from titanrl.models.packed import pack_sequences
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs
     from titanrl.models.qwen2_5_vl.inputs import make_sequence_input
@@ -55,9 +55,7 @@ def main() -> None:
     from titanrl.rl.weight_sync import write_hf
 
     torch.manual_seed(opts.seed)
-    ckpt = Path(opts.cache).expanduser() / "models" / f"qwen2_5_vl_tiny_seed{opts.seed}"
-    if not (ckpt / "config.json").is_file():
-        make_tiny_checkpoint(ckpt, "tiny", opts.seed)
+    ckpt = tiny_checkpoint(opts.cache, "tiny", opts.seed)  # the runs' own (model.cache_dir)
     args = Qwen2_5_VLArgs.from_pretrained(ckpt)
     model = build_parallel_model(args, ckpt, device=torch.device("cpu"), dp_mesh=None, seed=opts.seed)
     encoder = PromptEncoder.from_pretrained(ckpt)

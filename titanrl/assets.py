@@ -79,11 +79,16 @@ def model_dir(cfg: JobConfig, info: DistInfo, group: FolderGroup | None = None) 
         return path
     if cfg.model.path_missing("training"):
         raise ConfigError(cfg.model.path_missing("training"))
-    target = cfg.cache_dir / "models" / f"qwen2_5_vl_{cfg.model.flavor}_seed{cfg.job.seed}"
+    return tiny_checkpoint(cfg.cache_dir, cfg.model.flavor, cfg.job.seed, group or cache_group(cfg, info))
+
+
+def tiny_checkpoint(cache_dir: str | Path, flavor: str, seed: int, group: FolderGroup | None = None) -> Path:
+    """The random ``flavor`` checkpoint of ``seed`` in ``cache_dir/models`` (the trainer's, and the scripts'), built
+    once under the cache's lock if it is not complete there."""
     from titanrl.models.make_tiny import make_tiny_checkpoint
 
-    return _build_once(target, lambda d: make_tiny_checkpoint(d, size=cfg.model.flavor, seed=cfg.job.seed),
-                       group or cache_group(cfg, info))
+    target = Path(cache_dir).expanduser() / "models" / f"qwen2_5_vl_{flavor}_seed{seed}"
+    return _build_once(target, lambda d: make_tiny_checkpoint(d, size=flavor, seed=seed), group)
 
 
 def manifest_path(cfg: JobConfig, info: DistInfo, group: FolderGroup | None = None) -> Path:

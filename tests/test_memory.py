@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -269,6 +270,13 @@ def test_7b_config_fits_8_x_80gb(tmp_path):
     assert args.text == Qwen2_5_VLArgs.from_hf_config(cfg_json).text and "table" in source
     plan = memory.predict(cfg, args, 8)
     memory.check_fits(plan, 80 * 10**9, cfg)
+    # odc keeps FSDP's memory: lb_micro's terms plus its publication (the bf16 shards, N * 2 / 8), and it fits
+    micro = memory.predict(dataclasses.replace(cfg, balance=dataclasses.replace(cfg.balance, strategy="lb_micro")),
+                           args, 8)
+    odc = memory.predict(dataclasses.replace(cfg, balance=dataclasses.replace(cfg.balance, strategy="odc")), args, 8)
+    assert odc.term("odc_publication") == 2 * odc.term("gradients") // 4 > 0
+    assert 0 < odc.total - micro.total <= 2.5 * 2**30, (odc.total, micro.total)
+    memory.check_fits(odc, 80 * 10**9, cfg)
     # and the previous settings (lb_mini, 16k tokens, 20 GiB KV) did not
     cfg.balance.strategy, cfg.balance.max_tokens_per_microbatch = "lb_mini", 16384
     cfg.rollout.kv_cache_bytes = 20 << 30

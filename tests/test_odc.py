@@ -1,11 +1,15 @@
 """ODC-style balancing in the update (tests/dist/odc_step.py): 2 optimizer steps under each
 ``balance.strategy`` on 2 and 4 ranks (gloo, FSDP2) equal one plain process; under ``lb_mini``
 ranks run different microbatch counts and every FSDP unit all-gathers and reduce-scatters once per
-minibatch; ``lb_mini`` with FlexUlysses (sharded groups first) too. Plus the pure plan rules."""
+minibatch; ``lb_mini`` with FlexUlysses (sharded groups first) too; under ``odc`` no FSDP collective at all
+and one barrier per minibatch. ``odc``'s memory against ``lb_micro`` and ``lb_mini`` and a rank killed in its
+backward (tests/dist/odc_memory.py). Plus the pure plan rules."""
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +23,7 @@ from titanrl.parallel.stage_plan import plan_stage
 
 SCRIPT = Path(__file__).parent / "dist" / "odc_step.py"
 TOL = 1e-5
-CASES = "native,lb_micro,lb_mini,lb_mini+flex,lb_micro+flex"
+CASES = "native,lb_micro,lb_mini,lb_mini+flex,lb_micro+flex,odc,odc+flex"
 
 
 def test_lb_mini_plans_run_sharded_groups_first_and_each_rank_its_own_count():
@@ -88,13 +92,83 @@ def test_every_strategy_matches_single_process(reference, nproc):
         units = r["fsdp_units"]
         for rank_counts in r["collectives"]:  # [rank][step] -> calls during the step's minibatch
             for step, calls in enumerate(rank_counts):
-                if case.startswith("lb_mini"):
+                if case.startswith("odc"):
+                    # gathers read the owners' shared memory, gradients are added into theirs: no collective
+                    assert calls == {"reduce_scatter": 0, "all_gather": 0}, (case, step, calls)
+                elif case.startswith("lb_mini"):
                     # one gather and one reduction per FSDP unit per minibatch, whatever the counts
                     assert calls == {"reduce_scatter": units, "all_gather": units}, (case, step, calls)
                 else:
                     assert calls["reduce_scatter"] >= units * 2, (case, calls)  # per microbatch
-    mini = res["lb_mini"]
-    if nproc == 4:  # the two long videos take two ranks alone; the short prompts need more microbatches
-        assert any(len(set(counts)) > 1 for counts in mini["microbatches"]), mini["microbatches"]
-    assert mini["metrics"]["balance/syncs_per_minibatch"] == 1.0
+    for name in ("lb_mini", "odc"):
+        mini = res[name]
+        if nproc == 4:  # the two long videos take two ranks alone; the short prompts need more microbatches
+            assert any(len(set(counts)) > 1 for counts in mini["microbatches"]), mini["microbatches"]
+        assert mini["metrics"]["balance/syncs_per_minibatch"] == 1.0
+    for name in ("odc", "odc+flex"):
+        assert res[name]["odc_barriers"] == [1, 2], res[name]["odc_barriers"]  # one per minibatch, counted
     assert res["native"]["metrics"]["balance/syncs_per_minibatch"] > 1.0
+
+
+MEMORY = Path(__file__).parent / "dist" / "odc_memory.py"
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+           str(MEMORY), *args]
+    return fork_launch.run(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_odc_keeps_fsdp_memory_on_four_ranks(tmp_path):
+    """One update minibatch of a ~25M-parameter model on 4 ranks: odc's peak (live heap, plus the shared memory it
+    adds: the accumulation buffer) within 10% of lb_micro's, where lb_mini holds full parameters and gradients;
+    one barrier per minibatch; the parameter shards are the publication (no copy)."""
+    out = tmp_path / "mem.json"
+    proc = torchrun(4, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    import json
+
+    res = json.loads(out.read_text())
+    peak = {s: max(r["heap_added"] + r["shared"] for r in res[s]) for s in res}
+    assert peak["odc"] <= 1.10 * peak["lb_micro"], peak
+    assert peak["lb_mini"] >= 1.8 * peak["odc"], peak
+    assert all(r["barriers"] == 2 and r["direct"] for r in res["odc"]), res["odc"]  # warm-up + measured
+    counts = [r["microbatches"] for r in res["odc"]]
+    assert len(set(counts)) > 1, counts  # unequal microbatch counts, one barrier
+
+
+@pytest.mark.slow
+def test_a_rank_killed_in_an_odc_backward_ends_every_rank(tmp_path):
+    """Rank 1 dies (SIGKILL) in its first gradient push: no rank waits on a gather or the barrier; torchrun ends
+    the job naming rank 1's signal, and the shared files are already gone (unlinked once mapped)."""
+    import time
+
+    before = set(Path("/dev/shm").glob("titanrl-odc-*"))
+    t0 = time.monotonic()
+    # a plain launch (not the test forkserver), so that torchrun's own summary is what the test reads
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+                           str(MEMORY), "--out", str(tmp_path / "x.json"), "--strategies", "odc", "--kill-rank", "1"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 120
+    failures = proc.stderr[proc.stderr.rindex("Failures:"):]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9", failures), failures
+    assert set(Path("/dev/shm").glob("titanrl-odc-*")) <= before
+
+
+@pytest.mark.slow
+def test_odc_trainer_with_critic_flex_and_vision_on_two_ranks_equals_one(run_cache, tmp_path):
+    """The trainer under balance.strategy = odc with PPO's critic, FlexUlysses (a small token budget shards
+    sequences), vision balancing and shared prefix on the video mixture: per-token log-probs, values, returns,
+    advantages and both models' updates (with a learning signal) equal the shared one-process PPO reference over 3
+    steps; one synchronisation per minibatch."""
+    from train_runs import PPO_REFERENCE, assert_same_computation, metrics, ppo_reference_run, run_tiny
+
+    two = run_tiny(tmp_path / "two", run_cache, 2, *PPO_REFERENCE, "--balance.strategy=odc",
+                   "--parallelism.ulysses=flex", "--parallelism.vision_balance=true",
+                   "--balance.max_tokens_per_microbatch=48")
+    seen = assert_same_computation(ppo_reference_run(run_cache), two, steps=3)
+    assert {"values", "returns", "advantages", "old_logprobs", "update/policy", "update/critic"} <= set(seen), seen
+    for rec in metrics(two).values():
+        assert rec["balance/syncs_per_minibatch"] == 1.0 and rec["parallel/sharded_sequences"] > 0, rec

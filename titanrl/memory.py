@@ -26,6 +26,8 @@ backward of the update stage's largest microbatch:
   backward writes each unit's shard as it frees that unit's larger unsharded gradient). Without FSDP
   (one rank) there is no cast: parameters, gradients and compute are fp32 whatever ``model.dtype`` says;
 - AdamW (every ``optimizer.implementation``): exp_avg and exp_avg_sq in the parameters' dtype, fp32: 8 N / dp;
+- ``odc`` (``parallel/odc_comm.py``): FSDP's terms (as ``lb_micro``; the gradient shard is its resident
+  accumulation buffer) plus its publication, the rank's shards as the others' gathers read them (b_p N / dp);
 - ``lb_mini`` (``parallel/odc.py``): every FSDP unit stays all-gathered for the minibatch (N b_p) and the
   unreduced gradients accumulate unsharded; FSDP2 accumulates unsynchronised gradients in the reduce
   dtype, fp32 (4 N). ``lb_micro`` / ``native``: the root unit (embeddings, output, norms: never
@@ -434,13 +436,18 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
             terms.append(Term("gradients", 0, f"lb_mini: the fp32 shards (4 N / {dp}) are written in the minibatch's "
                                               "last backward as the unsharded gradients are freed; none before"))
         else:
-            terms.append(Term("gradients", 4 * n // dp, f"fp32 gradient shard 4 N / {dp}"))
+            terms.append(Term("gradients", 4 * n // dp, f"fp32 gradient shard 4 N / {dp}" + (
+                " (odc: the accumulation buffer in shared memory, resident)" if cfg.balance.strategy == "odc" else "")))
         terms.append(Term("optimizer", 8 * n // dp, f"AdamW exp_avg + exp_avg_sq, fp32: 8 N / {dp}"))
     else:
         notes = "one process in float32: no FSDP"
         terms.append(Term("parameters", 4 * n, f"fp32, 4 N ({notes})"))
         terms.append(Term("gradients", 4 * n, "fp32, 4 N"))
         terms.append(Term("optimizer", 8 * n, "AdamW exp_avg + exp_avg_sq, fp32: 8 N"))
+    if fsdp and cfg.balance.strategy == "odc":
+        # the gradient term above is odc's accumulation buffer (the shards' .grad are views of it)
+        terms.append(Term("odc_publication", b_p * (n + lora) // dp,
+                          f"odc: this rank's shards as the others' gathers read them, {b_p} B (shared memory)"))
     if fsdp and cfg.balance.strategy == "lb_mini":
         terms.append(Term("lb_mini_full_params", b_p * n, f"lb_mini: every unit gathered for the minibatch, {b_p} N"))
         terms.append(Term("lb_mini_full_grads", 4 * lora if lora else 4 * n,

@@ -32,6 +32,7 @@ from titanrl.models.lora import AdapterCheckpoint
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel
 from titanrl.optim import build_lr_scheduler, build_optimizer
 from titanrl.parallel.balance import balance_ranks
+from titanrl.parallel.odc_comm import odc_comm
 from titanrl.parallel.parallelize import CompileOptions, build_parallel_model
 from titanrl.parallel.ulysses import resolve_ulysses
 from titanrl.rl.dump import dump_step
@@ -184,6 +185,11 @@ class Trainer:
             # PPO's critic: the policy's network with a value head, sharded and compiled like it
             self.critic = (self._build_model(mesh, trainable=True, value_head=True, path=cfg.critic.path or None)
                            if cfg.rl.algorithm == "ppo" else None)
+        if self.trains and cfg.balance.strategy == "odc":
+            # the shards' shared memory, mapped by every training rank now (collective): a job that spans machines
+            # or runs on CUDA is refused here, before the first rollout
+            for m in dict.fromkeys(m for m in (self.model, self.ref_model, self.critic) if m is not None):
+                odc_comm(m)
         cost_model = build_cost_model(self.args, cfg.balance.cost_model)
         train_speeds = tuple(self.rank_speeds[r] for r in self.placement.train) if self.rank_speeds else None
         # process groups are made by every rank of the job, also those outside the training group

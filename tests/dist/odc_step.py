@@ -113,13 +113,15 @@ def main() -> None:
                                  inp.seq_lengths, global_tokens=global_tokens, global_seqs=global_seqs,
                                  ref_logp=inp.fields["ref_logprobs"], entropy=out.entropy, **LOSS)
 
-        losses, counts, micro = [], [], []
+        losses, counts, micro, barriers = [], [], [], []
         for _ in range(STEPS):
             runner.begin_step(mine)
             ids = runner.all_ids()
             before = dict(calls)
             res = runner.train_minibatch(model, ids, ("old_logprobs", "ref_logprobs"), loss_fn, temperature=1.0)
             counts.append({k: calls[k] - before[k] for k in calls})
+            comm = model.__dict__.get("_odc_comm")
+            barriers.append(comm.barriers if comm is not None else None)
             micro.append(runner.plan(ids)[1].microbatch_counts())
             total = torch.tensor([sum(r.loss.item() for r in res)], dtype=torch.float64)
             dist.all_reduce(total)
@@ -139,7 +141,7 @@ def main() -> None:
         dist.all_gather_object(every, counts)
         results[case] = {"param_err": e.item(), "loss_err": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
                          "collectives": every, "microbatches": micro, "fsdp_units": units,
-                         "metrics": runner.metrics()}
+                         "metrics": runner.metrics(), "odc_barriers": barriers, "losses": losses}
     if rank == 0:
         torch.save(results, opts.out)
     dist.barrier()

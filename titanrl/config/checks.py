@@ -46,15 +46,15 @@ def cross_section_problems(cfg: "JobConfig") -> list[str]:
     if cfg.balance.strategy == "bucketing" and cfg.parallelism.ulysses != "none":
         found.append(f"balance.strategy='bucketing' deals whole trajectories to ranks (verl's way), but "
                      f"parallelism.ulysses={cfg.parallelism.ulysses!r} shards them: use parallelism.ulysses='none' "
-                     "or balance.strategy='lb_micro' / 'lb_mini'")
+                     "or balance.strategy='lb_micro' / 'lb_mini' / 'odc'")
     if cfg.balance.strategy == "bucketing" and (cfg.balance.speeds() or cfg.balance.profile_speeds):
         found.append("balance.strategy='bucketing' deals equal counts to every rank; unequal rank speeds "
-                     "(balance.rank_speeds, balance.profile_speeds) need balance.strategy='lb_micro' or 'lb_mini'")
+                     "(balance.rank_speeds, balance.profile_speeds) need balance.strategy='lb_micro', 'lb_mini' or 'odc'")
     if cfg.balance.strategy == "native" and cfg.parallelism.ulysses != "none":
         found.append(
             f"balance.strategy='native' keeps every trajectory on the rank that generated it, but "
             f"parallelism.ulysses={cfg.parallelism.ulysses!r} places trajectories on Ulysses groups: use "
-            "balance.strategy='lb_micro' or 'lb_mini'"
+            "balance.strategy='lb_micro', 'lb_mini' or 'odc'"
         )
     if cfg.balance.profile_speeds and cfg.balance.rank_speeds:
         found.append("balance.profile_speeds = true measures the speeds that balance.rank_speeds sets: use one")

@@ -292,10 +292,13 @@ class ParallelismConfig:
 class BalanceConfig:
     """[balance] How rollout sequences are packed into microbatches across ranks."""
 
-    strategy: Literal["lb_mini", "lb_micro", "native", "bucketing"] = "lb_mini"
+    strategy: Literal["lb_mini", "odc", "lb_micro", "native", "bucketing"] = "lb_mini"
     """How the log-prob and update stages spread trajectories over ranks and synchronise them (ODC paper):
     lb_mini = Karmarkar-Karp per minibatch with unequal microbatch counts per rank, parameters gathered once and
     gradients reduced once per minibatch (holds full parameters and unsharded gradients during the minibatch);
+    odc = lb_mini's plan with ODC's on-demand communication: FSDP's memory (each unit gathered only while it runs,
+    from the owners' shared memory, its gradient scatter-accumulated into the owners' buffers), one barrier per
+    minibatch (CPU ranks of one machine; refused on CUDA and across machines, not built there);
     lb_micro = balanced across ranks, equal microbatch counts, FSDP collectives per layer of every microbatch
     (less memory); native = every trajectory stays on the rank that generated it, ranks padded to the largest
     microbatch count (the baseline; only with parallelism.ulysses = 'none'); bucketing = the FlexRL paper's veRL

@@ -14,14 +14,16 @@ every layer of every microbatch, and all ranks must run the same number of micro
 - at the end every module is resharded and the settings restored.
 
 Ranks can therefore run different numbers of microbatches. The cost (say so to users): full
-parameters and unsharded gradients stay resident for the whole minibatch. Collectives of other kinds
+parameters and unsharded gradients stay resident for the whole minibatch (``lb_mini``). :func:`odc_sync`
+(``odc``) keeps FSDP's memory instead: units gather from the owners' shared memory when they run and
+scatter-accumulate their gradients into the owners' buffers (``titanrl.parallel.odc_comm``). Collectives of other kinds
 inside a microbatch (Ulysses all-to-alls) must all be issued before any rank's last microbatch:
 the stage plan runs sharded groups first and puts each rank's whole sequences last.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator
 
 import torch.nn as nn
@@ -78,3 +80,31 @@ def minibatch_sync(model: nn.Module, *, train: bool, reshard_after_forward: bool
             m.set_reshard_after_forward(reshard_after_forward and m is not model, recurse=False)
             m.set_reshard_after_backward(True, recurse=False)
             m.set_requires_gradient_sync(True, recurse=False)
+
+
+@contextmanager
+def odc_sync(model: nn.Module, *, train: bool) -> Iterator[Callable[[], None]]:
+    """A stage under ``balance.strategy = "odc"``: FSDP's per-unit gathers and frees, served from the owners'
+    shared memory, gradients scatter-accumulated into the owners' buffers, one barrier at the end of a train
+    stage (``titanrl.parallel.odc_comm``). Yields a no-op ``last()`` (nothing is reduced in the last
+    microbatch); without FSDP everything is a no-op. An exception in the stage skips the barrier (the rank
+    leaves; the others stop at theirs)."""
+    from titanrl.parallel.odc_comm import odc_comm
+
+    comm = odc_comm(model)
+    if comm is None:
+        yield lambda: None
+        return
+    comm.enter(train=train)
+    yield lambda: None
+    for m in fsdp_modules(model):
+        m.reshard()
+    comm.exit()
+    if train:
+        comm.finish_train()
+
+
+def forward_scope(model: nn.Module):
+    """A forward outside the stage runner (the engine probe), run by every rank of the model: under ``odc`` a
+    forward-only stage (the owners' publications refreshed); otherwise nothing."""
+    return odc_sync(model, train=False) if "_odc_comm" in model.__dict__ else nullcontext()

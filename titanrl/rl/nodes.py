@@ -27,6 +27,7 @@ from titanrl.console import say
 from titanrl.data.shadow import BadSample, Materialized
 from titanrl.distributed import all_gather_objects, all_reduce_max, all_reduce_sum
 from titanrl.models.lora import adapters_disabled
+from titanrl.parallel.odc import forward_scope
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
 from titanrl.rl.grpo import ValueLossOutput, aggregate
 from titanrl.rl.grpo import group_advantages as grpo_advantages
@@ -285,7 +286,7 @@ def probe(trajs, ctx) -> float:
     item = None
     if ctx.model is not None:
         t = trajs[0] if trajs else None
-        with torch.no_grad():
+        with torch.no_grad(), forward_scope(ctx.model):
             if t is None:
                 ctx.model(dummy_pack(ctx.args, ctx.info.device, ctx.param_dtype).batch)
             else:

@@ -35,7 +35,7 @@ from titanrl.console import say
 from titanrl.distributed import all_gather_objects
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.parallel.cost_model import CostModel
-from titanrl.parallel.odc import minibatch_sync, reshard_root_after
+from titanrl.parallel.odc import minibatch_sync, odc_sync, reshard_root_after
 from titanrl.parallel.stage_plan import BalanceStrategy, StageMethod, StagePlan, plan_stage, rank_sums, top_degree
 from titanrl.parallel.ulysses import UlyssesLayout, layout_builder
 from titanrl.rl.batch import Trajectory, dummy_pack
@@ -157,7 +157,9 @@ class StageRunner:
         self.device = device
         self.dtype = dtype
         self.method = method
-        self.strategy = strategy
+        # odc plans as lb_mini (one synchronisation per minibatch) and runs its stages on on-demand communication
+        self.odc = strategy == "odc"
+        self.strategy = "lb_mini" if self.odc else strategy
         self.max_tokens = max_tokens
         self.cost_model = cost_model
         self.p_max = p_max
@@ -343,6 +345,8 @@ class StageRunner:
         model.vision.register_forward_hook(done)
 
     def _sync(self, model, plan: StagePlan, *, train: bool):
+        if plan.sync == "minibatch" and self.odc:
+            return odc_sync(model, train=train)
         if plan.sync == "minibatch":
             return minibatch_sync(model, train=train, reshard_after_forward=self.reshard_after_forward)
         return nullcontext(lambda: None) if train else reshard_root_after(model)

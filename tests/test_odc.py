@@ -172,3 +172,21 @@ def test_odc_trainer_with_critic_flex_and_vision_on_two_ranks_equals_one(run_cac
     assert {"values", "returns", "advantages", "old_logprobs", "update/policy", "update/critic"} <= set(seen), seen
     for rec in metrics(two).values():
         assert rec["balance/syncs_per_minibatch"] == 1.0 and rec["parallel/sharded_sequences"] > 0, rec
+
+
+@pytest.mark.slow
+def test_odc_with_bfloat16_lora_compile_and_checkpointing_equals_lb_mini(run_cache, tmp_path):
+    """odc's other publication path (bfloat16 compute: the shards are cast, so a copy is published) with LoRA
+    (frozen base, no gradient pushed for it; the reference is the policy with its adapters off, a forward-only
+    stage), compiled blocks and activation checkpointing (units gathered again in the recomputation), on 2 ranks:
+    per-token log-probs and updates equal lb_mini's (the previous behaviour) with a learning signal, bfloat16's
+    rounding allowed."""
+    from train_runs import assert_same_computation, train_tiny
+
+    extra = ("--model.dtype=bfloat16", "--lora.rank=8", "--compile.enable=true",
+             "--parallelism.activation_checkpoint=full")
+    mini, _ = train_tiny(tmp_path, run_cache, "mini", 2, "--balance.strategy=lb_mini", *extra)
+    odc, recs = train_tiny(tmp_path, run_cache, "odc", 2, "--balance.strategy=odc", *extra)
+    seen = assert_same_computation(mini, odc, tol=1e-3, update_rtol=1e-3)
+    assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "update/policy"} <= set(seen), seen
+    assert all(r["balance/syncs_per_minibatch"] == 1.0 for r in recs)

@@ -432,6 +432,7 @@ class StageRunner:
         results = []
         t0 = self.clock.mark()
         unit_seconds: list[Busy] = []
+        barriers = model.__dict__["_odc_comm"].barriers if "_odc_comm" in model.__dict__ else 0
         with self._sync(model, plan, train=True) as last:
             mine = plan.rank_waves(self.rank)
             # under minibatch sync the rank's final microbatch reduces; it must hold no sharded group
@@ -462,7 +463,10 @@ class StageRunner:
                 last()
                 s.microbatches += 1
                 self._dummy(model, backward=True, table=table, reducing=True)
-        s.reducing_microbatches += 1 if plan.sync == "minibatch" else len(plan.waves)
+        # synchronisations: odc counts its barriers; lb_mini reduces in one microbatch; the others in every wave
+        comm = model.__dict__.get("_odc_comm") if self.odc else None
+        s.reducing_microbatches += (comm.barriers - barriers if comm is not None else
+                                    1 if plan.sync == "minibatch" else len(plan.waves))
         t1 = self.clock.mark()
         self.stats.busy_seconds.add(t0, t1)
         s.update_busy_seconds.add(t0, t1)

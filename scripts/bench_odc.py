@@ -1,5 +1,6 @@
-"""ODC-style balancing of the update stage: native vs lb_micro vs lb_mini (``balance.strategy``), each alone and
-(``+flex``) with FlexUlysses (``parallelism.ulysses = flex``, ``p_max`` = the ranks up to 4).
+"""ODC-style balancing of the update stage: native vs lb_micro vs lb_mini vs odc (``balance.strategy``), each alone
+and (``+flex``) with FlexUlysses (``parallelism.ulysses = flex``, ``p_max`` = the ranks up to 4), and the memory
+planner's prediction for the 7B config under each.
 
     python scripts/bench_odc.py            # -> benchmarks/odc.{json,md}
     python scripts/bench_odc.py --quick    # smaller batches, for a smoke run
@@ -34,8 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_common import PeakRSS, provenance, provenance_text  # noqa: E402
-STRATEGIES = ("native", "lb_micro", "lb_mini", "lb_micro+flex", "lb_mini+flex")
+from bench_common import HeapSampler, provenance, provenance_text  # noqa: E402
+STRATEGIES = ("native", "lb_micro", "lb_mini", "odc", "lb_micro+flex", "lb_mini+flex", "odc+flex")
 
 
 def aime_batch(model_dir: Path, prompts: int, responses: int, seed: int):
@@ -113,7 +114,9 @@ def worker(opts) -> None:
                          cost_model=cost_model, p_max=p_max, groups=groups)
     for batch in (mine[:1], mine):  # a warm-up minibatch of one trajectory per rank, then the measured one
         runner.begin_step(batch)
-        memory = PeakRSS()
+        memory = HeapSampler()
+        memory.peak_live = memory.report()["peak_heap_live_bytes"]
+        start = memory.peak_live
         dist.barrier()
         t0 = time.perf_counter()
         runner.train_minibatch(model, runner.all_ids(), ("old_logprobs",), loss_fn, temperature=1.0)
@@ -122,7 +125,11 @@ def worker(opts) -> None:
         optim.zero_grad(set_to_none=True)
         dist.barrier()
         seconds = time.perf_counter() - t0
-        added = memory.stop()
+        memory.stop()
+        # live heap (where torch's CPU tensors are) above the start; odc's shared memory (its accumulation buffer,
+        # where FSDP would keep gradients, and copies it publishes) is not heap: added, the rank's own only
+        comm = model.__dict__.get("_odc_comm")
+        added = memory.report()["peak_heap_live_bytes"] - start + (comm.shared_bytes if comm is not None else 0)
         metrics = runner.metrics()
     _, plan = runner.plan(runner.all_ids())
     every = all_gather_objects((runner.stats.update_busy_seconds.seconds(), added))
@@ -200,13 +207,44 @@ def report(rows: list[dict]) -> str:
             lines.append("")
     lines += ["`bubble measured` = 1 - sum mean / sum max of the ranks' busy time (CPU time inside forward and",
               "backward) per synchronisation unit: every microbatch for native / lb_micro (ranks wait at every",
-              "layer), the minibatch for lb_mini; `+flex`: FlexUlysses places the trajectories (a long one sharded",
+              "layer), the minibatch for lb_mini and odc; `+flex`: FlexUlysses places the trajectories (a long one sharded",
               "over a Ulysses group); `bubble planned` = the same from the plan's costs (this model's",
               "FLOPs). `microbatches`",
-              "include the zero-weight dummies native pads with. `peak added MB`: the rank's resident memory during",
-              "the stage above its start (sampled every 20 ms); lb_mini holds full parameters and unsharded",
-              "gradients for the minibatch (the small model: ~140 MB each). Wall-clock ratios only for 2 ranks.", ""]
+              "include the zero-weight dummies native pads with. `peak added MB`: the rank's live heap (glibc's",
+              "`mallinfo2`, where torch's CPU tensors are; sampled every 10 ms) during the minibatch and its optimizer",
+              "step above its start, plus, for odc, the shared memory it adds (its accumulation buffer; its parameter",
+              "shards move into shared memory, which is not counted: they were there before). lb_mini holds full",
+              "parameters and unsharded gradients for the minibatch (the small model: ~140 MB each); odc gathers a",
+              "unit from the owners' shared memory when it runs, as FSDP does, and synchronises once per minibatch.",
+              "Wall-clock ratios only for 2 ranks.", ""]
+    lines += ["## The 7B config's predicted peak per GPU (8 x 80 GB, `python -m titanrl.memory`)", "",
+              "| strategy | predicted peak GiB | fits 80 GB |", "|---|---|---|"]
+    lines += [f"| {s} | {gib:.2f} | {'yes' if fits else 'no'} |" for s, gib, fits in planner_rows()]
+    lines += ["", "The planner's terms: `docs/memory.md`. odc is refused on CUDA (its symmetric-memory path is not",
+              "built): the 7B row is a prediction, not yet run on a GPU.", ""]
     return "\n".join(lines)
+
+
+def planner_rows() -> list[tuple[str, float, bool]]:
+    """(strategy, predicted GiB, fits) for configs/qwen2_5_vl_7b.toml on 8 ranks of 80 GB (the planner's table
+    shape for Qwen2.5-VL-7B)."""
+    from titanrl import memory
+    from titanrl.config import load_config
+    from titanrl.config.errors import ConfigError
+
+    rows = []
+    for strategy in ("lb_micro", "odc", "lb_mini"):
+        cfg = load_config(ROOT / "configs" / "qwen2_5_vl_7b.toml",
+                          ["--model.path=/models/Qwen2.5-VL-7B-Instruct", f"--balance.strategy={strategy}"])
+        args, _ = memory.resolve_shape(cfg)
+        plan = memory.predict(cfg, args, 8, device="cuda")
+        try:
+            memory.check_fits(plan, 80 * 10**9, cfg)
+            fits = True
+        except ConfigError:
+            fits = False
+        rows.append((strategy, plan.total / 2**30, fits))
+    return rows
 
 
 def main() -> None:

@@ -194,7 +194,7 @@ def test_two_ranks_with_every_parallel_mode_equal_one_process(tmp_path, run_cach
 
     from titanrl.models.qwen2_5_vl.state_dict_adapter import hf_name
     from titanrl.rl.dump import load_dumps, max_differences
-    from train_runs import assert_same_computation, train_tiny
+    from train_runs import assert_same_computation, metrics, train_tiny
 
     one_dir, one = train_tiny(tmp_path, run_cache, "one", 1, "--balance.strategy=lb_micro",
                               "--rl.shared_prefix=false", *LORA)
@@ -233,7 +233,8 @@ def test_two_ranks_with_every_parallel_mode_equal_one_process(tmp_path, run_cach
     assert config["r"] == 8 and "qkv" in config["target_modules"]
 
     # the checkpoint holds the adapters (and their optimizer state), not the base; a rerun resumes from step 2 and
-    # computes step 3 again as the uninterrupted run did
+    # computes step 3 again as the uninterrupted run did, the rerun under balance.strategy = odc (its parameter
+    # shards live in shared memory, where the checkpoint load writes them; frozen base: no gradient pushed for it)
     from torch.distributed.checkpoint import FileSystemReader
 
     saved = FileSystemReader(str(two_dir / "checkpoint" / "step-2")).read_metadata().state_dict_metadata
@@ -242,10 +243,11 @@ def test_two_ranks_with_every_parallel_mode_equal_one_process(tmp_path, run_cach
     uninterrupted = dumps[3]
     shutil.rmtree(two_dir / "checkpoint" / "step-3")
     (two_dir / "tensors" / "step3.pt").unlink()
-    train_tiny(tmp_path, run_cache, "two", 2, *two_args)
+    train_tiny(tmp_path, run_cache, "two", 2, *two_args, "--balance.strategy=odc")
     resumed = load_dumps(two_dir)[3]
     diff = max_differences(uninterrupted, resumed)
     assert all(v <= 1e-6 for v in diff.values()), diff
+    assert metrics(two_dir)[3]["balance/syncs_per_minibatch"] == 1.0
 
 
 def test_push_layout_lists_the_merged_tensors_in_the_order_the_push_sends_them(tiny_ckpt):

@@ -27,7 +27,8 @@ backward of the update stage's largest microbatch:
   (one rank) there is no cast: parameters, gradients and compute are fp32 whatever ``model.dtype`` says;
 - AdamW (every ``optimizer.implementation``): exp_avg and exp_avg_sq in the parameters' dtype, fp32: 8 N / dp;
 - ``odc`` (``parallel/odc_comm.py``): FSDP's terms (as ``lb_micro``; the gradient shard is its resident
-  accumulation buffer) plus its publication, the rank's shards as the others' gathers read them (b_p N / dp);
+  accumulation buffer) plus, below float32, its publication: the rank's shards cast for the others' gathers
+  (b_p N / dp; in float32 they read the shards themselves);
 - ``lb_mini`` (``parallel/odc.py``): every FSDP unit stays all-gathered for the minibatch (N b_p) and the
   unreduced gradients accumulate unsharded; FSDP2 accumulates unsynchronised gradients in the reduce
   dtype, fp32 (4 N). ``lb_micro`` / ``native``: the root unit (embeddings, output, norms: never
@@ -446,8 +447,10 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
         terms.append(Term("optimizer", 8 * n, "AdamW exp_avg + exp_avg_sq, fp32: 8 N"))
     if fsdp and cfg.balance.strategy == "odc":
         # the gradient term above is odc's accumulation buffer (the shards' .grad are views of it)
-        terms.append(Term("odc_publication", b_p * (n + lora) // dp,
-                          f"odc: this rank's shards as the others' gathers read them, {b_p} B (shared memory)"))
+        # in float32 the shards themselves are read (moved into shared memory): nothing is added
+        terms.append(Term("odc_publication", b_p * (n + lora) // dp if b_p < 4 else 0,
+                          f"odc: this rank's shards cast to {b_p} B for the others' gathers (shared memory)"
+                          if b_p < 4 else "odc: float32, the others read the shards themselves"))
     if fsdp and cfg.balance.strategy == "lb_mini":
         terms.append(Term("lb_mini_full_params", b_p * n, f"lb_mini: every unit gathered for the minibatch, {b_p} N"))
         terms.append(Term("lb_mini_full_grads", 4 * lora if lora else 4 * n,

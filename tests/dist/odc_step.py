@@ -2,7 +2,8 @@
 ``balance.strategy`` (and lb_mini combined with FlexUlysses), against one plain process.
 
 Run plainly (one process, no FSDP: the reference, whole sequences through ``pack_trajectories``) or
-under torchrun (gloo, FSDP2). The batch is skewed (a long video and short text/image prompts, homes
+under torchrun (gloo, FSDP2). A case ``<strategy>@bf16`` computes in bfloat16 (FSDP2's ``param_dtype``) and is
+compared with the first ``@bf16`` case of the launch (``pair_err``) rather than with the float32 reference. The batch is skewed (a long video and short text/image prompts, homes
 uneven), the per-rank token budget small, so ranks need different numbers of microbatches.
 Distributed runs also count, per minibatch, the FSDP collectives every rank issued (by wrapping
 ``dist.reduce_scatter_single`` / ``dist.all_gather_single``, what FSDP2 calls) and the microbatches
@@ -96,13 +97,15 @@ def main() -> None:
 
         setattr(dist, attr, counted)
 
-    results = {}
+    results, kept = {}, {}
     for case in opts.cases.split(","):
-        strategy, _, ulysses = case.partition("+")
+        name, _, dtype = case.partition("@")
+        strategy, _, ulysses = name.partition("+")
         torch.manual_seed(0)
         model = Qwen2_5_VLModel(ARGS)
         model.init_weights()
-        model = parallelize_qwen2_5_vl(model, dp_mesh=mesh, ulysses=bool(ulysses))
+        model = parallelize_qwen2_5_vl(model, dp_mesh=mesh, ulysses=bool(ulysses),
+                                       param_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
         opt = optimizer(model)
         runner = StageRunner(args=ARGS, rank=rank, world=world, device=torch.device("cpu"), dtype=torch.float32,
                              method=ulysses or "none", strategy=strategy, max_tokens=MAX_TOKENS,
@@ -136,12 +139,20 @@ def main() -> None:
             err = max(err, (q.to_local() - shard.to_local()).abs().max().item())
         e = torch.tensor([err], dtype=torch.float64)
         dist.all_reduce(e, op=dist.ReduceOp.MAX)
+        # "@bf16" cases compare with each other: the first of them is the reference of the next (same shards)
+        local = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+        pair = torch.tensor([max(((local[k] - kept[dtype][k]).abs().max().item() for k in local), default=0.0)
+                             if dtype in kept else -1.0], dtype=torch.float64)
+        dist.all_reduce(pair, op=dist.ReduceOp.MAX)
+        kept.setdefault(dtype, local)
+        comm = model.__dict__.get("_odc_comm")
         units = sum(1 for m in model.modules() if hasattr(m, "set_requires_gradient_sync"))
         every = [None] * world
         dist.all_gather_object(every, counts)
         results[case] = {"param_err": e.item(), "loss_err": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
                          "collectives": every, "microbatches": micro, "fsdp_units": units,
-                         "metrics": runner.metrics(), "odc_barriers": barriers, "losses": losses}
+                         "metrics": runner.metrics(), "odc_barriers": barriers, "losses": losses,
+                         "pair_err": pair.item(), "direct": None if comm is None else all(comm.direct)}
     if rank == 0:
         torch.save(results, opts.out)
     dist.barrier()

@@ -93,26 +93,45 @@ class OdcComm:
                     raise ValueError(f"balance.strategy='odc' shards on dim 0 only ({fp._param_fqn})")
                 if fp.device.type != "cpu":
                     raise ConfigError("balance.strategy='odc' is built for CPU ranks (shared memory); on CUDA its "
-                                     "symmetric-memory path is not built yet: use lb_mini or lb_micro")
-        # publication layout: per unit, its gather input's bytes (equal on every rank: FSDP pads the shards)
-        self.pub_off, off = [], 0
+                                      "symmetric-memory path is not built yet: use lb_mini or lb_micro")
+        self._layout()
+        self._map_files()
+        self._place_shards()
+        self.version = 0  # the stages this rank entered
+        self.active = False  # inside a stage: gathers are allowed
+        self.barriers = 0
+        for i, m in enumerate(modules):
+            m.set_custom_all_gather(_Gather(self, i))
+        self.enter(train=False)
+        # FSDP2 creates a unit's unsharded parameters at its first gather and keeps the objects: hook them now
+        for gi, (m, g) in enumerate(zip(modules, self.groups)):
+            m.unshard()
+            for pi, fp in enumerate(g.fsdp_params):
+                if (gi, pi) in self.acc_off:
+                    fp.unsharded_param.register_post_accumulate_grad_hook(partial(self._push, gi, pi))
+            m.reshard()
+        self.exit()
+
+    def _layout(self) -> None:
+        """Offsets in the two files: per unit its gather input's bytes (equal on every rank: FSDP pads the shards),
+        and per trainable parameter its padded shard in the float32 accumulation buffer."""
+        self.pub_off: list[tuple[int, int]] = []
         self.direct: list[bool] = []
+        off = 0
         for g in self.groups:
-            inputs = [t for ts in _get_param_all_gather_inputs(g.fsdp_params) for t in ts]
-            n = sum(t.numel() * t.element_size() for t in inputs)
+            n = sum(t.numel() * t.element_size() for ts in _get_param_all_gather_inputs(g.fsdp_params) for t in ts)
             self.pub_off.append((off, n))
             # no cast on the way (param_dtype = the parameters' dtype): the shards themselves are the publication,
             # moved into the shared file, so others read the owner's parameters and nothing is copied or doubled
             direct, pos = True, off
             for fp in g.fsdp_params:
-                size = fp._sharded_param_data.numel() * fp._sharded_param_data.element_size()
-                direct &= (fp.param_dtype is None and not fp.offload_to_cpu and pos % fp._sharded_param_data.element_size() == 0
+                data = fp._sharded_param_data
+                direct &= (fp.param_dtype is None and not fp.offload_to_cpu and pos % data.element_size() == 0
                            and not hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"))
-                pos += size
+                pos += data.numel() * data.element_size()
             self.direct.append(direct and pos == off + n)
             off += n
         self.pub_bytes = off
-        # accumulation layout: per trainable parameter, its padded shard (float32)
         self.acc_off: dict[tuple[int, int], int] = {}
         off = 0
         for gi, g in enumerate(self.groups):
@@ -121,6 +140,10 @@ class OdcComm:
                     self.acc_off[(gi, pi)] = off
                     off += fp.padded_sharded_param_size.numel()
         self.acc_numel = off
+
+    def _map_files(self) -> None:
+        """Each rank creates its two files (rank 0 also the version slots, whose file carries the locks), every
+        rank maps every rank's, then each unlinks its own (collective)."""
         token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
         dist.broadcast_object_list(token, group_src=0, group=self.pg)
         folder = _shm_dir()
@@ -139,36 +162,19 @@ class OdcComm:
             for kind in ("pub", "acc"):
                 name(kind, self.rank).unlink(missing_ok=True)
             raise ConfigError(f"balance.strategy='odc' maps every rank's shards in one machine's shared memory "
-                             f"({folder}), but ranks {[r for r, ok in enumerate(every) if not ok]} do not see the "
-                             "others' files: the job spans machines (ODC's answer there, hybrid sharding, is not "
-                             "built). Use balance.strategy='lb_mini' or 'lb_micro'")
+                              f"({folder}), but ranks {[r for r, ok in enumerate(every) if not ok]} do not see the "
+                              "others' files: the job spans machines (ODC's answer there, hybrid sharding, is not "
+                              "built). Use balance.strategy='lb_mini' or 'lb_micro'")
         self.pub = [_map(name("pub", r), self.pub_bytes, torch.uint8) for r in range(self.world)]
         self.acc = [_map(name("acc", r), self.acc_numel, torch.float32) for r in range(self.world)]
         self.versions = _map(name("ver", 0), self.world, torch.int64)
         self._lock_fd = os.open(name("ver", 0), os.O_RDWR)
+        weakref.finalize(self, os.close, self._lock_fd)
         dist.barrier(group=self.pg)
         for kind in ("pub", "acc"):
             name(kind, self.rank).unlink()
         if self.rank == 0:
             name("ver", 0).unlink()
-        weakref.finalize(self, os.close, self._lock_fd)
-        self._place_shards()
-        self.version = 0  # the stages this rank entered
-        self.active = False  # inside a stage: gathers are allowed
-        self.barriers = 0
-        self.gathers = 0
-        self.pushes = 0
-        for i, m in enumerate(modules):
-            m.set_custom_all_gather(_Gather(self, i))
-        self.enter(train=False)
-        # FSDP2 creates a unit's unsharded parameters at its first gather and keeps the objects: hook them now
-        for gi, (m, g) in enumerate(zip(modules, self.groups)):
-            m.unshard()
-            for pi, fp in enumerate(g.fsdp_params):
-                if (gi, pi) in self.acc_off:
-                    fp.unsharded_param.register_post_accumulate_grad_hook(partial(self._push, gi, pi))
-            m.reshard()
-        self.exit()
 
     # ------------------------------------------------------------------ stage boundaries
 
@@ -252,7 +258,6 @@ class OdcComm:
                 continue  # FSDP2 copied this rank's own part in
             self._wait(r)
             out[r * n:(r + 1) * n].copy_(self.pub[r][off:off + n])
-        self.gathers += 1
 
     def _wait(self, owner: int) -> None:
         if int(self.versions[owner]) >= self.version:
@@ -282,7 +287,6 @@ class OdcComm:
                     self.acc[r][off:off + part.numel()].add_(part.reshape(-1))
                 finally:
                     fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, 1, r)
-        self.pushes += 1
 
 
 def odc_comm(model: nn.Module) -> OdcComm | None:

@@ -72,6 +72,7 @@ def worker(opts) -> None:
     from bench_flex_ulysses import build_batch
     from titanrl.distributed import all_gather_objects, build_ulysses_groups
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLModel
+    from titanrl.parallel import odc_comm
     from titanrl.parallel.balance import karmarkar_karp
     from titanrl.parallel.parallelize import parallelize_qwen2_5_vl
     from titanrl.rl.grpo import ppo_clip_loss
@@ -128,7 +129,7 @@ def worker(opts) -> None:
         memory.stop()
         # live heap (where torch's CPU tensors are) above the start; odc's shared memory (its accumulation buffer,
         # where FSDP would keep gradients, and copies it publishes) is not heap: added, the rank's own only
-        comm = model.__dict__.get("_odc_comm")
+        comm = odc_comm.attached(model)
         added = memory.report()["peak_heap_live_bytes"] - start + (comm.shared_bytes if comm is not None else 0)
         metrics = runner.metrics()
     _, plan = runner.plan(runner.all_ids())

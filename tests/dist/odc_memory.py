@@ -100,7 +100,7 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             heap.stop()
             added = heap.report()["peak_heap_live_bytes"] - start
-        comm = model.__dict__.get("_odc_comm")
+        comm = odc_comm.attached(model)
         shared = comm.shared_bytes if comm is not None else 0
         direct = all(comm.direct) if comm is not None else None
         every = [None] * world

@@ -27,6 +27,7 @@ from ulysses_step import LOSS, global_trajectories, home_of  # noqa: E402
 
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLModel  # noqa: E402
 from titanrl.parallel.cost_model import CostModel  # noqa: E402
+from titanrl.parallel.odc_comm import attached  # noqa: E402
 from titanrl.parallel.parallelize import parallelize_qwen2_5_vl  # noqa: E402
 from titanrl.rl.batch import pack_trajectories  # noqa: E402
 from titanrl.rl.grpo import ppo_clip_loss  # noqa: E402
@@ -123,7 +124,7 @@ def main() -> None:
             before = dict(calls)
             res = runner.train_minibatch(model, ids, ("old_logprobs", "ref_logprobs"), loss_fn, temperature=1.0)
             counts.append({k: calls[k] - before[k] for k in calls})
-            comm = model.__dict__.get("_odc_comm")
+            comm = attached(model)
             barriers.append(comm.barriers if comm is not None else None)
             micro.append(runner.plan(ids)[1].microbatch_counts())
             total = torch.tensor([sum(r.loss.item() for r in res)], dtype=torch.float64)
@@ -145,7 +146,7 @@ def main() -> None:
                              if dtype in kept else -1.0], dtype=torch.float64)
         dist.all_reduce(pair, op=dist.ReduceOp.MAX)
         kept.setdefault(dtype, local)
-        comm = model.__dict__.get("_odc_comm")
+        comm = attached(model)
         units = sum(1 for m in model.modules() if hasattr(m, "set_requires_gradient_sync"))
         every = [None] * world
         dist.all_gather_object(every, counts)

@@ -14,10 +14,10 @@ every layer of every microbatch, and all ranks must run the same number of micro
 - at the end every module is resharded and the settings restored.
 
 Ranks can therefore run different numbers of microbatches. The cost (say so to users): full
-parameters and unsharded gradients stay resident for the whole minibatch (``lb_mini``). :func:`odc_sync`
-(``odc``) keeps FSDP's memory instead: units gather from the owners' shared memory when they run and
-scatter-accumulate their gradients into the owners' buffers (``titanrl.parallel.odc_comm``). Collectives of other kinds
-inside a microbatch (Ulysses all-to-alls) must all be issued before any rank's last microbatch:
+parameters and unsharded gradients stay resident for the whole minibatch (``lb_mini``).
+:func:`odc_sync` (``odc``) keeps FSDP's memory instead: units gather from the owners' shared memory when
+they run and scatter-accumulate their gradients into the owners' buffers (``titanrl.parallel.odc_comm``).
+Collectives of other kinds inside a microbatch (Ulysses all-to-alls) must all be issued before any rank's last microbatch:
 the stage plan runs sharded groups first and puts each rank's whole sequences last.
 """
 
@@ -107,4 +107,6 @@ def odc_sync(model: nn.Module, *, train: bool) -> Iterator[Callable[[], None]]:
 def forward_scope(model: nn.Module):
     """A forward outside the stage runner (the engine probe), run by every rank of the model: under ``odc`` a
     forward-only stage (the owners' publications refreshed); otherwise nothing."""
-    return odc_sync(model, train=False) if "_odc_comm" in model.__dict__ else nullcontext()
+    from titanrl.parallel.odc_comm import attached
+
+    return odc_sync(model, train=False) if attached(model) is not None else nullcontext()

@@ -289,6 +289,11 @@ class OdcComm:
                     fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, 1, r)
 
 
+def attached(model: nn.Module) -> OdcComm | None:
+    """``model``'s ODC state if :func:`odc_comm` built one (no collective)."""
+    return model.__dict__.get("_odc_comm")
+
+
 def odc_comm(model: nn.Module) -> OdcComm | None:
     """``model``'s ODC state, built at the first call (collective over its FSDP group); None without FSDP."""
     if not any(isinstance(m, FSDPModule) for m in model.modules()):

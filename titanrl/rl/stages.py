@@ -36,6 +36,7 @@ from titanrl.distributed import all_gather_objects
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.parallel.cost_model import CostModel
 from titanrl.parallel.odc import minibatch_sync, odc_sync, reshard_root_after
+from titanrl.parallel.odc_comm import attached
 from titanrl.parallel.stage_plan import BalanceStrategy, StageMethod, StagePlan, plan_stage, rank_sums, top_degree
 from titanrl.parallel.ulysses import UlyssesLayout, layout_builder
 from titanrl.rl.batch import Trajectory, dummy_pack
@@ -432,7 +433,8 @@ class StageRunner:
         results = []
         t0 = self.clock.mark()
         unit_seconds: list[Busy] = []
-        barriers = model.__dict__["_odc_comm"].barriers if "_odc_comm" in model.__dict__ else 0
+        comm = attached(model) if self.odc else None
+        barriers = comm.barriers if comm is not None else 0
         with self._sync(model, plan, train=True) as last:
             mine = plan.rank_waves(self.rank)
             # under minibatch sync the rank's final microbatch reduces; it must hold no sharded group
@@ -464,7 +466,7 @@ class StageRunner:
                 s.microbatches += 1
                 self._dummy(model, backward=True, table=table, reducing=True)
         # synchronisations: odc counts its barriers; lb_mini reduces in one microbatch; the others in every wave
-        comm = model.__dict__.get("_odc_comm") if self.odc else None
+        comm = attached(model) if self.odc else None  # built by the stage's entry if it was not yet
         s.reducing_microbatches += (comm.barriers - barriers if comm is not None else
                                     1 if plan.sync == "minibatch" else len(plan.waves))
         t1 = self.clock.mark()

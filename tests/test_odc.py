@@ -180,3 +180,23 @@ def test_odc_trainer_with_critic_flex_and_vision_on_two_ranks_equals_one(run_cac
     assert {"values", "returns", "advantages", "old_logprobs", "update/policy", "update/critic"} <= set(seen), seen
     for rec in metrics(two).values():
         assert rec["balance/syncs_per_minibatch"] == 1.0 and rec["parallel/sharded_sequences"] > 0, rec
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("refuse", ["hosts", "space"])
+def test_odc_refuses_ranks_that_do_not_share_its_folder_or_a_folder_too_small(tmp_path, refuse):
+    """Ranks that do not see each other's files (different machines, simulated by a folder per rank), or a folder
+    without room for every rank's files (a container's small /dev/shm: a full tmpfs would kill a rank with SIGBUS
+    later): every rank stops at start with the reason, and no file is left behind."""
+    before = set(Path("/dev/shm").glob("titanrl-odc-*"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           str(MEMORY), "--out", str(tmp_path / "x.json"), "--strategies", "odc", "--refuse", refuse],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    want = ("do not see the others' files: the job spans machines" if refuse == "hosts" else
+            "MiB of shared memory in /dev/shm for this model's shards and gradient buffers, and 0 MiB are free")
+    for rank in (0, 1):
+        assert f"[rank{rank}]: titanrl.config.errors.ConfigError: config error: balance.strategy='odc'" in proc.stderr
+    assert want in proc.stderr, proc.stderr[-3000:]
+    assert not [p for p in tmp_path.glob("shm-rank*/*")]
+    assert set(Path("/dev/shm").glob("titanrl-odc-*")) <= before

@@ -7,7 +7,8 @@ after it), then the measured minibatch, clipping, step and ``zero_grad``, sample
 live heap, where torch's CPU tensors are: the planner's quantity on CPU). odc's shared memory is not heap: the
 rank's own files (its publication and accumulation buffer, resident for the run) are added to its figure; the
 other ranks' files it maps are theirs. Optionally (``--kill-rank R``) rank R kills itself (SIGKILL) in its first
-odc microbatch's backward, to check that the job ends rather than waits. Rank 0 writes ``--out``.
+odc microbatch's backward, to check that the job ends rather than waits; ``--refuse`` checks odc's refusals at its
+start. Rank 0 writes ``--out``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--strategies", default="lb_micro,odc,lb_mini")
     p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--refuse", choices=["hosts", "space"], help="a folder per rank (ranks on different machines), "
+                   "or a folder reported nearly full: odc must refuse at its start with the reason")
     opts = p.parse_args()
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -60,6 +63,12 @@ def main() -> None:
     kinds = [[], [("image", (1, 8, 8))], [], [("image", (1, 4, 4))], [], [], [("image", (1, 4, 8))]]
     trajs = make_trajectories(kinds, [2, 3, 1, 4, 2, 1, 3], min_response=8, max_response=40)
     mine = [t for t in trajs if home_of(t.group, world) == rank]
+    if opts.refuse == "hosts":
+        private = Path(opts.out).parent / f"shm-rank{rank}"
+        private.mkdir(exist_ok=True)
+        odc_comm._shm_dir = lambda: private
+    elif opts.refuse == "space":
+        odc_comm._free_bytes = lambda folder: 4096
     if opts.kill_rank == rank:
         original = odc_comm.OdcComm._push
 

@@ -51,7 +51,16 @@ WAIT_S = float(os.environ.get("TITANRL_ODC_WAIT_S", "600"))  # a gather waits th
 
 
 def _shm_dir() -> Path:
+    """Where the shared files go: ``TITANRL_ODC_DIR`` if set (a container's /dev/shm may be too small), else
+    /dev/shm (memory), else the temporary folder."""
+    if os.environ.get("TITANRL_ODC_DIR"):
+        return Path(os.environ["TITANRL_ODC_DIR"])
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+def _free_bytes(folder: Path) -> int:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
 
 
 def _map(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -148,6 +157,19 @@ class OdcComm:
         dist.broadcast_object_list(token, group_src=0, group=self.pg)
         folder = _shm_dir()
         name = lambda kind, r: folder / f"titanrl-odc-{token[0]}-{kind}-{r}"  # noqa: E731
+        # every rank's files at once must fit (a full tmpfs kills a rank with SIGBUS on first touch, not an error)
+        need = self.pub_bytes + 4 * self.acc_numel + 8 * self.world
+        every = [None] * self.world
+        dist.all_gather_object(every, need, group=self.pg)
+        free = _free_bytes(folder)
+        short = [free] if sum(every) > free else []
+        all_short: list = [None] * self.world
+        dist.all_gather_object(all_short, short, group=self.pg)
+        if any(all_short):
+            raise ConfigError(f"balance.strategy='odc' needs {sum(every) / 2**20:.0f} MiB of shared memory in "
+                              f"{folder} for this model's shards and gradient buffers, and "
+                              f"{min(x[0] for x in all_short if x) / 2**20:.0f} MiB are free there: enlarge it "
+                              "(a container's --shm-size) or set TITANRL_ODC_DIR to a tmpfs folder with room")
         for kind, nbytes in (("pub", self.pub_bytes), ("acc", 4 * self.acc_numel)):
             with open(name(kind, self.rank), "wb") as f:
                 f.truncate(max(nbytes, 1))
@@ -161,6 +183,8 @@ class OdcComm:
         if not all(every):
             for kind in ("pub", "acc"):
                 name(kind, self.rank).unlink(missing_ok=True)
+            if self.rank == 0:
+                name("ver", 0).unlink(missing_ok=True)
             raise ConfigError(f"balance.strategy='odc' maps every rank's shards in one machine's shared memory "
                               f"({folder}), but ranks {[r for r, ok in enumerate(every) if not ok]} do not see the "
                               "others' files: the job spans machines (ODC's answer there, hybrid sharding, is not "

@@ -118,10 +118,15 @@ def test_every_strategy_matches_single_process(reference, nproc):
 MEMORY = Path(__file__).parent / "dist" / "odc_memory.py"
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 600):
+def torchrun(nproc: int, *args: str, timeout: float = 600, plain: bool = False):
+    """``tests/dist/odc_memory.py`` under torchrun; ``plain``: a new process, not the test forkserver, so that
+    torchrun's own summary is in the output the test reads."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
            str(MEMORY), *args]
-    return fork_launch.run(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if plain:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return fork_launch.run(cmd, env, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -151,10 +156,8 @@ def test_a_rank_killed_in_an_odc_backward_ends_every_rank(tmp_path):
 
     before = set(Path("/dev/shm").glob("titanrl-odc-*"))
     t0 = time.monotonic()
-    # a plain launch (not the test forkserver), so that torchrun's own summary is what the test reads
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
-                           str(MEMORY), "--out", str(tmp_path / "x.json"), "--strategies", "odc", "--kill-rank", "1"],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    proc = torchrun(4, "--out", str(tmp_path / "x.json"), "--strategies", "odc", "--kill-rank", "1", timeout=300,
+                    plain=True)
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 120
     failures = proc.stderr[proc.stderr.rindex("Failures:"):]
@@ -189,9 +192,8 @@ def test_odc_refuses_ranks_that_do_not_share_its_folder_or_a_folder_too_small(tm
     without room for every rank's files (a container's small /dev/shm: a full tmpfs would kill a rank with SIGBUS
     later): every rank stops at start with the reason, and no file is left behind."""
     before = set(Path("/dev/shm").glob("titanrl-odc-*"))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                           str(MEMORY), "--out", str(tmp_path / "x.json"), "--strategies", "odc", "--refuse", refuse],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    proc = torchrun(2, "--out", str(tmp_path / "x.json"), "--strategies", "odc", "--refuse", refuse, timeout=300,
+                    plain=True)
     assert proc.returncode != 0
     want = ("do not see the others' files: the job spans machines" if refuse == "hosts" else
             "MiB of shared memory in /dev/shm for this model's shards and gradient buffers, and 0 MiB are free")

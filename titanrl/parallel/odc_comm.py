@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_param_all_gather_inputs
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin, _get_param_all_gather_inputs
 
 from titanrl.config.errors import ConfigError
 
@@ -67,14 +67,11 @@ def _map(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_file(str(path), shared=True, size=max(numel, 1), dtype=dtype)[:numel]
 
 
-class _Gather(AllGather):
-    """FSDP2's all-gather of one unit, as copies from the owners' publications."""
+class _Gather(DefaultAllocMixin, AllGather):
+    """FSDP2's all-gather of one unit, as copies from the owners' publications (FSDP2's own allocation)."""
 
     def __init__(self, comm: "OdcComm", index: int) -> None:
         self.comm, self.index = comm, index
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.comm.gather(self.index, output_tensor)
@@ -158,18 +155,15 @@ class OdcComm:
         folder = _shm_dir()
         name = lambda kind, r: folder / f"titanrl-odc-{token[0]}-{kind}-{r}"  # noqa: E731
         # every rank's files at once must fit (a full tmpfs kills a rank with SIGBUS on first touch, not an error)
-        need = self.pub_bytes + 4 * self.acc_numel + 8 * self.world
-        every = [None] * self.world
-        dist.all_gather_object(every, need, group=self.pg)
-        free = _free_bytes(folder)
-        short = [free] if sum(every) > free else []
-        all_short: list = [None] * self.world
-        dist.all_gather_object(all_short, short, group=self.pg)
-        if any(all_short):
-            raise ConfigError(f"balance.strategy='odc' needs {sum(every) / 2**20:.0f} MiB of shared memory in "
-                              f"{folder} for this model's shards and gradient buffers, and "
-                              f"{min(x[0] for x in all_short if x) / 2**20:.0f} MiB are free there: enlarge it "
-                              "(a container's --shm-size) or set TITANRL_ODC_DIR to a tmpfs folder with room")
+        every: list = [None] * self.world  # (bytes this rank needs, bytes free where it looks)
+        dist.all_gather_object(every, (self.pub_bytes + 4 * self.acc_numel + 8 * self.world, _free_bytes(folder)),
+                               group=self.pg)
+        need, free = sum(e[0] for e in every), min(e[1] for e in every)
+        if need > free:
+            raise ConfigError(f"balance.strategy='odc' needs {need / 2**20:.0f} MiB of shared memory in {folder} for "
+                              f"this model's shards and gradient buffers, and {free / 2**20:.0f} MiB are free there: "
+                              "enlarge it (a container's --shm-size) or set TITANRL_ODC_DIR to a tmpfs folder with "
+                              "room")
         for kind, nbytes in (("pub", self.pub_bytes), ("acc", 4 * self.acc_numel)):
             with open(name(kind, self.rank), "wb") as f:
                 f.truncate(max(nbytes, 1))

@@ -290,10 +290,12 @@ class WeightPusher:
         if self.info.rank == first:
             store = host_store(self.timeout_s)
             mine = (_reachable_address(), store.port, hf_layout(model, self.args, self.dtype))
-        every = all_gather_objects((mine, engine.workers if engine is not None else 0, socket.gethostname()))
+        every = all_gather_objects((mine, engine.workers if engine is not None else 0, _reachable_address()))
         host, port, self._layout = every[first][0]
         if every[self.info.rank][2] == every[first][2]:
-            host = "127.0.0.1"  # the store listens on every interface: on its own machine, loopback
+            # the store listens on every interface: at its own address, loopback. (Host names would not do:
+            # namespaced hosts, containers and some clusters share one name across machines.)
+            host = "127.0.0.1"
         self._buckets = plan_buckets(self._layout, self.bucket_bytes)
         workers = [n for _, n, _ in every]
         world = 1 + sum(workers)

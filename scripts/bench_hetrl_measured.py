@@ -1,16 +1,22 @@
-"""Measured heterogeneity on this machine (issue 28): two ranks of unequal speed, speed-aware vs speed-oblivious.
+"""Measured heterogeneity on this machine (issues 28, 47): two ranks of unequal speed, every placement measured,
+the scheduler's cost model fitted to some runs and tested on the others.
 
 Rank 0 runs alone on core 0; rank 1 shares core 1 with ``--spinners`` busy processes (each pinned with taskset,
 so rank 1 gets about 1 / (1 + spinners) of its core: a slower device). Two ranks x one thread each, so wall-clock
 figures mean something here. Steps:
 
 1. ``python -m titanrl.profile`` under the same pinning: each rank's matmul throughput -> relative speeds.
-2. The tiny GRPO job, colocated, speed-oblivious (``balance.rank_speeds`` empty) and speed-aware (the profile's
-   speeds), with ``metrics.busy_clock = runnable`` (busy = CPU time + time waiting for the core), medians over the
-   steps after the first: per-stage ``balance/busy_ratio`` and the step's wall time.
-3. Every placement two ranks allow, each measured: colocated (speed-aware), and disaggregated with the rollout on
-   the fast rank or on the slow one (the slow rank first: the pinning swapped). ``python -m titanrl.schedule`` on
-   the profile picks one; the report says where the pick lands among the measured.
+2. The tiny GRPO job in the runs of ``RUNS``: the four placements two ranks allow at the default batch (colocated
+   speed-oblivious and speed-aware, disaggregated with the rollout on the fast or the slow rank) and four more
+   that change the batch, the response length, ``rollout.n`` and the microbatch budget, with
+   ``metrics.busy_clock = runnable``; medians over the steps after the first.
+3. ``python -m titanrl.calibrate`` fits the cost model to the runs marked "fit" and writes it into the profile;
+   every run is predicted with the default and with the fitted coefficients, per stage and per step, the held-out
+   runs included (the fit never saw them).
+4. ``python -m titanrl.schedule`` on the calibrated profile picks a placement; the report says where the pick lands
+   among the measured.
+5. Two namespaced hosts behind a ``tc tbf`` link (``--link``): both placements measured, predicted with the default
+   coefficients and with the one-host fit (a held-out cluster).
 
     python scripts/bench_hetrl_measured.py            # writes benchmarks/hetrl_measured.md (+ .json)
 """
@@ -68,37 +74,38 @@ def torchrun(work: Path, pins: tuple[int, int], module_args: list[str], timeout:
     return proc.stdout
 
 
-def train(work: Path, name: str, pins: tuple[int, int], steps: int, extra: list[str], profile: Path) -> dict:
+def train(work: Path, name: str, pins: tuple[int, int], steps: int, extra: list[str]) -> dict:
     out = work / name
     flags = ["--config", "configs/tiny_cpu.toml", f"--job.steps={steps}", "--checkpoint.enable=false",
              f"--job.dump_folder={out}", "--metrics.busy_clock=runnable", "--metrics.progress=none", *extra]
     torchrun(work, pins, ["titanrl.train", *flags])
     recs = [json.loads(line) for line in (out / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()][1:]
     med = lambda key: statistics.median(r[key] for r in recs if key in r) if any(key in r for r in recs) else None
+    devices = [0, 1] if pins == (0, 1) else [1, 0]
     return {"wall_s": med("step/wall_s"), "busy_ratio": {s: med(f"balance/busy_ratio/{s}") for s in STAGES},
             "share": [med(f"balance/planned_share/rank{r}") for r in (0, 1)], "steps": len(recs),
-            "measured": {s: med(f"time/{s}") for s in STAGES},
-            "predicted": predicted(flags, profile, devices=[0, 1] if pins == (0, 1) else [1, 0])}
+            "measured": {s: med(f"time/{s}") for s in STAGES}, "flags": extra,
+            "folder": f"{out / 'tiny_cpu'}@{','.join(map(str, devices))}"}
 
 
-def predicted(flags: list[str], profile: Path, devices: list[int]) -> dict[str, float]:
-    """The HetRL cost model's stage times (default, unfitted coefficients) for the run ``flags`` configure, on the
-    profiled devices (rank r on profile rank ``devices[r]``), by titanrl's node names."""
-    from titanrl.config import load_config
+def predicted(folder: str, profile: Path, calibrated: Path | None = None) -> dict[str, float]:
+    """The HetRL cost model's stage and step seconds for the run in ``folder`` (``DIR@devices``) on the profiled
+    devices, by titanrl's node names: default coefficients, or the calibration stored in ``calibrated``."""
+    from titanrl.calibrate import STEP, predictions, profile_coefficients, read_run
     from titanrl.hetero.cluster import cluster_from_profile
-    from titanrl.hetero.cost import TITANRL_NODES, predict_stage_times
-    from titanrl.hetero.cost import workload_from_config
-    from titanrl.schedule import plan_from_config
+    from titanrl.hetero.cost import TITANRL_NODES
 
-    cfg = load_config(flags[1], [f for f in flags[2:]])
-    times = predict_stage_times(cluster_from_profile(profile), workload_from_config(cfg),
-                                plan_from_config(cfg, 2, devices))
-    return {TITANRL_NODES.get(k, k): v for k, v in times.items()}
+    cluster = cluster_from_profile(profile)
+    coefficients = profile_coefficients(json.loads(calibrated.read_text())) if calibrated else None
+    run = read_run(folder, len(cluster))
+    times = predictions(run, cluster, coefficients)
+    return {TITANRL_NODES.get(k, k) if k != STEP else "step": v for k, v in times.items()}
 
 
-def hosts_section(rate: str, steps: int) -> dict:
+def hosts_section(rate: str, steps: int, calibrated: Path) -> dict:
     """Two namespaced hosts (one rank each) whose links tbf limits to ``rate``: the profile across them, the
-    colocated and the disaggregated placement measured, and the scheduler's pick on the profile."""
+    colocated and the disaggregated placement measured and predicted (default coefficients, and the calibration fitted
+    on one host: a held-out cluster), and the scheduler's pick on the profile."""
     from netns_hosts import Hosts
 
     out: dict = {"rate": rate, "runs": {}}
@@ -134,9 +141,11 @@ def hosts_section(rate: str, steps: int) -> dict:
                      f"--job.dump_folder={work / str(k)}", f"--data.ray_address={hosts.ray_address}",
                      "--metrics.progress=none", *extra]
             launch(["titanrl.train", *flags], 29752 + k)
-            recs = [json.loads(x) for x in (work / str(k) / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()][1:]
+            folder = str(work / str(k) / "tiny_cpu")
+            recs = [json.loads(x) for x in (Path(folder) / "metrics.jsonl").read_text().splitlines()][1:]
             out["runs"][name] = {"wall_s": statistics.median(r["step/wall_s"] for r in recs),
-                                 "predicted": predicted(flags[:2] + flags[2:], prof, devices=[0, 1])}
+                                 "default": predicted(folder, prof)["step"],
+                                 "fitted": predicted(folder, prof, calibrated)["step"]}
         sched = subprocess.run([sys.executable, "-m", "titanrl.schedule", "--config", "configs/tiny_cpu.toml",
                                 "--profile", str(prof), "--out", str(work / "plan.toml")], cwd=REPO,
                                capture_output=True, text=True, timeout=600)
@@ -147,6 +156,27 @@ def hosts_section(rate: str, steps: int) -> dict:
     return out
 
 
+DISAGG = ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=1"]
+# (name, role, pins, flags): "fit" runs are what titanrl.calibrate fits; "held-out" runs only test the fit.
+# The four placements at the default batch are the scheduler's candidates (its pick is checked against them).
+RUNS = [
+    ("colocated, speed-oblivious", "fit", (0, 1), []),
+    ("colocated, speed-aware", "held-out", (0, 1), ["--balance.rank_speeds={speeds}"]),
+    ("disaggregated, rollout on the fast rank", "fit", (0, 1), DISAGG),
+    ("disaggregated, rollout on the slow rank", "held-out", (1, 0), DISAGG),
+    ("colocated, speed-aware, 16 prompts, 16 new tokens", "fit", (0, 1),
+     ["--balance.rank_speeds={speeds}", "--rl.global_batch_size=16", "--rollout.max_new_tokens=16"]),
+    ("colocated, speed-oblivious, n 4, 1024-token microbatches", "fit", (0, 1),
+     ["--rollout.n=4", "--balance.max_tokens_per_microbatch=1024"]),
+    ("colocated, speed-aware, 24 prompts, 8 new tokens", "held-out", (0, 1),
+     ["--balance.rank_speeds={speeds}", "--rl.global_batch_size=24", "--rollout.max_new_tokens=8"]),
+    ("disaggregated, rollout on the fast rank, 16 prompts, 8 new tokens", "held-out", (0, 1),
+     [*DISAGG, "--rl.global_batch_size=16", "--rollout.max_new_tokens=8"]),
+]
+PLACEMENTS = [name for name, *_ in RUNS[:4]]
+STAGE_TARGET, STEP_TARGET = 1.5, 1.25
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spinners", type=int, default=2)
@@ -155,38 +185,54 @@ def main() -> None:
     ap.add_argument("--link", default="20mbit", help="tbf rate of the two namespaced hosts' links ('' to skip)")
     args = ap.parse_args()
     data: dict = {**provenance(), "spinners": args.spinners, "steps": args.steps, "runs": {}}
-    with tempfile.TemporaryDirectory() as tmp, Spinners(args.spinners, core=1):
+    with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        time.sleep(1.0)
-        torchrun(work, (0, 1), ["titanrl.profile", "--out", str(work / "profile.json"), "--quiet"])
-        profile = json.loads((work / "profile.json").read_text())
-        tflops = [r["matmul_tflops"] for r in profile["ranks"]]
-        speeds = [round(t / max(tflops), 3) for t in tflops]
-        data["profile_tflops"], data["speeds"] = tflops, speeds
-        runs = data["runs"]
-        prof = work / "profile.json"
-        runs["colocated, speed-oblivious"] = train(work, "oblivious", (0, 1), args.steps, [], prof)
-        runs["colocated, speed-aware"] = train(work, "aware", (0, 1), args.steps,
-                                               [f"--balance.rank_speeds=[{speeds[0]},{speeds[1]}]"], prof)
-        disagg = ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=1"]
-        runs["disaggregated, rollout on the fast rank"] = train(work, "dis_fast", (0, 1), args.steps, disagg, prof)
-        runs["disaggregated, rollout on the slow rank"] = train(work, "dis_slow", (1, 0), args.steps, disagg, prof)
-        sched = subprocess.run([sys.executable, "-m", "titanrl.schedule", "--config", "configs/tiny_cpu.toml",
-                                "--profile", str(work / "profile.json"), "--out", str(work / "plan.toml")],
-                               cwd=REPO, capture_output=True, text=True, timeout=600)
-        data["schedule"] = {"rc": sched.returncode, "stdout": sched.stdout[-3000:], "stderr": sched.stderr[-2000:],
-                            "plan": (work / "plan.toml").read_text() if (work / "plan.toml").exists() else ""}
-    if args.link:
-        data["hosts"] = hosts_section(args.link, args.steps)
+        with Spinners(args.spinners, core=1):
+            time.sleep(1.0)
+            torchrun(work, (0, 1), ["titanrl.profile", "--out", str(work / "profile.json"), "--quiet"])
+            profile = json.loads((work / "profile.json").read_text())
+            tflops = [r["matmul_tflops"] for r in profile["ranks"]]
+            speeds = [round(t / max(tflops), 3) for t in tflops]
+            data["profile_tflops"], data["speeds"] = tflops, speeds
+            prof = work / "profile.json"
+            for k, (name, role, pins, extra) in enumerate(RUNS):
+                flags = [f.format(speeds=f"[{speeds[0]},{speeds[1]}]") for f in extra]
+                data["runs"][name] = {**train(work, f"run{k}", pins, args.steps, flags), "role": role}
+            runs = data["runs"]
+            uncalibrated = work / "profile_default.json"
+            uncalibrated.write_text(prof.read_text())
+            cal = subprocess.run([sys.executable, "-m", "titanrl.calibrate", "--profile", str(prof),
+                                  *[r["folder"] for r in runs.values() if r["role"] == "fit"]],
+                                 cwd=REPO, capture_output=True, text=True, timeout=600)
+            if cal.returncode != 0:
+                raise RuntimeError(f"titanrl.calibrate failed:\n{cal.stdout}\n{cal.stderr}")
+            data["calibrate"] = cal.stdout
+            data["coefficients"] = json.loads(prof.read_text())["calibration"]["coefficients"]
+            for r in runs.values():
+                r["default"] = predicted(r["folder"], uncalibrated)
+                r["fitted"] = predicted(r["folder"], prof, prof)
+            sched = subprocess.run([sys.executable, "-m", "titanrl.schedule", "--config", "configs/tiny_cpu.toml",
+                                    "--profile", str(prof), "--out", str(work / "plan.toml")],
+                                   cwd=REPO, capture_output=True, text=True, timeout=600)
+            data["schedule"] = {"rc": sched.returncode, "stdout": sched.stdout[-3000:], "stderr": sched.stderr[-2000:],
+                                "plan": (work / "plan.toml").read_text() if (work / "plan.toml").exists() else ""}
+        if args.link:
+            data["hosts"] = hosts_section(args.link, args.steps, prof)
     Path(args.out).with_suffix(".json").write_text(json.dumps(data, indent=1))
     Path(args.out).write_text(report(data))
     print(Path(args.out).read_text())
 
 
+def _ratio(p: float | None, m: float | None) -> float | None:
+    if p is None or m is None or p <= 0 or m <= 0:
+        return None
+    return max(p / m, m / p)
+
+
 def report(data: dict) -> str:
     runs = data["runs"]
     lines = [
-        "# Heterogeneous ranks on this machine, measured (issue 28)",
+        "# Heterogeneous ranks on this machine, measured; the scheduler's cost model fitted and tested on held-out runs",
         "",
         f"Generated by `scripts/bench_hetrl_measured.py` ({provenance_text(data)}); not hand-edited. Tiny GRPO job "
         f"(configs/tiny_cpu.toml), {data['steps']} steps, medians over steps 2-{data['steps']}. Two ranks x one thread: "
@@ -196,66 +242,90 @@ def report(data: dict) -> str:
         f"Profile (`python -m titanrl.profile`, same pinning): matmul {data['profile_tflops'][0]:.3f} vs "
         f"{data['profile_tflops'][1]:.3f} TFLOP/s -> speeds {data['speeds']}.",
         "",
-        "| run | step wall s | vs oblivious | " + " | ".join(f"busy ratio {s}" for s in STAGES) + " | planned share rank 1 |",
+        "| run | fit or held out | step wall s | " + " | ".join(f"busy ratio {s}" for s in STAGES)
+        + " | planned share rank 1 |",
         "|---|---|---|" + "---|" * len(STAGES) + "---|",
     ]
-    base = runs["colocated, speed-oblivious"]["wall_s"]
     for name, r in runs.items():
         ratios = " | ".join("-" if r["busy_ratio"][s] is None else f"{r['busy_ratio'][s]:.2f}" for s in STAGES)
         share = "-" if r["share"][1] is None else f"{r['share'][1]:.2f}"
-        lines.append(f"| {name} | {r['wall_s']:.2f} | {base / r['wall_s']:.2f}x | {ratios} | {share} |")
-    best = min(runs, key=lambda n: runs[n]["wall_s"])
+        lines.append(f"| {name} | {r['role']} | {r['wall_s']:.2f} | {ratios} | {share} |")
+    base = runs[PLACEMENTS[0]]["wall_s"]
+    best = min(PLACEMENTS, key=lambda n: runs[n]["wall_s"])
+    lines += ["", "The four placements at the default batch, against the speed-oblivious one: " + ", ".join(
+        f"{n} {base / runs[n]['wall_s']:.2f}x" for n in PLACEMENTS) + ".",
+        f"Fastest measured: **{best}** ({runs[best]['wall_s']:.2f} s/step).", "",
+        "## The cost model fitted to measured runs (`python -m titanrl.calibrate`)", "",
+        "`titanrl.calibrate` fitted the efficiencies, link factors and fixed costs (`OVERHEAD_TERMS` of "
+        "`titanrl/hetero/cost.py`) to the runs marked *fit* (each stage's and the step's medians, non-negative least "
+        "squares weighted by 1 / seconds) and wrote them into the profile. The runs marked *held-out* were not in "
+        f"the fit. Targets: within {STAGE_TARGET}x per stage and {STEP_TARGET}x per step (the larger of "
+        "predicted / measured and its inverse).", "", "```", data["calibrate"].strip(), "```", "",
+        "| run | role | " + " | ".join(f"{s} default / fitted / measured s" for s in (*STAGES, "step")) + " |",
+        "|---|---|" + "---|" * (len(STAGES) + 1)]
+    misses: list[str] = []
+    worst = {"fit": [1.0, 1.0], "held-out": [1.0, 1.0]}
+    for name, r in runs.items():
+        cells = []
+        for s in (*STAGES, "step"):
+            m = r["wall_s"] if s == "step" else r["measured"].get(s)
+            d, f = r["default"].get(s), r["fitted"].get(s)
+            if m is None or f is None:
+                cells.append("-")
+                continue
+            ratio = _ratio(f, m)
+            target = STEP_TARGET if s == "step" else STAGE_TARGET
+            mark = "" if ratio is not None and ratio <= target else " **x**"
+            if mark:
+                misses.append(f"{name}: {s} {'off' if ratio is None else f'{ratio:.2f}x'}")
+            if ratio is not None:
+                k = 1 if s == "step" else 0
+                worst[r["role"]][k] = max(worst[r["role"]][k], ratio)
+            cells.append(f"{d:.3f} / {f:.3f} / {m:.3f}{mark}")
+        lines.append(f"| {name} | {r['role']} | " + " | ".join(cells) + " |")
+    lines += ["", f"Worst ratio, fitted model: fit runs {worst['fit'][0]:.2f}x per stage, {worst['fit'][1]:.2f}x per "
+              f"step; held-out runs {worst['held-out'][0]:.2f}x per stage, {worst['held-out'][1]:.2f}x per step.",
+              "", ("Outside the targets (**x**): " + "; ".join(misses) + ".") if misses else
+              "Every stage and step is within the targets.", "",
+              "## The scheduler's pick on this profile (calibrated)", ""]
     pick = picked(data["schedule"]["plan"])
-    lines += ["", f"Fastest measured: **{best}** ({runs[best]['wall_s']:.2f} s/step).", "",
-              "## The scheduler's pick on this profile", ""]
     if pick in runs:
         gap = runs[pick]["wall_s"] / runs[best]["wall_s"]
         lines += [f"`python -m titanrl.schedule` picked **{pick}**: measured {runs[pick]['wall_s']:.2f} s/step, "
                   f"{gap:.2f}x the best measured ({'within' if gap <= 1.05 else 'NOT within'} 5%).", ""]
-    lines += ["```", data["schedule"]["stdout"].strip() or data["schedule"]["stderr"].strip(), "```", "",
-              "## Predicted vs measured stage times", "",
-              "The HetRL cost model (`titanrl/hetero/cost.py`, default coefficients, not fitted to this machine) on the "
-              "profiled devices, against each stage's measured wall time (`time/<stage>`, the slowest rank; medians).",
-              "", "| run | " + " | ".join(f"{s} predicted / measured s" for s in STAGES) + " |",
-              "|---|" + "---|" * len(STAGES)]
-    for name, r in runs.items():
-        cells = []
-        for s in STAGES:
-            p, m = r["predicted"].get(s), r["measured"].get(s)
-            cells.append("-" if p is None or m is None else f"{p:.3f} / {m:.3f}")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["```", data["schedule"]["stdout"].strip() or data["schedule"]["stderr"].strip(), "```"]
     if "hosts" in data:
         h = data["hosts"]
         best = min(h["runs"], key=lambda n: h["runs"][n]["wall_s"])
-        lines += ["", f"## Two hosts joined by a {h['rate']} link", "",
+        lines += ["", f"## Two hosts joined by a {h['rate']} link (a held-out cluster)", "",
                   "Two network namespaces joined by veth pairs (`scripts/netns_hosts.py`), one rank each, both links "
                   f"limited with `tc ... tbf` to {h['rate']}; the profiler measured {h['link_gbps']:.3f} Gbit/s "
-                  "between them. Ray spans both hosts (ShadowLoader).", "",
-                  "| placement | step wall s | predicted step s (cost model, unfitted) |", "|---|---|---|"]
+                  "between them. Ray spans both hosts (ShadowLoader). *Fitted* is the calibration above (one host, "
+                  "fast local links) applied to this profile.", "",
+                  "| placement | step wall s | predicted step s, default | predicted step s, fitted |", "|---|---|---|---|"]
         for name, r in h["runs"].items():
-            lines.append(f"| {name} | {r['wall_s']:.2f} | {sum(r['predicted'].values()):.3f} |")
+            ratio = _ratio(r["fitted"], r["wall_s"])
+            lines.append(f"| {name} | {r['wall_s']:.2f} | {r['default']:.3f} | {r['fitted']:.3f} "
+                         f"({'-' if ratio is None else f'{ratio:.2f}x'}) |")
         if h["pick"]:
             gap = h["runs"][h["pick"]]["wall_s"] / h["runs"][best]["wall_s"]
-            lines += ["", f"The scheduler picked **{h['pick']}**: {gap:.2f}x the best measured "
-                          f"({'within' if gap <= 1.05 else 'NOT within'} 5%)."]
+            lines += ["", f"The scheduler (default coefficients: this profile is not calibrated) picked **{h['pick']}**:"
+                          f" {gap:.2f}x the best measured ({'within' if gap <= 1.05 else 'NOT within'} 5%)."]
         lines += ["", "```", h["schedule"].strip(), "```"]
-    lines += ["", "Where the model is far off, it has no term for what dominates a tiny model on a CPU: per-call "
-              "overheads (Python, vLLM's scheduler, FSDP hooks), the reward and data nodes, and the weight push "
-              "through a file; `balance.calibrate` refits the training planners' cost model to measured stage "
-              "times at run time (`docs/balance.md`), `titanrl.hetero.cost.fit` the scheduler's efficiencies from "
-              "rows like these.", ""]
+    lines += ["", "The default coefficients are round numbers for large GPU models: they have no fixed costs, which "
+              "is what dominates a tiny model on a CPU (Python, vLLM's scheduler, FSDP hooks, the reward and data "
+              "nodes). The fit adds them. Not measured here: a GPU, or a model large enough that FLOPs dominate.", ""]
     return "\n".join(lines) + "\n"
 
 
 def picked(plan_toml: str) -> str | None:
-    """Which measured run the scheduler's written config is (None: none of them)."""
+    """Which measured placement the scheduler's written config is (None: none of them)."""
     if not plan_toml:
         return None
     cfg = tomllib.loads(plan_toml)
     if cfg["workflow"]["placement"] == "colocated":
-        return "colocated, speed-aware" if cfg["balance"].get("rank_speeds") else "colocated, speed-oblivious"
-    return ("disaggregated, rollout on the slow rank" if "rank 0: device 1 " in plan_toml
-            else "disaggregated, rollout on the fast rank")
+        return PLACEMENTS[1] if cfg["balance"].get("rank_speeds") else PLACEMENTS[0]
+    return PLACEMENTS[3] if "rank 0: device 1 " in plan_toml else PLACEMENTS[2]
 
 
 if __name__ == "__main__":

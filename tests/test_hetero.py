@@ -20,6 +20,7 @@ from titanrl.hetero.cluster import (
     load_cluster,
 )
 from titanrl.hetero.cost import (
+    Coefficients,
     GroupPlan,
     HetCostModel,
     ModelShape,
@@ -27,7 +28,6 @@ from titanrl.hetero.cost import (
     PlanError,
     Workload,
     fit,
-    nnls,
     predict_stage_times,
     workload_from_config,
 )
@@ -49,8 +49,8 @@ SHAPE = ModelShape(layers=16, hidden=2048, intermediate=5632, heads=16, kv_heads
 def two_by_two() -> dict:
     """2 fast devices on one host, 2 slow ones on two hosts of their own."""
     return {"devices": {
-        "fast": dict(count=2, tflops=100, memory_gb=24, hbm_gbps=1000, intra_gbps=100, per_host=2),
-        "slow": dict(count=2, tflops=25, memory_gb=12, hbm_gbps=400)},
+        "fast": dict(count=2, tflops=100, memory_gb=80, hbm_gbps=1000, intra_gbps=100, per_host=2),
+        "slow": dict(count=2, tflops=25, memory_gb=24, hbm_gbps=400)},
         "links": [dict(between=["fast", "slow"], gbps=10, latency_ms=1),
                   dict(between=["slow", "slow"], gbps=25, latency_ms=0.1)]}
 
@@ -188,10 +188,12 @@ def test_memory_constraint_costs_inf_and_says_why():
     c = cluster_from_dict(two_by_two())
     w = Workload(SHAPE, 512, 512, 64, 4)
     m = HetCostModel(c, w)
-    replicated = Plan((GroupPlan(w.tasks, (0, 1, 2, 3), fsdp=1),))  # 1.2B params x 16 bytes on 12 GB devices
+    replicated = Plan((GroupPlan(w.tasks, (0, 1, 2, 3), fsdp=1),))  # 1.2B params x 16 bytes, a reference, an engine
     est = m.evaluate(replicated)
     assert est.step_s == math.inf and not est.feasible
-    assert "device 2 (slow on slow-0)" in est.why_infeasible and "GB" in est.why_infeasible
+    # titanrl.memory's prediction for the config the bare shape makes (synthesized_config), named by its terms
+    assert est.why_infeasible.startswith("device 2 (slow on slow-0)") and "titanrl.memory predicts" in \
+        est.why_infeasible and "largest: optimizer" in est.why_infeasible and "fsdp 1" in est.why_infeasible
     assert m.why_infeasible(replicated) == est.why_infeasible
     sharded = Plan((GroupPlan(w.tasks, (0, 1, 2, 3), fsdp=4),))
     assert m.why_infeasible(sharded) is None and math.isfinite(m.step_time(sharded))
@@ -240,41 +242,52 @@ def test_plans_that_do_not_fit_the_workload_are_refused():
         m.evaluate(Plan((GroupPlan(("rollout", "old_logprobs"), (0, 1)), GroupPlan(("reference", "update"), (2, 3)))))
 
 
-def test_nnls_matches_the_constrained_optimum():
-    a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
-    assert nnls(a, np.array([2.0, -1.0, 1.0])) == pytest.approx([1.5, 0.0])
-    x_true = np.array([0.5, 0.0, 2.0, 1.0])
-    rng = np.random.default_rng(0)
-    a = rng.random((20, 4))
-    assert nnls(a, a @ x_true) == pytest.approx(x_true, abs=1e-9)
-
-
 def test_fit_recovers_known_coefficients_from_synthetic_timings():
-    """Stage times made with known efficiencies (per term and device type), comm and latency factors are fitted back
-    exactly from the model's features."""
+    """Stage and step times made with known efficiencies (per term and device type), comm and latency factors and
+    fixed costs are fitted back exactly from the model's features, and the fitted model prices every stage and
+    step as the truth does."""
     c = cluster_from_dict(two_by_two())
-    w = Workload(SHAPE, 512, 512, 64, 4, algorithm="ppo", mode="async")
-    base = HetCostModel(c, w)
+    w = Workload(SHAPE, 512, 512, 64, 4, algorithm="ppo", mode="sync")
     truth = {"train:fast": 1 / 0.3, "train:slow": 1 / 0.6, "inference:fast": 1 / 0.4, "inference:slow": 1 / 0.5,
              "gen_compute:fast": 1 / 0.35, "gen_compute:slow": 1 / 0.45, "gen_hbm:fast": 1 / 0.5,
-             "gen_hbm:slow": 1 / 0.8, "comm": 1.7, "latency": 2.5}
-    rows = []
-    for plan in all_plans(c, w):
-        est = base.evaluate(plan)
-        if not est.feasible:
-            continue
-        for features in est.features.values():
-            if features:
-                rows.append((features, sum(truth[k] * v for k, v in features.items())))
-    fitted = fit(rows)
+             "gen_hbm:slow": 1 / 0.8, "comm": 1.7, "latency": 2.5,
+             "overhead:rollout_call": 0.2, "overhead:rollout_prompt": 3e-3, "overhead:decode_step": 1e-3,
+             "overhead:model_call": 0.05, "overhead:microbatch": 0.01, "overhead:sync_call": 0.1,
+             "overhead:sync_byte": 1e-10, "overhead:step_call": 0.3, "overhead:exchange_prompt": 2e-3,
+             "overhead:push_call": 0.4, "overhead:engine_process_call": 0.25}
+    true_coefficients = Coefficients(
+        by_type=tuple((k.partition(":")[0], k.partition(":")[2], 1 / v) for k, v in truth.items()
+                      if ":" in k and not k.startswith("overhead:")),
+        comm=truth["comm"], latency=truth["latency"],
+        overheads=tuple((k.partition(":")[2], v) for k, v in truth.items() if k.startswith("overhead:")))
+    model = HetCostModel(c, w, true_coefficients)
+    rows, plans = [], []
+    # two response lengths: with one, the decode steps per rollout are a constant (rollout_call's twin)
+    for m in (model, HetCostModel(c, replace(w, response_len=256), true_coefficients)):
+        for plan in all_plans(c, m.workload):
+            est = m.evaluate(plan)
+            if not est.feasible:
+                continue
+            if m is model:
+                plans.append(plan)
+            for stage, features in est.features.items():
+                if features:
+                    assert sum(truth[k] * v for k, v in features.items()) == pytest.approx(est.stages[stage]), stage
+                    rows.append((features, est.stages[stage]))
+            assert sum(truth[k] * v for k, v in est.step_features.items()) == pytest.approx(est.step_s)
+            rows.append((est.step_features, est.step_s))
+    fitted = fit(rows, fitted="synthetic")
     assert fitted.comm == pytest.approx(1.7, rel=1e-6) and fitted.latency == pytest.approx(2.5, rel=1e-6)
     for key, factor in truth.items():
-        term, _, device_type = key.partition(":")
-        if device_type:
-            assert fitted.efficiency(term, device_type) == pytest.approx(1 / factor, rel=1e-6), key
+        term, _, rest = key.partition(":")
+        if term == "overhead":
+            assert fitted.overhead(rest) == pytest.approx(factor, rel=1e-6), key
+        elif rest:
+            assert fitted.efficiency(term, rest) == pytest.approx(1 / factor, rel=1e-6), key
+    assert fitted.fitted == "synthetic" and Coefficients.from_dict(fitted.to_dict()) == fitted
     refit = HetCostModel(c, w, fitted)
-    for features, seconds in rows[:50]:
-        assert sum(truth[k] * v for k, v in features.items()) == pytest.approx(seconds)
+    for plan in plans[:40]:
+        assert refit.evaluate(plan).step_s == pytest.approx(model.evaluate(plan).step_s, rel=1e-6)
     assert refit.coefficients.by_type  # the fitted model prices with the per-type efficiencies
     with pytest.raises(ValueError, match="at least as many rows as features"):
         fit([({"train:fast": 1.0, "comm": 2.0}, 3.0)])
@@ -450,8 +463,9 @@ def test_the_plan_is_never_worse_than_a_baseline_it_prices(tmp_path, name, mode)
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"text_config": QWEN2_5_VL_7B_TEXT}))
     c = cluster_from_dict(CLUSTERS[name])
+    # 4096-token microbatches: at the config's 8192, titanrl.memory's training ranks need ~41 GiB, over an A100-40GB
     args = ["--config", "configs/qwen2_5_vl_7b.toml", f"--model.path={tmp_path / 'model'}",
-            f"--workflow.mode={mode}"]
+            f"--workflow.mode={mode}", "--balance.max_tokens_per_microbatch=4096"]
     from titanrl.config import load_config
 
     cfg = load_config("configs/qwen2_5_vl_7b.toml", args[2:], validate=False)
@@ -548,3 +562,125 @@ def test_profile_schedule_train_end_to_end(run_cache, tmp_path):
     run(torchrun + ["-m", "titanrl.train", "--config", str(plan)])
     records = (tmp_path / "out" / cfg.job.name / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in records] == [1, 2]
+
+
+# ------------------------------------------------------------------------------------------------ calibration
+
+def _fake_run(folder, overrides, truth, profile, devices, steps=4):
+    """A run folder as the trainer leaves it (config.toml, metrics.jsonl) whose stage and step times are what the
+    cost model with ``truth`` coefficients predicts for it on ``profile``, plus per-step noise of +-2%."""
+    from titanrl.config import config_to_toml, load_config
+    from titanrl.hetero.cost import TITANRL_NODES
+    from titanrl.schedule import plan_from_config
+
+    cfg = load_config("configs/tiny_cpu.toml", overrides, validate=False)
+    folder.mkdir(parents=True)
+    (folder / "config.toml").write_text(config_to_toml(cfg))
+    est = HetCostModel(cluster_from_profile_dict(profile), workload_from_config(cfg), truth).evaluate(
+        plan_from_config(cfg, len(devices), devices))
+    stages = {s: v for s, v in est.stages.items() if s in TITANRL_NODES and v}
+    if cfg.workflow.placement == "disaggregated":  # its rollout ranks wait inside weight_sync for the training ranks
+        stages["weight_sync"] += sum(v for s, v in stages.items() if s not in ("rollout", "weight_sync"))
+    lines = [json.dumps({"step": 0, "eval/accuracy": 0.1})]  # step 0's evaluation: no step/wall_s
+    for step in range(1, steps + 1):
+        noise = 1.0 + 0.02 * ((step % 3) - 1)
+        rec = {"step": step, "step/wall_s": est.step_s * noise * (3.0 if step == 1 else 1.0)}
+        rec.update({f"time/{TITANRL_NODES[s]}": v * noise for s, v in stages.items()})
+        lines.append(json.dumps(rec))
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return est
+
+
+def test_calibrate_fits_measured_runs_into_the_profile_and_schedule_prices_with_it(tmp_path, capsys):
+    """`python -m titanrl.calibrate` on run folders: the fit (overheads included) predicts the fit runs' stages and
+    steps and a held-out run's, it is written into the profile, and `titanrl.schedule --profile` prices with it."""
+    from titanrl import calibrate, schedule
+    from titanrl.hetero.cost import OVERHEAD_TERMS
+
+    profile = profile_dict()
+    profile["world_size"] = 2
+    profile["ranks"] = profile["ranks"][:2]
+    profile["links"] = profile["links"][:1]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    truth = Coefficients(train=0.2, inference=0.3, gen_compute=0.25, gen_hbm=0.6, comm=1.5, latency=2.0,
+                         overheads=(("rollout_call", 0.3), ("rollout_prompt", 2e-3), ("decode_step", 4e-3),
+                                    ("model_call", 0.05), ("microbatch", 0.02), ("sync_call", 0.1),
+                                    ("sync_byte", 1e-9), ("step_call", 0.2), ("exchange_prompt", 3e-3),
+                                    ("push_call", 0.5), ("engine_process_call", 0.25)))
+    disagg = ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=1"]
+    fits = {"a": ([], (0, 1)), "b": (["--rl.global_batch_size=16", "--rollout.max_new_tokens=16"], (0, 1)),
+            "c": (["--rollout.n=4", "--balance.max_tokens_per_microbatch=1024"], (0, 1)),
+            "d": (disagg, (1, 0)), "e": ([*disagg, "--rl.global_batch_size=8", "--rollout.max_new_tokens=8"], (0, 1))}
+    specs = []
+    for name, (overrides, devices) in fits.items():
+        _fake_run(tmp_path / name, overrides, truth, profile, devices)
+        specs.append(f"{tmp_path / name}@{','.join(map(str, devices))}")
+    held = _fake_run(tmp_path / "held", ["--rl.global_batch_size=24", "--rollout.max_new_tokens=4"], truth, profile,
+                     (0, 1))
+    assert calibrate.main(["--profile", str(path), *specs]) == 0, capsys.readouterr()
+    printed = capsys.readouterr().out
+    assert "fitted to 5 measured run(s)" in printed and "wrote calibration into" in printed
+    stored = json.loads(path.read_text())
+    fitted = calibrate.profile_coefficients(stored)
+    assert set(dict(fitted.overheads)) <= set(OVERHEAD_TERMS) and fitted.overhead("step_call") > 0
+    assert [r["devices"] for r in stored["calibration"]["runs"]] == [list(d) for _, d in fits.values()]
+    cluster = cluster_from_profile_dict(stored)
+    for name, (_, devices) in [*fits.items(), ("held", ([], (0, 1)))]:
+        run = calibrate.read_run(f"{tmp_path / name}@{','.join(map(str, devices))}", 2)
+        assert run.steps == 3  # the first step left out
+        predicted = calibrate.predictions(run, cluster, fitted)
+        for stage, measured in [*run.stages.items(), (calibrate.STEP, run.step_s)]:
+            assert predicted[stage] == pytest.approx(measured, rel=0.03), (name, stage)
+    assert calibrate.predictions(run, cluster, fitted)[calibrate.STEP] == pytest.approx(held.step_s, rel=0.03)
+    # the scheduler prices with the profile's calibration
+    out = tmp_path / "plan.toml"
+    assert schedule.main(["--config", "configs/tiny_cpu.toml", "--profile", str(path), "--out", str(out),
+                          "--budget", "50"]) == 0
+    assert "cost model: fitted to 5 measured run(s)" in capsys.readouterr().out
+    # mistakes name the file
+    (tmp_path / "a" / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    assert calibrate.main(["--profile", str(path), str(tmp_path / "a")]) == 2
+    assert "no training step after the first 1" in capsys.readouterr().err
+    assert calibrate.main(["--profile", str(path), f"{tmp_path / 'b'}@0,7"]) == 2
+    assert "devices must be distinct ids of the profile's 0..1" in capsys.readouterr().err
+    stored["calibration"]["coefficients"]["overheads"] = {"per_moon": 1.0}
+    path.write_text(json.dumps(stored))
+    assert schedule.main(["--config", "configs/tiny_cpu.toml", "--profile", str(path), "--out", str(out)]) == 2
+    assert "calibration.coefficients" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("name", ["2 equal", "2 fast + 2 slow", "2 hosts of 2"])
+def test_every_plan_of_the_titanrl_space_is_a_config_the_trainer_accepts(name, mode):
+    """The scheduler's space is the trainer's: every plan `titanrl_space` allows on small clusters of this machine's
+    kind (equal ranks, ranks of unequal speed, two hosts) becomes, through `apply_plan`, a config that passes the
+    trainer's start-up checks on its world size (config, world size, Ulysses against the model's heads), and reads
+    back (`plan_from_config`) as a plan priced the same."""
+    from titanrl import schedule
+    from titanrl.config import load_config
+    from titanrl.memory import flavor_shape
+    from titanrl.parallel.ulysses import resolve_ulysses
+
+    cpu = dict(memory_gb=12, hbm_gbps=10, intra_gbps=50)
+    devices = {"2 equal": {"cpu": dict(count=2, tflops=0.2, per_host=2, **cpu)},
+               "2 fast + 2 slow": {"fast": dict(count=2, tflops=0.2, per_host=2, **cpu),
+                                   "slow": dict(count=2, tflops=0.1, per_host=2, **cpu)},
+               "2 hosts of 2": {"cpu": dict(count=4, tflops=0.2, per_host=2, **cpu)}}[name]
+    c = cluster_from_dict({"devices": devices, "default_link": dict(gbps=1, latency_ms=0.1)})
+    base = load_config("configs/tiny_cpu.toml", [f"--workflow.mode={mode}"], validate=False)
+    w = workload_from_config(base)
+    space = schedule.titanrl_space(base, c)
+    args = flavor_shape(base.model.flavor)
+    model = HetCostModel(c, w)
+    seen = 0
+    for plan in all_plans(c, w, space):
+        cfg = load_config("configs/tiny_cpu.toml", [f"--workflow.mode={mode}"], validate=False)
+        order = schedule.apply_plan(cfg, plan, model)
+        cfg.validate()
+        cfg.validate_world_size(len(order))
+        resolve_ulysses(cfg.parallelism, args.text, cfg.workflow.training_ranks(len(order)))
+        again = schedule.plan_from_config(cfg, len(order), devices=order)
+        assert model.evaluate(again).step_s == pytest.approx(model.evaluate(plan).step_s), plan
+        seen += 1
+    assert seen >= (1 if name == "2 equal" else 10)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RANK_KEYS = {"rank", "host", "device", "device_name", "matmul_tflops", "attention_tflops", "memory_gb", "hbm_gbps",
              "gen_tokens_per_s"}
 
-# torchrun runs this instead of ``-m titanrl.profile``: it pins the rank to one core (PIN_CORES, by LOCAL_RANK)
-# and names its host (HOST_PREFIX + LOCAL_RANK) before running the module as __main__.
+# torchrun runs this instead of ``-m titanrl.profile`` (or WRAP_MODULE): it pins the rank to one core (PIN_CORES, by
+# LOCAL_RANK) and names its host (HOST_PREFIX + LOCAL_RANK) before running the module as __main__.
 WRAPPER = """\
 import os, runpy, sys
 local = int(os.environ["LOCAL_RANK"])
@@ -30,8 +31,9 @@ if os.environ.get("PIN_CORES"):
     os.sched_setaffinity(0, {int(os.environ["PIN_CORES"].split(",")[local])})
 if os.environ.get("HOST_PREFIX"):
     os.environ["TITANRL_HOST"] = os.environ["HOST_PREFIX"] + str(local)
-sys.argv[0] = "titanrl.profile"
-runpy.run_module("titanrl.profile", run_name="__main__", alter_sys=True)
+module = os.environ.get("WRAP_MODULE", "titanrl.profile")
+sys.argv[0] = module
+runpy.run_module(module, run_name="__main__", alter_sys=True)
 """
 
 
@@ -122,9 +124,11 @@ def test_cli_hf_engine_generation(tmp_path: Path, tiny_ckpt: Path):
 
 @pytest.mark.slow
 @pytest.mark.serial
-def test_two_ranks_a_shared_core_measures_slower(tmp_path: Path, wrapper: Path):
+def test_two_ranks_a_shared_core_measures_slower(tmp_path: Path, wrapper: Path, run_cache: Path):
     """Rank 0 alone on one core, rank 1 on another core shared with three spinning processes (so it gets about a
-    quarter of it; even if something else lands on rank 0's core, rank 0 keeps about half)."""
+    quarter of it; even if something else lands on rank 0's core, rank 0 keeps about half). `titanrl.schedule` on
+    that profile writes a config that trains 2 steps, each rank pinned to the core of the device the plan gives it
+    (a plan on the fast rank alone is one rank)."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs two cores")
@@ -150,6 +154,18 @@ def test_two_ranks_a_shared_core_measures_slower(tmp_path: Path, wrapper: Path):
     assert r1["matmul_tflops"] < 0.75 * r0["matmul_tflops"], (r0["matmul_tflops"], r1["matmul_tflops"])
     link = profile["links"][0]
     assert (link["src"], link["dst"]) == (0, 1) and link["gbps"] > 0 and link["method"] == "p2p"
+    plan = tmp_path / "plan.toml"
+    printed = run([sys.executable, "-m", "titanrl.schedule", "--config", "configs/tiny_cpu.toml", "--profile",
+                   str(out), "--out", str(plan), "--budget", "200", "--job.steps=2", "--checkpoint.enable=false",
+                   f"--model.cache_dir={run_cache}", f"--job.dump_folder={tmp_path / 'run'}"]).stdout
+    ranks = int(re.search(r"torchrun --nproc-per-node (\d+) ", printed).group(1))
+    moved = re.findall(r"#   rank (\d+): device (\d+) ", plan.read_text())
+    order = [int(d) for _, d in sorted(moved)] if moved else list(range(ranks))
+    assert len(order) == ranks
+    run(torchrun(wrapper, ranks, "--config", str(plan)), timeout=600,
+        env={"WRAP_MODULE": "titanrl.train", "PIN_CORES": ",".join(str((c0, c1)[d]) for d in order)})
+    records = (tmp_path / "run" / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in records if "step/wall_s" in r] == [1, 2]
 
 
 @pytest.mark.slow

@@ -39,7 +39,8 @@ backward of the update stage's largest microbatch:
   ``parallelism.fsdp_reshard_after_forward=false`` keeps every unit gathered (N b_p);
 - activations of one microbatch of T tokens (``activation_bytes``), and the log-prob head's fp32
   log-softmax over the vocabulary (``logits_bytes``);
-- the rollout engine in the same process: vLLM's weights (N b_p) and its KV cache
+- the rollout engine in the same process (colocated; a disaggregated run's rollout ranks hold only it:
+  ``predict_rollout_rank``): vLLM's weights (N b_p / rollout.tensor_parallel_size) and its KV cache
   (``rollout.kv_cache_bytes``); the hf engine: its transformers copy of the weights (N b_p); all resident, or
   in the rollout phase only when the engine sleeps while the training stages run (``rollout.sleep``, CUDA);
 - the reference model (``rl.kl_coef > 0``): a second, frozen FSDP model, 4 N / dp at rest (0 on a GPU with
@@ -417,7 +418,6 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
     n = counts.total
     fsdp = dp > 1 or cfg.one_rank_fsdp  # one process: FSDP2 on a one-rank mesh for bfloat16 or rl.ref_offload
     b_p = DTYPE_BYTES[cfg.model.dtype] if fsdp else 4  # compute / gathered-parameter dtype
-    engine_b = DTYPE_BYTES[cfg.model.dtype]
     tokens = cfg.balance.max_tokens_per_microbatch
     mix = token_mix(cfg, args, data)
     ac = cfg.parallelism.activation_checkpoint
@@ -471,17 +471,8 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
                       f"{mix.targets_per_token:.2f} targets/token x vocab {args.text.vocab_size} fp32 log-softmax"
                       + (" + exp (entropy)" if entropy else ""), "update"))
     # a sleeping engine holds its weights (and vLLM its KV cache) on the device only around its calls
-    asleep = cfg.engine_sleeps(device)
-    engine_phase, slept = ("rollout", " (rollout.sleep: in host memory while training)") if asleep else ("resident", "")
-    if cfg.rollout.engine == "vllm":
-        terms.append(Term("engine_weights", engine_b * n, f"vLLM weights {engine_b} N{slept}", engine_phase))
-        terms.append(Term("engine_kv_cache", cfg.rollout.kv_cache_bytes,
-                          "rollout.kv_cache_bytes" + (" (rollout.sleep: freed while training)" if asleep else ""),
-                          engine_phase))
-    else:
-        terms.append(Term("engine_weights", engine_b * n, f"hf engine weights {engine_b} N{slept}", engine_phase))
-        terms.append(Term("engine_generate_kv", hf_generate_kv_bytes(cfg, args, world, data),
-                          "hf generate's KV cache: 2 L kv b x (prompts per rank x n) x (P + R)", "rollout"))
+    if cfg.workflow.placement == "colocated":
+        terms += engine_terms(cfg, args, world, device=device, data=data, n=n)
     if cfg.rl.kl_coef > 0 and lora:
         terms.append(Term("reference_model", 0, "LoRA: the reference is the policy with its adapters off"))
     elif cfg.rl.kl_coef > 0 and cfg.rl.ref_offload and device == "cuda":
@@ -504,6 +495,40 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
     if cfg.parallelism.ulysses != "none":
         plan.notes.append("Ulysses: a trajectory longer than T is split over ranks; T stays the per-rank budget")
     return plan
+
+
+def engine_terms(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device, data: DataShape | None = None,
+                 n: int | None = None) -> list[Term]:
+    """The rollout engine in a rank's process: vLLM's weights, sharded over its rollout.tensor_parallel_size ranks
+    (b N / tp), and its KV cache (rollout.kv_cache_bytes per rank); the hf engine's transformers copy (b N) and
+    generate's KV cache. Resident, or in the rollout phase only when the engine sleeps (rollout.sleep, CUDA)."""
+    n = param_counts(args).total if n is None else n
+    engine_b = DTYPE_BYTES[cfg.model.dtype]
+    asleep = cfg.engine_sleeps(device)
+    phase, slept = ("rollout", " (rollout.sleep: in host memory while training)") if asleep else ("resident", "")
+    if cfg.rollout.engine == "vllm":
+        tp = cfg.rollout.tensor_parallel_size
+        return [Term("engine_weights", engine_b * n // tp, f"vLLM weights {engine_b} N" + (f" / tp {tp}" if tp > 1
+                                                                                           else "") + slept, phase),
+                Term("engine_kv_cache", cfg.rollout.kv_cache_bytes,
+                     "rollout.kv_cache_bytes" + (" (rollout.sleep: freed while training)" if asleep else ""), phase)]
+    return [Term("engine_weights", engine_b * n, f"hf engine weights {engine_b} N{slept}", phase),
+            Term("engine_generate_kv", hf_generate_kv_bytes(cfg, args, world, data),
+                 "hf generate's KV cache: 2 L kv b x (prompts per rank x n) x (P + R)", "rollout")]
+
+
+def predict_rollout_rank(cfg: JobConfig, args: Qwen2_5_VLArgs, rollout_ranks: int, *, device: Device | None = None,
+                         runtime_bytes: int | None = None, data: DataShape | None = None) -> MemoryPlan:
+    """A rank that only generates (workflow.placement = "disaggregated", one of ``rollout_ranks``): its engine
+    (:func:`engine_terms`, the hf engine's KV cache for its share of the prompts) and the runtime."""
+    device = device or ("cuda" if cfg.model.attn_backend == "flash" else "cpu")
+    counts = param_counts(args)
+    terms = engine_terms(cfg, args, rollout_ranks, device=device, data=data, n=counts.total)
+    terms = [Term(t.name, t.bytes, t.formula) for t in terms]  # nothing trains here: all resident
+    runtime = RUNTIME_BYTES[f"{device}/{cfg.rollout.engine}"] if runtime_bytes is None else runtime_bytes
+    terms.append(Term("runtime", runtime, f"measured constant ({device}): process, libraries, context"))
+    return MemoryPlan(terms=terms, world=rollout_ranks, dp=1, device=device, shape="", params=counts.total,
+                      tokens_per_microbatch=0, notes=["a rollout rank: the engine only"])
 
 
 def hf_generate_kv_bytes(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, data: DataShape | None = None) -> int:

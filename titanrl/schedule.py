@@ -3,14 +3,16 @@
     python -m titanrl.schedule --config C.toml --profile profile.json --out plan.toml [--budget N] [--seed S]
     python -m titanrl.schedule --config C.toml --cluster cluster.toml --out plan.toml [--section.key=value ...]
 
-The devices come from a profile (``python -m titanrl.profile --out profile.json``, one device per rank) or a
-hand-written ``cluster.toml`` (docs/hetrl.md); the workload (model shape, batch, ``rollout.n``, lengths,
+The devices come from a profile (``python -m titanrl.profile --out profile.json``, one device per rank; with the
+cost model's coefficients when ``python -m titanrl.calibrate`` has fitted them into it) or a hand-written
+``cluster.toml`` (docs/hetrl.md); the workload (model shape, batch, ``rollout.n``, lengths,
 algorithm, mode) from the config. The search (:func:`titanrl.hetero.search.search`) keeps to plans titanrl can
 run: everything colocated, or the rollout on its own ranks (``workflow.placement = "disaggregated"``, required for
-``workflow.mode = "async"``) with vLLM tensor parallelism there; FSDP over every training rank; a Ulysses degree
-(FlexUlysses' ``p_max``) only when every rank is equally fast (titanrl balances Ulysses groups by equal loads). It
-prints the chosen plan's predicted stage and step times beside the best colocated plan on one device type and a
-verl-like plan, and writes ``--out``: the config with
+``workflow.mode = "async"``), with vLLM tensor parallelism in either (colocated: not with partial rollouts); FSDP
+over every training rank; a Ulysses degree (FlexUlysses' ``p_max``) only when every rank is equally fast (titanrl
+balances Ulysses groups by equal loads). The cost model prices memory with ``titanrl.memory`` (the trainer's own
+check). It prints the chosen plan's predicted stage and step times beside its baselines (module
+:mod:`titanrl.hetero.search`), and writes ``--out``: the config with
 
 - ``workflow.placement`` / ``workflow.rollout_ranks``: titanrl generates on the first ``rollout_ranks`` ranks, so
   the plan's ranks are renumbered rollout devices first; when that is not the order the devices were profiled or
@@ -26,11 +28,13 @@ The plan defines the world size: every device of the cluster is a rank (the torc
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from titanrl.calibrate import profile_coefficients
 from titanrl.config import ConfigError, config_to_toml, load_config
 from titanrl.hetero.cluster import Cluster, ClusterError, cluster_from_profile, load_cluster
 from titanrl.hetero.cost import GroupPlan, HetCostModel, Plan, workload_from_config
@@ -54,8 +58,9 @@ def titanrl_space(cfg, cluster: Cluster) -> SearchSpace:
         or _differ([d.gen_tokens_per_s or 1.0 for d in devs]))
     ulysses_ok = not speeds_differ and cfg.balance.strategy != "native"
     tp = (1, 2, 4, 8) if cfg.rollout.engine == "vllm" else (1,)
+    # colocated engines span tp ranks too (rollout.tensor_parallel_size), except with partial rollouts
     return SearchSpace(groupings="titanrl", tp_choices=tp, max_ulysses=8 if ulysses_ok else 1, fsdp="full",
-                       tp_with_models=False)
+                       tp_with_models=not cfg.rollout.tokens_per_update)
 
 
 def rank_order(plan: Plan) -> list[int]:
@@ -109,7 +114,7 @@ def plan_from_config(cfg, world_size: int, devices: Sequence[int] | None = None)
         groups = (GroupPlan(("rollout",), ids[:k], tp=cfg.rollout.tensor_parallel_size),
                   GroupPlan(models, ids[k:], ulysses=ulysses))
     else:
-        groups = (GroupPlan(w.tasks, ids, ulysses=ulysses),)
+        groups = (GroupPlan(w.tasks, ids, tp=cfg.rollout.tensor_parallel_size, ulysses=ulysses),)
     return Plan(groups, speed_aware=speed_aware)
 
 
@@ -181,14 +186,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         # validated once the plan has set the placement (workflow.mode = "async" needs the disaggregated one)
         cfg = load_config(args.config, overrides, validate=False)
         cluster = cluster_from_profile(args.profile) if args.profile else load_cluster(args.cluster)
+        coefficients = profile_coefficients(json.loads(Path(args.profile).expanduser().read_text()),
+                                            source=Path(args.profile).name) if args.profile else None
         workload = workload_from_config(cfg)
     except (ConfigError, ClusterError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    model = HetCostModel(cluster, workload)
+    model = HetCostModel(cluster, workload, coefficients)
     space = titanrl_space(cfg, cluster)
     print(cluster.describe())
     print(f"workload: {workload.describe()}")
+    print(f"cost model: fitted to {coefficients.fitted} (the profile's calibration)" if coefficients else
+          "cost model: default coefficients (round numbers, not fitted to these devices; `python -m "
+          "titanrl.calibrate` fits them to a few measured runs)")
     if not cfg.model.path:
         print(f"note: model.path is empty, so this plans the built-in '{cfg.model.flavor}' model "
               f"({workload.model.name}); pass --model.path <a folder with your model's config.json> to plan yours")
@@ -201,7 +211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if result.plan is None or not math.isfinite(result.step_s):
         why = model.why_infeasible(verl_like_plan(cluster, workload, model=model, space=space))
-        print(f"error: no plan fits in memory on these devices ({why})", file=sys.stderr)
+        biggest = max(d.memory_gb for d in cluster.devices)
+        print(f"error: no plan fits in memory on these devices ({why}); `python -m titanrl.memory --config "
+              f"{args.config} --world <ranks> --device-memory {biggest:g}GB` lists the settings that shrink a rank "
+              "(e.g. --balance.max_tokens_per_microbatch, --rollout.kv_cache_bytes)", file=sys.stderr)
         return 1
     plan, estimate = result.plan, result.estimate
     found = (f"the search's best of {result.evaluations} plans priced" if result.chosen == "search" else

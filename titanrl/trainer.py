@@ -156,7 +156,11 @@ class Trainer:
         # refused, naming the largest term and the fixes; on CPU the prediction (an upper bound: full microbatches
         # of the longest samples, benchmarks/memory.md) only warns
         tinfo = self.train_info
-        self.memory_plan = memory.predict(cfg, self.args, tinfo.world_size, device=info.device.type)
+        if info.rank in self.placement.train:
+            self.memory_plan = memory.predict(cfg, self.args, tinfo.world_size, device=info.device.type)
+        else:  # a rank that only generates
+            self.memory_plan = memory.predict_rollout_rank(cfg, self.args, len(self.placement.rollout),
+                                                           device=info.device.type)
         capacity = memory.device_capacity_bytes(str(info.device), int(os.environ.get("LOCAL_WORLD_SIZE",
                                                                                      info.world_size)))
         try:

@@ -43,12 +43,15 @@ same group add, different groups run in parallel (the paper's ``eta`` is 0 withi
 its group: ``max(rollout + redistribute, Phi(inference) + Phi(training)) + weight_sync`` (titanrl's engines do
 not generate while weights are pushed); a rollout sharing devices cannot overlap, so async costs as sync.
 
-**Memory** (constraint C3): per device, the models it holds (training: parameters, gradients and Adam states,
-``optimizer_bytes_per_param`` per parameter, sharded by FSDP; inference-only models: parameters sharded by FSDP;
-an engine alone in its group: its weight shard) plus the largest working set (training: one micro-batch's
-activations, fp32 logits and two unsharded layers; inference likewise without the stored activations; generation:
-the engine's weights when they sleep during training, and the KV cache of at least one sequence) must fit in
-``memory_util`` of its memory. An infeasible plan costs ``inf`` and :meth:`HetCostModel.why_infeasible` says why.
+**Memory** (constraint C3) is ``titanrl.memory``'s prediction, the trainer's own start-up check: a group that
+holds the models is the config's training ranks on the group's devices (with the engine, sharded over its TP
+ranks, when the rollout shares them), a rollout-only group's ranks hold an engine each
+(``memory.predict_rollout_rank``). A workload built from a config (:func:`workload_from_config`) is checked against
+each device's memory with the config's vLLM KV cache (``rollout.kv_cache_bytes``); a bare shape (HetRL's setting)
+gets a config synthesized from its fields (:func:`synthesized_config`: the defaults, no vision tower) whose KV cache
+is what ``memory_util`` of the device leaves (vLLM's ``gpu_memory_utilization``), at least one sequence's. An
+infeasible plan costs ``inf`` and :meth:`HetCostModel.why_infeasible` names the device, the prediction and its
+largest term.
 
 **Efficiencies** (:class:`Coefficients`): FLOP/s and memory bandwidth are multiplied by an efficiency per term
 (``train``, ``inference``, ``gen_compute``, ``gen_hbm``), optionally per device type; bytes over links are
@@ -65,14 +68,17 @@ beyond the per-device inbound bound.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from titanrl.hetero.cluster import Cluster
+from titanrl.parallel.cost_model import CostModel
 
 TASKS = ("rollout", "reference", "old_logprobs", "values", "update", "critic_update")
 """The RL tasks a plan places, named as the stages they report."""
@@ -86,6 +92,26 @@ MODEL_TASKS = frozenset(TASKS) - {"rollout"}
 TRAIN_TASKS = ("update", "critic_update")
 INFERENCE_TASKS = ("reference", "old_logprobs", "values")
 EFFICIENCY_TERMS = ("train", "inference", "gen_compute", "gen_hbm")
+OVERHEAD_TERMS = {
+    "rollout_call": "one rollout stage (per step): the engine call, its scheduler start, the reward hand-over",
+    "rollout_prompt": "one prompt on the busiest engine: its tokenizing, media processing and prefill set-up",
+    "decode_step": "one decode step of the busiest engine (the engine's per-step scheduling)",
+    "engine_process_call": "one rollout of an engine in a process of its own (ranks that only generate run vLLM's "
+                           "engine core as a child process: each call crosses processes)",
+    "model_call": "one log-prob or update stage (per step): its plan and the step's hand-over to it",
+    "exchange_prompt": "one prompt a colocated rank receives and assembles for the step's first model stage "
+                       "(trajectories and pixels moved between ranks to the balancer's plan)",
+    "microbatch": "one microbatch of the busiest unit (forward / backward launch, FSDP hooks, optimizer at the end)",
+    "sync_call": "one weight push (per step)",
+    "push_call": "one weight push to engines on other ranks (disaggregated: both sides meet for it)",
+    "sync_byte": "one byte of the weights an engine receives (gather, cast, load into the engine)",
+    "step_call": "one step beyond its stages: data, reward, advantages, metrics",
+}
+"""Fixed costs a fit adds to the model's FLOP and byte terms (seconds per unit; ``Coefficients.overheads``).
+A large GPU model hides them; a small model, a CPU or a short response does not. They are host work: on a GPU
+they take the same seconds whatever the GPU; on a CPU device (a profiled CPU rank) they run on the device itself,
+so they are seconds on a CPU of ``HOST_TFLOPS`` and scale with the device's measured speed."""
+HOST_TFLOPS = 0.1
 
 # titanrl/profile.py's engine probe (``gen_tokens_per_s``): 8 short text prompts x 4 samples, 32 new tokens each.
 PROBE_SEQUENCES = 32
@@ -93,7 +119,6 @@ PROBE_PROMPT_TOKENS = 32
 PROBE_NEW_TOKENS = 32
 
 _NOMINAL_DECODE_BATCH = 64.0  # decode batch at which a device's generation speed is quoted (device_speeds, task_work)
-_ACT_BYTES_PER_HIDDEN = 17  # stored activations per token per layer ~ 34 * hidden bytes at 2 bytes/value
 _TRAJ_PROMPT_BYTES, _TRAJ_RESPONSE_BYTES = 4, 8  # int32 ids; ids + fp32 log-probs
 
 
@@ -137,15 +162,30 @@ class ModelShape:
         embed = self.vocab * self.hidden
         return self.layers * self.params_per_layer + embed * (1 if self.tied_embeddings else 2) + self.hidden
 
+    @classmethod
+    def from_args(cls, args: Any, name: str = "") -> "ModelShape":
+        """The language model of a Qwen2.5-VL shape (``Qwen2_5_VLArgs``, what ``titanrl.memory.resolve_shape``
+        reads from a config)."""
+        t = args.text
+        return cls(layers=t.num_hidden_layers, hidden=t.hidden_size, intermediate=t.intermediate_size,
+                   heads=t.num_attention_heads, kv_heads=t.num_key_value_heads, vocab=t.vocab_size,
+                   head_dim=t.head_dim, tied_embeddings=t.tie_word_embeddings, name=name)
+
+    def cost_model(self, head_out: int | None = None) -> CostModel:
+        """The balancers' FLOP model (``titanrl.parallel.cost_model.CostModel.for_shape``) of this shape, with
+        ``head_out`` output columns (the vocabulary; 1 for a value head). No vision tower."""
+        return CostModel.for_shape(layers=self.layers, hidden=self.hidden, q_dim=self.heads * self.head_dim,
+                                   kv_dim=self.kv_heads * self.head_dim, intermediate=self.intermediate,
+                                   head_out=self.vocab if head_out is None else head_out)
+
     def linear_flops_per_token(self, head_out: int | None = None) -> float:
         """Forward FLOPs of one token's matmuls: the layers and the output head (``head_out`` columns:
         the vocabulary, 1 for a value head)."""
-        out = self.vocab if head_out is None else head_out
-        return 2.0 * (self.layers * (self.params_per_layer - 2 * self.hidden) + self.hidden * out)
+        return self.cost_model(head_out).forward_linear_per_token
 
     def attention_flops(self, length: float) -> float:
         """Forward FLOPs of causal attention over one sequence of ``length`` tokens (QK^T and PV, halved)."""
-        return 2.0 * self.layers * self.heads * self.head_dim * length * length
+        return self.cost_model().forward_attention(length)
 
     @property
     def kv_bytes_per_token_value(self) -> int:
@@ -156,17 +196,6 @@ class ModelShape:
     def alltoall_values_per_token(self) -> int:
         """Values one token sends per layer in Ulysses' forward all-to-alls (Q, K, V in, the output back)."""
         return 2 * self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
-
-
-QWEN3 = {
-    "4b": ModelShape(layers=36, hidden=2560, intermediate=9728, heads=32, kv_heads=8, head_dim=128, vocab=151936,
-                     tied_embeddings=True, name="Qwen3-4B"),
-    "8b": ModelShape(layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936,
-                     name="Qwen3-8B"),
-    "14b": ModelShape(layers=40, hidden=5120, intermediate=17408, heads=40, kv_heads=8, head_dim=128, vocab=151936,
-                      name="Qwen3-14B"),
-}
-"""The Qwen3 shapes (HF config.json) of the sizes HetRL evaluates (sec. 5.1: "Qwen 4B, 8B, 14B")."""
 
 
 @dataclass(frozen=True)
@@ -197,10 +226,22 @@ class Workload:
     minibatches: int = 1
     micro_batch_tokens: int = 8192
     activation_checkpoint: bool = True
+    # the titanrl config and its model's shape (Qwen2_5_VLArgs) whose memory titanrl.memory predicts: from
+    # workload_from_config, or synthesized from the fields above for a bare shape (HetRL's setting)
+    config: Any = field(default=None, compare=False, repr=False)
+    args: Any = field(default=None, compare=False, repr=False)
+    synthesized: bool = field(default=False, compare=False, repr=False)  # config made from the fields (no file)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("grpo", "ppo"):
             raise ValueError(f"Workload.algorithm must be 'grpo' or 'ppo', got {self.algorithm!r}")
+        # a bare shape (or a copy of one, dataclasses.replace): memory is titanrl.memory's for a config made of its
+        # fields. A workload from a config keeps that config: change the config, not the fields.
+        if self.config is None or self.synthesized:
+            cfg, args = synthesized_config(self)
+            object.__setattr__(self, "config", cfg)
+            object.__setattr__(self, "args", args)
+            object.__setattr__(self, "synthesized", True)
         if self.mode not in ("sync", "async"):
             raise ValueError(f"Workload.mode must be 'sync' or 'async', got {self.mode!r}")
         for key in ("prompt_len", "response_len", "global_batch", "n", "dtype_bytes", "ppo_epochs", "minibatches",
@@ -238,50 +279,67 @@ class Workload:
 
 
 def workload_from_config(cfg: Any) -> Workload:
-    """The :class:`Workload` of a titanrl ``JobConfig``: its model's shape (``model.path``'s ``config.json``, else
-    the built-in ``model.flavor``), batch, ``rollout.n``, lengths (``data.max_prompt_tokens``,
-    ``rollout.max_new_tokens``), algorithm, mode, dtype, and which passes its settings run."""
-    shape = _shape_of_config(cfg)
+    """The :class:`Workload` of a titanrl ``JobConfig``: its model's shape (``titanrl.memory.resolve_shape``: the
+    ``config.json`` of ``model.path``, a published shape named by its folder, or the built-in ``model.flavor``),
+    batch, ``rollout.n``, lengths (``data.max_prompt_tokens``, ``rollout.max_new_tokens``), algorithm, mode, dtype,
+    and which passes its settings run. It carries the config: memory is priced by ``titanrl.memory``."""
+    from titanrl.memory import resolve_shape
+
+    try:
+        args, where = resolve_shape(cfg)
+    except ValueError as err:  # ConfigError included: the message names the key
+        raise ValueError(str(err)) from None
+    name = Path(cfg.model.path).name if cfg.model.path else f"titanrl {cfg.model.flavor}"
     old = not (cfg.rl.old_logprobs == "auto" and cfg.rl.ppo_epochs == 1 and cfg.rl.minibatches == 1)
     return Workload(
-        model=shape, prompt_len=cfg.data.max_prompt_tokens, response_len=cfg.rollout.max_new_tokens,
-        global_batch=cfg.rl.global_batch_size, n=cfg.rollout.n, algorithm=cfg.rl.algorithm, mode=cfg.workflow.mode,
-        dtype_bytes=4 if cfg.model.dtype == "float32" else 2, reference=cfg.rl.kl_coef > 0, old_logprobs=old,
-        shared_prefix=cfg.rl.shared_prefix, ppo_epochs=cfg.rl.ppo_epochs, minibatches=cfg.rl.minibatches,
+        model=ModelShape.from_args(args, name=name), prompt_len=cfg.data.max_prompt_tokens,
+        response_len=cfg.rollout.max_new_tokens, global_batch=cfg.rl.global_batch_size, n=cfg.rollout.n,
+        algorithm=cfg.rl.algorithm, mode=cfg.workflow.mode, dtype_bytes=4 if cfg.model.dtype == "float32" else 2,
+        reference=cfg.rl.kl_coef > 0, old_logprobs=old, shared_prefix=cfg.rl.shared_prefix,
+        ppo_epochs=cfg.rl.ppo_epochs, minibatches=cfg.rl.minibatches,
         micro_batch_tokens=cfg.balance.max_tokens_per_microbatch,
-        activation_checkpoint=cfg.parallelism.activation_checkpoint == "full")
+        activation_checkpoint=cfg.parallelism.activation_checkpoint == "full", config=cfg, args=args)
 
 
-def _shape_of_config(cfg: Any) -> ModelShape:
-    import json
-    from pathlib import Path
+def synthesized_config(w: Workload) -> tuple[Any, Any]:
+    """(JobConfig, Qwen2_5_VLArgs) of a bare shape: titanrl's defaults with the workload's batch, lengths,
+    algorithm, mode, dtype, passes and microbatch budget, the vLLM engine (its KV cache sized by the cost model),
+    and the shape's language model without a vision tower."""
+    from titanrl.config import JobConfig
+    from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 
-    if cfg.model.path:
-        config_json = Path(cfg.model.path).expanduser() / "config.json"
-        try:
-            hf = json.loads(config_json.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"model.path: {config_json} not found (the scheduler reads the model's shape from it)") \
-                from None
-        text = {**hf, **(hf.get("text_config") or {})}
-        tied = bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
-        try:
-            return ModelShape(layers=text["num_hidden_layers"], hidden=text["hidden_size"],
-                              intermediate=text["intermediate_size"], heads=text["num_attention_heads"],
-                              kv_heads=text.get("num_key_value_heads", text["num_attention_heads"]),
-                              vocab=text["vocab_size"], head_dim=text.get("head_dim") or 0,
-                              tied_embeddings=tied,
-                              name=Path(cfg.model.path).name)
-        except KeyError as err:
-            raise ValueError(f"model.path: {config_json} has no {err.args[0]!r}") from None
-    if cfg.model.path_missing("python -m titanrl.schedule"):
-        raise ValueError(cfg.model.path_missing("python -m titanrl.schedule"))
-    from titanrl.models.flavors import SMALL, TINY, VOCAB_SIZE
+    m = w.model
+    if m.head_dim * m.heads != m.hidden:
+        raise ValueError(f"ModelShape {m.name or m}: head_dim {m.head_dim} x heads {m.heads} must equal hidden "
+                         f"{m.hidden} (titanrl's Qwen2.5-VL layout) for titanrl.memory to price it")
+    half, side = m.head_dim // 2, 3 * (m.head_dim // 2) // 8
+    args = Qwen2_5_VLArgs.from_hf_config({
+        "model_type": "qwen2_5_vl", "vocab_size": m.vocab, "hidden_size": m.hidden,
+        "intermediate_size": m.intermediate, "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
+        "num_key_value_heads": m.kv_heads, "tie_word_embeddings": m.tied_embeddings,
+        "rope_scaling": {"mrope_section": [half - 2 * side, side, side]},
+        "vision_config": {"depth": 0, "hidden_size": 8, "intermediate_size": 8, "num_heads": 1,
+                          "out_hidden_size": m.hidden, "fullatt_block_indexes": []}})
+    cfg = JobConfig()
+    cfg.model.dtype = "float32" if w.dtype_bytes == 4 else "bfloat16"
+    cfg.model.attn_backend = "flash"
+    cfg.model.max_seq_len = w.prompt_len + w.response_len
+    cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens = w.prompt_len, w.response_len
+    cfg.rl.global_batch_size, cfg.rollout.n = w.global_batch, w.n
+    cfg.rl.algorithm, cfg.workflow.mode = w.algorithm, w.mode
+    cfg.rl.kl_coef = cfg.rl.kl_coef if w.reference else 0.0
+    cfg.rl.old_logprobs = "recompute" if w.old_logprobs else "auto"
+    cfg.rl.shared_prefix, cfg.rl.ppo_epochs, cfg.rl.minibatches = w.shared_prefix, w.ppo_epochs, w.minibatches
+    cfg.balance.strategy = "lb_micro"
+    cfg.balance.max_tokens_per_microbatch = w.micro_batch_tokens
+    cfg.parallelism.activation_checkpoint = "full" if w.activation_checkpoint else "none"
+    cfg.rollout.engine, cfg.rollout.kv_cache_bytes = "vllm", 0
+    return cfg, args
 
-    size = {"tiny": TINY, "small": SMALL}[cfg.model.flavor]
-    return ModelShape(layers=size.num_hidden_layers, hidden=size.hidden_size, intermediate=size.intermediate_size,
-                      heads=size.num_attention_heads, kv_heads=size.num_key_value_heads, vocab=VOCAB_SIZE,
-                      name=f"titanrl {size.name}")
+
+def _is_cpu(device: Any) -> bool:
+    """A profiled CPU rank (its cores recorded, or the profile's device ``cpu``)."""
+    return device.cpu_affinity is not None or device.device_name.endswith("(cpu)")
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -419,9 +477,14 @@ class Coefficients:
     latency: float = 1.0
     memory_util: float = 0.9
     max_decode_batch: int = 256
-    optimizer_bytes_per_param: float = 16.0
+    overheads: tuple[tuple[str, float], ...] = ()  # ((term of OVERHEAD_TERMS, seconds per unit), ...): 0 unless fitted
+    fitted: str = ""  # what the coefficients were fitted to (empty: the defaults, round numbers)
 
     def __post_init__(self) -> None:
+        for term, value in self.overheads:
+            if term not in OVERHEAD_TERMS or not value >= 0:
+                raise ValueError(f"Coefficients.overheads entry ({term!r}, {value}) needs a term of "
+                                 f"{tuple(OVERHEAD_TERMS)} and seconds >= 0")
         for term in EFFICIENCY_TERMS:
             if not getattr(self, term) > 0:
                 raise ValueError(f"Coefficients.{term} must be > 0, got {getattr(self, term)}")
@@ -440,66 +503,102 @@ class Coefficients:
                 return value
         return getattr(self, term)
 
+    def overhead(self, term: str) -> float:
+        """Seconds per unit of the fixed cost ``term`` (:data:`OVERHEAD_TERMS`), 0 unless fitted."""
+        return dict(self.overheads).get(term, 0.0)
 
-def nnls(a: np.ndarray, b: np.ndarray, *, max_iter: int | None = None) -> np.ndarray:
-    """Non-negative least squares ``argmin_{x >= 0} |a x - b|`` (Lawson-Hanson active set)."""
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    m, n = a.shape
-    x = np.zeros(n)
-    passive = np.zeros(n, dtype=bool)
-    w = a.T @ (b - a @ x)
-    tol = 10 * np.finfo(float).eps * np.linalg.norm(a, 1) * max(m, n)
-    for _ in range(max_iter or 3 * n + 10):
-        if passive.all() or (w[~passive] <= tol).all():
-            break
-        j = int(np.argmax(np.where(passive, -np.inf, w)))
-        passive[j] = True
-        while True:
-            z = np.zeros(n)
-            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-            if (z[passive] > 0).all():
-                x = z
-                break
-            neg = passive & (z <= 0)
-            alpha = np.min(x[neg] / (x[neg] - z[neg]))
-            x = x + alpha * (z - x)
-            passive &= x > tol
-            x[~passive] = 0.0
-        w = a.T @ (b - a @ x)
-    return x
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (a profile's ``calibration.coefficients``); :meth:`from_dict` reads it back."""
+        out = {k: getattr(self, k) for k in ("train", "inference", "gen_compute", "gen_hbm", "comm", "latency",
+                                              "memory_util", "max_decode_batch",
+                                              "fitted")}
+        out["by_type"] = [list(e) for e in self.by_type]
+        out["overheads"] = dict(self.overheads)
+        return out
+
+    @classmethod
+    def from_dict(cls, table: Mapping[str, Any], *, source: str = "coefficients") -> "Coefficients":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        values = dict(table)
+        if "by_type" in values:
+            values["by_type"] = tuple((str(t), str(dt), float(v)) for t, dt, v in values["by_type"])
+        if "overheads" in values:
+            values["overheads"] = tuple(sorted((str(k), float(v)) for k, v in dict(values["overheads"]).items()))
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{source}: {err}") from None
 
 
-def fit(rows: Sequence[tuple[Mapping[str, float], float]], *, base: Coefficients | None = None) -> Coefficients:
+def fit(rows: Sequence[tuple[Mapping[str, float], float]], *, base: Coefficients | None = None,
+        relative: bool = False, fitted: str = "", negligible: float = 0.0,
+        link_negligible: float = 0.0) -> Coefficients:
     """Coefficients that make the model's stage times match measured ones.
 
-    Each row is ``(features, seconds)``: one stage of one measured step, its features from
-    :meth:`HetCostModel.features` (seconds each term contributes at efficiency 1 on the stage's critical unit:
-    ``"<term>:<device type>"``, ``"comm"``, ``"latency"``) and the measured seconds. The stage time is linear in
-    ``1 / efficiency`` per term and type and in the ``comm`` / ``latency`` factors, which non-negative least
-    squares recovers; a term whose fitted factor is 0 (never the bottleneck in the rows) keeps ``base``'s value.
+    Each row is ``(features, seconds)``: one stage (or one step) of a measured run, its features from
+    :meth:`HetCostModel.evaluate` (seconds each term contributes at efficiency 1 on the stage's critical unit:
+    ``"<term>:<device type>"``, ``"comm"``, ``"latency"``; units of a fixed cost: ``"overhead:<term>"``) and the
+    measured seconds. The stage time is linear in ``1 / efficiency`` per term and type, in the ``comm`` /
+    ``latency`` factors and in the overheads' seconds per unit, which non-negative least squares
+    (``scipy.optimize.nnls``) recovers; a term whose fitted factor is 0 (never the bottleneck in the rows) keeps
+    ``base``'s value. ``relative``: each row weighted by 1 / its seconds, so a short stage's error counts as much
+    as a long one's (what a per-stage ratio target asks). ``negligible``: a term (other than a fixed cost) whose
+    seconds under ``base`` stay below this fraction of every row's keeps ``base``'s value; ``link_negligible`` the
+    same for the link factors (``comm``, ``latency``).
     """
+    from scipy.optimize import nnls
+
     base = base or Coefficients()
-    names = sorted({k for f, _ in rows for k, v in f.items() if v})
+
+    def base_factor(name: str) -> float:  # seconds per unit of the feature under ``base``
+        if name in ("comm", "latency"):
+            return getattr(base, name)
+        term, _, device_type = name.partition(":")
+        return 0.0 if term == "overhead" else 1.0 / base.efficiency(term, device_type)
+
+    # a term that is under ``negligible`` of every row's seconds under ``base`` cannot be told from noise: it keeps
+    # ``base``'s value (e.g. the link factors, fitted on one host's fast links)
+    def significant(k: str, v: float, seconds: float) -> bool:
+        share = link_negligible if k in ("comm", "latency") else negligible
+        return k.startswith("overhead:") or v * base_factor(k) >= share * seconds
+
+    names = sorted({k for f, s in rows for k, v in f.items() if v and significant(k, v, s)})
     if len(rows) < len(names):
         raise ValueError(f"fit needs at least as many rows as features ({len(names)}: {', '.join(names)}), "
                          f"got {len(rows)}")
     a = np.array([[float(f.get(k, 0.0)) for k in names] for f, _ in rows])
-    y = np.array([float(s) for _, s in rows])
+    # what the terms left out contribute at base's values is known: it comes off the measured seconds
+    y = np.array([float(s) - sum(v * base_factor(k) for k, v in f.items() if k not in names) for f, s in rows])
+    if relative:
+        measured = np.array([float(s) for _, s in rows])
+        if (measured <= 0).any():
+            raise ValueError("fit(relative=True) needs every measured seconds > 0")
+        a, y = a / measured[:, None], y / measured
     scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)  # columns of seconds vs. of milliseconds
-    x = nnls(a / scale, y) / scale
+    x = nnls(a / scale, y, maxiter=50 * len(names) + 100)[0] / scale
     by_type = {(t, dt): v for t, dt, v in base.by_type}
-    changes: dict[str, Any] = {}
+    overheads = dict(base.overheads)
+    changes: dict[str, Any] = {"fitted": fitted or base.fitted}
     for name, value in zip(names, x):
         if name in ("comm", "latency"):
             changes[name] = float(value)
+            continue
+        if name.startswith("overhead:"):
+            term = name.partition(":")[2]
+            if term not in OVERHEAD_TERMS:
+                raise ValueError(f"fit: unknown feature {name!r}")
+            overheads[term] = float(value)
             continue
         term, _, device_type = name.partition(":")
         if term not in EFFICIENCY_TERMS or not device_type:
             raise ValueError(f"fit: unknown feature {name!r}")
         if value > 1e-12:
             by_type[term, device_type] = float(1.0 / value)
-    return replace(base, by_type=tuple((t, dt, v) for (t, dt), v in sorted(by_type.items())), **changes)
+    return replace(base, by_type=tuple((t, dt, v) for (t, dt), v in sorted(by_type.items())),
+                   overheads=tuple(sorted(overheads.items())), **changes)
 
 
 # ------------------------------------------------------------------------------------------------ estimates
@@ -513,6 +612,7 @@ class Estimate:
     stages: dict[str, float]
     why_infeasible: str | None = None
     features: dict[str, dict[str, float]] = field(default_factory=dict)
+    step_features: dict[str, float] = field(default_factory=dict)  # the step's: its critical path's stages summed
 
     @property
     def feasible(self) -> bool:
@@ -557,6 +657,8 @@ class HetCostModel:
         self._region_bw = self._region_bandwidths(len(regions))
         self._derive_workload()
         self.gen_scale = np.array([self._gen_scale(d.id) for d in devs])
+        # fixed costs run on the host: a CPU device is its own host (OVERHEAD_TERMS)
+        self.host_scale = np.array([HOST_TFLOPS * 1e12 / self.tflops[d.id] if _is_cpu(d) else 1.0 for d in devs])
         self._rings: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
         self._pairs: dict[tuple[int, ...], tuple[float, float]] = {}
         self._groups: dict[tuple, _Group] = {}
@@ -596,13 +698,17 @@ class HetCostModel:
         return m.linear_flops_per_token() + 4.0 * m.layers * m.heads * m.head_dim * context
 
     def _gen_scale(self, device: int) -> float:
-        """measured / predicted generation throughput on the profiler's probe (1 when not measured)."""
+        """measured / predicted generation throughput on the profiler's probe (1 when not measured), predicted with
+        the *default* efficiencies: so with default coefficients the probe's speed is what a device generates at,
+        and a fitted ``gen_compute`` / ``gen_hbm`` scales it (their ratio to the defaults: real rollouts against the
+        probe), linearly, as a fit needs."""
         measured = self.cluster.devices[device].gen_tokens_per_s
         if measured is None:
             return 1.0
         m = self.workload.model
-        gc = self.tflops[device] * self.eff["gen_compute"][device]
-        gh = self.hbm[device] * self.eff["gen_hbm"][device]
+        default = Coefficients()
+        gc = self.tflops[device] * default.gen_compute
+        gh = self.hbm[device] * default.gen_hbm
         prefill = PROBE_SEQUENCES * (PROBE_PROMPT_TOKENS * m.linear_flops_per_token()
                                      + m.attention_flops(PROBE_PROMPT_TOKENS)) / gc
         ctx = PROBE_PROMPT_TOKENS + PROBE_NEW_TOKENS / 2
@@ -632,16 +738,29 @@ class HetCostModel:
             stages.setdefault(s, _Stage(0.0, {}))
         seconds = {s: stages[s].seconds for s in STAGES}
 
-        def phi(tasks: Sequence[str]) -> float:
-            return max((sum(seconds[t] for t in g.tasks if t in tasks) for g in plan.groups), default=0.0)
+        def phi(tasks: Sequence[str]) -> tuple[float, list[str]]:
+            """The slowest group's seconds over ``tasks`` (groups run in parallel) and that group's stages."""
+            per = [[t for t in g.stages if t in tasks] for g in groups]
+            sums = [sum(seconds[t] for t in names) for names in per]
+            k = int(np.argmax(sums)) if sums else 0
+            return (sums[k], per[k]) if sums else (0.0, [])
 
-        models = phi(INFERENCE_TASKS) + phi(TRAIN_TASKS)
-        rollout = seconds["rollout"] + seconds["redistribute"]
+        (inference, inf_path), (training, train_path) = phi(INFERENCE_TASKS), phi(TRAIN_TASKS)
+        models, model_path = inference + training, inf_path + train_path
+        rollout, rollout_path = seconds["rollout"] + seconds["redistribute"], ["rollout", "redistribute"]
         if w.mode == "async" and plan.groups[gen_i].tasks == ("rollout",):
+            path = rollout_path if rollout >= models else model_path
             step = max(rollout, models) + seconds["weight_sync"]
         else:
+            path = rollout_path + model_path
             step = rollout + models + seconds["weight_sync"]
-        return Estimate(step, seconds, None, {s: dict(stages[s].features) for s in STAGES})
+        hs = float(self.host_scale[list(plan.devices)].max())
+        step += hs * self.coefficients.overhead("step_call")
+        step_features = {"overhead:step_call": hs}
+        for s in [*path, "weight_sync"]:
+            for k, v in stages[s].features.items():
+                step_features[k] = step_features.get(k, 0.0) + v
+        return Estimate(step, seconds, None, {s: dict(stages[s].features) for s in STAGES}, step_features)
 
     def step_time(self, plan: Plan) -> float:
         return self.evaluate(plan).step_s
@@ -772,67 +891,82 @@ class HetCostModel:
                 for t in g.tasks:
                     if t != "rollout":
                         result.stages[t] = self._model_task(g, t, speed_aware)
+                if "update" in g.tasks:
+                    self._first_model_stage(g, result.stages, speed_aware)
         self._groups[key] = result
         return result
 
+    def _first_model_stage(self, g: GroupPlan, stages: dict[str, _Stage], speed_aware: bool) -> None:
+        """titanrl's first model stage of a step is its old_logprob node (with no pass of its own when the first
+        minibatch's update forward gives the old log-probs: one call). Colocated, it also receives and assembles
+        the prompts the balancer moved to each unit (``exchange_prompt`` per prompt of the busiest unit)."""
+        c = self.coefficients
+        stage = stages.get("old_logprobs") or _Stage(0.0, {})
+        idx = np.array(g.devices).reshape(-1, g.ulysses)
+        hs = self.host_scale[idx].max(axis=1)
+        features = dict(stage.features)
+        seconds = stage.seconds
+        if "old_logprobs" not in g.tasks:
+            per = hs * c.overhead("model_call")
+            features["overhead:model_call"] = features.get("overhead:model_call", 0.0)
+        else:
+            per = np.zeros(len(hs))
+        if "rollout" in g.tasks:
+            speed = (self.tflops[idx] * self.eff["inference"][idx]).min(axis=1)
+            shares = speed / speed.sum() if speed_aware else np.full(len(hs), 1.0 / len(hs))
+            prompts = self.workload.global_batch * shares
+            per = per + hs * c.overhead("exchange_prompt") * prompts
+            u = int(np.argmax(per))
+            features["overhead:exchange_prompt"] = float(hs[u] * prompts[u])
+        else:
+            u = int(np.argmax(per))
+        if "old_logprobs" not in g.tasks:
+            features["overhead:model_call"] += float(hs[u])
+        stages["old_logprobs"] = _Stage(seconds + float(per[u]), features)
+
     def _memory(self, g: GroupPlan) -> tuple[str | None, np.ndarray]:
-        """(problem or None, bytes per device left for the KV cache)."""
+        """(problem or None, bytes per device for generation's KV cache), by ``titanrl.memory`` (module doc): a
+        group holding the models is the config's training ranks on its devices, with the group's TP and Ulysses; a
+        rollout-only group's ranks hold an engine each. A config's vLLM KV cache is ``rollout.kv_cache_bytes`` per
+        rank and the check is the trainer's (the prediction against the device's memory); a bare shape's KV cache
+        is what ``memory_util`` of the device leaves."""
+        from titanrl import memory
+
         w, c = self.workload, self.coefficients
+        cfg = copy.deepcopy(w.config)
         idx = np.array(g.devices)
-        f, p = g.fsdp_degree, g.ulysses
-        b = w.dtype_bytes
-        budget = self.memory[idx] * c.memory_util
-        tasks = set(g.tasks)
-        resident = 0.0
-        parts = []
-        if "update" in tasks:
-            resident += self.params["actor"] * c.optimizer_bytes_per_param / f
-            parts.append("actor states")
-        elif "old_logprobs" in tasks:
-            resident += self.params["actor"] * b / f
-        if "critic_update" in tasks:
-            resident += self.params["critic"] * c.optimizer_bytes_per_param / f
-            parts.append("critic states")
-        elif "values" in tasks:
-            resident += self.params["critic"] * b / f
-        if "reference" in tasks:
-            resident += self.params["actor"] * b / f
-            parts.append("reference")
-        engine = self.weight_bytes / g.tp if "rollout" in tasks else 0.0
-        if "rollout" in tasks and not g.has_models:
-            resident += engine
-            parts.append("engine weights")
-        working, what = 0.0, ""
+        device = "cpu" if all(_is_cpu(self.cluster.devices[d]) for d in g.devices) else "cuda"
+        cfg.rollout.tensor_parallel_size = g.tp
+        cfg.parallelism.data_parallel_shard_degree = -1
         if g.has_models:
-            tok = max(w.micro_batch_tokens, self.seq_len / p)
-            for t in tasks & MODEL_TASKS:
-                shape = self.shape["critic" if t in ("values", "critic_update") else "actor"]
-                h = shape.hidden
-                gathered = 2 * shape.params_per_layer * b if f > 1 else 0.0
-                logits = tok * (shape.vocab if t not in ("values", "critic_update") else 1) * 4
-                if t in TRAIN_TASKS:
-                    layers = (shape.layers * h * b + _ACT_BYTES_PER_HIDDEN * h * b) if w.activation_checkpoint \
-                        else shape.layers * _ACT_BYTES_PER_HIDDEN * h * b
-                    need = tok * layers + 2 * logits + gathered
-                else:
-                    need = tok * _ACT_BYTES_PER_HIDDEN * h * b + logits + gathered
-                if need > working:
-                    working, what = need, f"{t} activations"
-        kv_one = self.seq_len * self.kv_bytes_per_token / g.tp
-        if "rollout" in tasks:
-            gen_need = (engine if g.has_models else 0.0) + kv_one
-            if gen_need > working:
-                working, what = gen_need, "generation (engine weights and one sequence's KV cache)" \
-                    if g.has_models else "generation (one sequence's KV cache)"
-        short = np.flatnonzero(resident + working > budget)
+            cfg.workflow.placement = "colocated" if "rollout" in g.tasks else "disaggregated"
+            if g.ulysses > 1:
+                cfg.parallelism.ulysses, cfg.parallelism.p_max = "flex", g.ulysses
+            # FSDP shards over blocks of fsdp_degree devices (titanrl: the whole group; HSDP in HetRL's wider space)
+            plan = memory.predict(cfg, w.args, g.fsdp_degree, device=device)
+        else:
+            cfg.workflow.placement = "disaggregated"
+            plan = memory.predict_rollout_rank(cfg, w.args, len(g.devices), device=device)
+        budget = self.memory[idx] * (c.memory_util if w.synthesized else 1.0)
+        short = np.flatnonzero(plan.total > budget)
         if len(short):
             d = int(idx[short[0]])
             dev = self.cluster.devices[d]
-            return (f"device {d} ({dev.type} on {dev.host}) in the group of {'+'.join(g.tasks)}: "
-                    f"{(resident + working) / 1e9:.3g} GB needed ({' + '.join(parts) or 'no model states'} "
-                    f"{resident / 1e9:.3g} GB, {what} {working / 1e9:.3g} GB) but {budget[short[0]] / 1e9:.3g} GB "
-                    f"of {dev.memory_gb:.3g} GB is usable (fsdp {f}, tp {g.tp}, ulysses {p})"), np.zeros(len(idx))
-        return None, budget - resident - (engine if g.has_models else 0.0)
+            big = plan.largest
+            return (f"device {d} ({dev.type} on {dev.host}) in the group of {'+'.join(g.tasks)}: titanrl.memory "
+                    f"predicts {plan.total / 1e9:.3g} GB per rank (largest: {big.name} {big.bytes / 1e9:.3g} GB), over "
+                    f"the {budget[short[0]] / 1e9:.3g} GB usable of its {dev.memory_gb:.3g} GB (tp {g.tp}, ulysses "
+                    f"{g.ulysses}, fsdp {g.fsdp_degree if g.has_models else 1}, {len(g.devices)} rank(s))"), \
+                np.zeros(len(idx))
+        if "rollout" not in g.tasks:
+            return None, np.zeros(len(idx))
+        if w.synthesized:  # the KV cache takes what generation leaves: everything but the rollout phase's peers
+            during = sum(t.bytes for t in plan.terms if t.phase in ("resident", "rollout"))
+            return None, budget - during
+        if cfg.rollout.engine == "vllm":
+            return None, np.full(len(idx), float(cfg.rollout.kv_cache_bytes))
+        kv = next((t.bytes for t in plan.terms if t.name == "engine_generate_kv"), 0)
+        return None, budget - plan.total + kv
 
     def _rollout(self, g: GroupPlan, speed_aware: bool, kv_room: np.ndarray
                  ) -> tuple[_Stage, np.ndarray, str | None]:
@@ -888,8 +1022,12 @@ class HetCostModel:
         prefill_cb = (2 * (tp - 1) * 2 * m.layers * prompts * w.prompt_len * m.hidden * w.dtype_bytes / tp / tp_bw
                       if tp > 1 else np.zeros(engines))
         prefill_cl = 2 * (tp - 1) * 2 * m.layers * tp_lat
+        hs = self.host_scale[idx].max(axis=1)
+        own_process = 0.0 if g.has_models else 1.0
+        fixed = hs * (c.overhead("rollout_call") + c.overhead("rollout_prompt") * prompts
+                      + c.overhead("decode_step") * waves + own_process * c.overhead("engine_process_call"))
         times = (prefill + waves * np.maximum(compute, memory) + c.comm * (waves * cb + prefill_cb)
-                 + c.latency * (waves * cl + prefill_cl))
+                 + c.latency * (waves * cl + prefill_cl) + fixed)
         e = int(np.argmax(times))
         raw_c = self.tflops[idx[e, ci[e]]] * self.gen_scale[idx[e, ci[e]]]
         raw_h = self.hbm[idx[e, hi[e]]] * self.gen_scale[idx[e, hi[e]]]
@@ -904,6 +1042,10 @@ class HetCostModel:
         if tp > 1:
             features["comm"] = float(waves[e] * cb[e] + prefill_cb[e])
             features["latency"] = float(waves[e] * cl[e] + prefill_cl[e])
+        features.update({"overhead:rollout_call": float(hs[e]), "overhead:rollout_prompt": float(hs[e] * prompts[e]),
+                         "overhead:decode_step": float(hs[e] * waves[e])})
+        if own_process:
+            features["overhead:engine_process_call"] = float(hs[e])
         return _Stage(float(times[e]), features), shares, None
 
     def _model_task(self, g: GroupPlan, task: str, speed_aware: bool) -> _Stage:
@@ -937,7 +1079,9 @@ class HetCostModel:
                 a2a_lat[u] = micro[u] * shape.layers * 4 * directions * lat
         else:
             a2a_bw = a2a_lat = np.zeros(units)
-        unit_time = compute + c.comm * a2a_bw + c.latency * a2a_lat
+        hs = self.host_scale[idx].max(axis=1)
+        fixed = hs * (c.overhead("model_call") + c.overhead("microbatch") * micro)
+        unit_time = compute + c.comm * a2a_bw + c.latency * a2a_lat + fixed
         # FSDP: per micro-batch all-gathers (training: fwd + bwd + reduce-scatter), overlapped with compute
         fs_bw = fs_lat = 0.0
         if f > 1:
@@ -950,16 +1094,17 @@ class HetCostModel:
                 if t > worst[0]:
                     worst = (t, bw_s, lat_s)
             fs_bw, fs_lat = collectives * worst[1], collectives * worst[2]
-        fsdp_time = c.comm * fs_bw + c.latency * fs_lat
         u = int(np.argmax(unit_time))
         d = int(idx[u, member[u]])
+        fsdp_time = c.comm * fs_bw + c.latency * fs_lat + fixed[u]
+        overheads = {"overhead:model_call": float(hs[u]), "overhead:microbatch": float(hs[u] * micro[u])}
         if unit_time[u] >= fsdp_time:
             seconds = float(unit_time[u])
             features = {f"{kind}:{self.types[self.type_of[d]]}": float(flops[u] / (p * self.tflops[d])),
-                        "comm": float(a2a_bw[u]), "latency": float(a2a_lat[u])}
+                        "comm": float(a2a_bw[u]), "latency": float(a2a_lat[u]), **overheads}
         else:
             seconds = fsdp_time
-            features = {"comm": fs_bw, "latency": fs_lat}
+            features = {"comm": fs_bw, "latency": fs_lat, **overheads}
         # HSDP: all-reduce the gradient shards across the replicas once per minibatch
         replicas = len(devices) // f
         if train and replicas > 1:
@@ -979,6 +1124,19 @@ class HetCostModel:
     # -------------------------------------------------------------- between groups
 
     def _weight_sync(self, gen: GroupPlan, train: GroupPlan) -> _Stage:
+        """The push's transfer (below) plus its fixed costs: per push and per byte an engine receives."""
+        c = self.coefficients
+        received = self.weight_bytes / gen.tp
+        stage = self._weight_transfer(gen, train)
+        hs = float(self.host_scale[list(gen.devices) + list(train.devices)].max())
+        remote = 0.0 if gen is train else hs
+        fixed = hs * (c.overhead("sync_call") + c.overhead("sync_byte") * received) + remote * c.overhead("push_call")
+        features = {**stage.features, "overhead:sync_call": hs, "overhead:sync_byte": hs * float(received)}
+        if remote:
+            features["overhead:push_call"] = remote
+        return _Stage(stage.seconds + fixed, features)
+
+    def _weight_transfer(self, gen: GroupPlan, train: GroupPlan) -> _Stage:
         c = self.coefficients
         f = train.fsdp_degree
         if gen is train:

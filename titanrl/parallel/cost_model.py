@@ -102,6 +102,45 @@ class CostModel:
         return cls(attention_coef=1.0, linear_coef=24576.0, vision_linear_coef=0.0, vision_attention_coef=0.0,
                    flops_per_second=1.0, units="verl")
 
+    @classmethod
+    def for_shape(cls, *, layers: int, hidden: int, q_dim: int, kv_dim: int, intermediate: int, head_out: int,
+                  vision_depth: int = 0, vision_hidden: int = 0, vision_intermediate: int = 0,
+                  vision_full_layers: int = 0) -> "CostModel":
+        """The forward + backward FLOPs of a decoder of this shape (``head_out``: the output head's columns, the
+        vocabulary or 1 for a value head) and of its vision tower (``vision_depth`` blocks, ``vision_full_layers``
+        of them attending over a whole image): per layer the q / k / v / o projections ``h (2 q + 2 kv)`` and the
+        SwiGLU MLP ``3 h I`` multiply-adds per token, causal attention ``2 q_dim`` per pair of tokens (QK^T and PV
+        over h^2 / 2 pairs). What the balancers (``balance.cost_model = "flops"``) and the HetRL scheduler price."""
+        per_layer = hidden * (2 * q_dim + 2 * kv_dim) + 3 * hidden * intermediate
+        vit_per_patch = vision_depth * (4 * vision_hidden**2 + 3 * vision_hidden * vision_intermediate)
+        return cls(
+            attention_coef=_TRAIN_FACTOR * 2 * layers * q_dim,
+            linear_coef=_TRAIN_FACTOR * 2 * (layers * per_layer + hidden * head_out),
+            vision_linear_coef=_TRAIN_FACTOR * 2 * vit_per_patch,
+            vision_attention_coef=_TRAIN_FACTOR * 4 * vision_hidden * vision_full_layers,
+        )
+
+    @classmethod
+    def for_model(cls, args, *, value_head: bool = False) -> "CostModel":
+        """:meth:`for_shape` of a Qwen2.5-VL shape (``titanrl.models.qwen2_5_vl.args.Qwen2_5_VLArgs``); with
+        ``value_head`` the output head is PPO's critic's (one column)."""
+        t, v = args.text, args.vision
+        return cls.for_shape(layers=t.num_hidden_layers, hidden=t.hidden_size,
+                             q_dim=t.num_attention_heads * t.head_dim, kv_dim=t.num_key_value_heads * t.head_dim,
+                             intermediate=t.intermediate_size, head_out=1 if value_head else t.vocab_size,
+                             vision_depth=v.depth, vision_hidden=v.hidden_size,
+                             vision_intermediate=v.intermediate_size,
+                             vision_full_layers=len(v.fullatt_block_indexes))
+
+    @property
+    def forward_linear_per_token(self) -> float:
+        """Forward FLOPs of one token's matmuls (the linear term over the train factor)."""
+        return self.linear_coef / _TRAIN_FACTOR
+
+    def forward_attention(self, h: float) -> float:
+        """Forward FLOPs of causal attention over one sequence of ``h`` tokens."""
+        return float(self.attention(h)) / _TRAIN_FACTOR
+
     def with_(self, **changes: float | int | str) -> "CostModel":
         return dataclasses.replace(self, **changes)
 
@@ -193,7 +232,7 @@ class CostModel:
         Each row is one device in one measured step: ``sum_h2 = sum h_i**2 / p_i`` and
         ``sum_h = sum h_i / p_i`` over the shards it held, optionally ``sum_patches`` (vision-tower
         patches it encoded), and the compute seconds measured on it. Coefficients are constrained
-        to be non-negative (a negative fit is clamped to 0 and the others refitted). The vision
+        to be non-negative (``scipy.optimize.nnls``). The vision
         attention term is not fitted (set to 0); communication settings are kept from ``base``.
         """
         columns = [np.asarray(sum_h2, dtype=np.float64), np.asarray(sum_h, dtype=np.float64)]
@@ -203,15 +242,10 @@ class CostModel:
         features = np.stack(columns, axis=1)
         if features.shape[0] != y.shape[0] or features.shape[0] < features.shape[1]:
             raise ValueError(f"need at least {features.shape[1]} rows of matching length, got {features.shape[0]}")
-        active = list(range(features.shape[1]))
-        coef = np.zeros(features.shape[1])
-        while active:  # tiny active-set NNLS: drop the most negative coefficient and refit
-            solution, *_ = np.linalg.lstsq(features[:, active], y, rcond=None)
-            if (solution >= 0).all():
-                coef[:] = 0.0
-                coef[active] = solution
-                break
-            active.pop(int(np.argmin(solution)))
+        from scipy.optimize import nnls  # the one non-negative least squares (hetero.cost.fit uses it too)
+
+        scale = np.where(features.max(axis=0) > 0, features.max(axis=0), 1.0)  # h^2 and h columns differ by 1e3+
+        coef = nnls(features / scale, y, maxiter=100)[0] / scale
         if coef[0] <= 0 and coef[1] <= 0:
             raise ValueError("the fit found no positive attention or linear coefficient")
         base = base or cls()

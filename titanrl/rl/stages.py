@@ -65,19 +65,7 @@ def build_cost_model(args: Qwen2_5_VLArgs, kind: str) -> CostModel:
                          flops_per_second=1.0, units="tokens")
     if kind != "flops":
         raise ValueError(f"unknown balance.cost_model {kind!r}")
-    t, v = args.text, args.vision
-    q_dim, kv_dim = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
-    per_layer = t.hidden_size * (2 * q_dim + 2 * kv_dim) + 3 * t.hidden_size * t.intermediate_size
-    linear_params = t.num_hidden_layers * per_layer + t.hidden_size * t.vocab_size
-    vit_per_patch = v.depth * (4 * v.hidden_size**2 + 3 * v.hidden_size * v.intermediate_size)
-    train = 3.0  # forward + backward = 3x forward
-    return CostModel(
-        attention_coef=train * 2 * t.num_hidden_layers * q_dim,  # causal: QK^T + PV over h^2 / 2 pairs
-        linear_coef=train * 2 * linear_params,
-        vision_linear_coef=train * 2 * vit_per_patch,
-        vision_attention_coef=train * 4 * v.hidden_size * len(v.fullatt_block_indexes),
-        flops_per_second=CostModel().flops_per_second,
-    )
+    return CostModel.for_model(args)
 
 
 @dataclass

@@ -102,6 +102,16 @@ def predicted(folder: str, profile: Path, calibrated: Path | None = None) -> dic
     return {TITANRL_NODES.get(k, k) if k != STEP else "step": v for k, v in times.items()}
 
 
+def compared(folder: str, profile: Path) -> dict[str, float]:
+    """What the model's stages are compared with, as ``titanrl.calibrate`` reads a run (its medians; a synchronous
+    disaggregated run's ``weight_sync`` less the training stages its rollout ranks wait for inside it), by node."""
+    from titanrl.calibrate import read_run
+    from titanrl.hetero.cost import TITANRL_NODES
+
+    run = read_run(folder, len(json.loads(profile.read_text())["ranks"]))
+    return {**{TITANRL_NODES[k]: v for k, v in run.stages.items()}, "step": run.step_s}
+
+
 def hosts_section(rate: str, steps: int, calibrated: Path) -> dict:
     """Two namespaced hosts (one rank each) whose links tbf limits to ``rate``: the profile across them, the
     colocated and the disaggregated placement measured and predicted (default coefficients, and the calibration fitted
@@ -211,6 +221,7 @@ def main() -> None:
             for r in runs.values():
                 r["default"] = predicted(r["folder"], uncalibrated)
                 r["fitted"] = predicted(r["folder"], prof, prof)
+                r["compared"] = compared(r["folder"], prof)
             sched = subprocess.run([sys.executable, "-m", "titanrl.schedule", "--config", "configs/tiny_cpu.toml",
                                     "--profile", str(prof), "--out", str(work / "plan.toml")],
                                    cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -260,7 +271,11 @@ def report(data: dict) -> str:
         "`titanrl/hetero/cost.py`) to the runs marked *fit* (each stage's and the step's medians, non-negative least "
         "squares weighted by 1 / seconds) and wrote them into the profile. The runs marked *held-out* were not in "
         f"the fit. Targets: within {STAGE_TARGET}x per stage and {STEP_TARGET}x per step (the larger of "
-        "predicted / measured and its inverse).", "", "```", data["calibrate"].strip(), "```", "",
+        "predicted / measured and its inverse). *Measured* is what the fit reads: the medians of `time/<stage>` (the "
+        "slowest rank's wall clock, so a stage's time includes waiting for a rank still in the stage before) and "
+        "`step/wall_s`; in a synchronous disaggregated run the rollout rank waits inside `weight_sync` for the "
+        "training rank's stages, so its `weight_sync` is the measured one less those stages.", "", "```",
+        data["calibrate"].strip(), "```", "",
         "| run | role | " + " | ".join(f"{s} default / fitted / measured s" for s in (*STAGES, "step")) + " |",
         "|---|---|" + "---|" * (len(STAGES) + 1)]
     misses: list[str] = []
@@ -268,7 +283,7 @@ def report(data: dict) -> str:
     for name, r in runs.items():
         cells = []
         for s in (*STAGES, "step"):
-            m = r["wall_s"] if s == "step" else r["measured"].get(s)
+            m = r["compared"].get(s)
             d, f = r["default"].get(s), r["fitted"].get(s)
             if m is None or f is None:
                 cells.append("-")

@@ -44,6 +44,8 @@ class MeasuredRun:
     stages: dict[str, float]
     step_s: float
     steps: int
+    workload: Any = None  # the cost model's Workload and Plan of the run (read once)
+    plan: Any = None
 
 
 def read_run(spec: str, world: int, *, skip: int = 1) -> MeasuredRun:
@@ -92,16 +94,22 @@ def read_run(spec: str, world: int, *, skip: int = 1) -> MeasuredRun:
         # for the training ranks' stages: time/weight_sync (the slowest rank's) holds that wait; the push is the rest
         wait = sum(v for s, v in stages.items() if s not in ("rollout", "weight_sync"))
         stages["weight_sync"] = max(stages["weight_sync"] - wait, 0.0)
-    return MeasuredRun(path, cfg, devices, stages, float(median("step/wall_s")), len(records))
+    from titanrl.hetero.cost import workload_from_config
+    from titanrl.schedule import plan_from_config
+
+    return MeasuredRun(path, cfg, devices, stages, float(median("step/wall_s")), len(records),
+                       workload_from_config(cfg), plan_from_config(cfg, len(devices), devices))
+
+
+def _estimate(run: MeasuredRun, cluster, coefficients):
+    from titanrl.hetero.cost import HetCostModel
+
+    return HetCostModel(cluster, run.workload, coefficients).evaluate(run.plan)
 
 
 def rows(run: MeasuredRun, cluster, coefficients=None) -> list[tuple[str, dict[str, float], float]]:
     """(stage, features, measured seconds) of every stage the model prices and the run measured, and the step."""
-    from titanrl.hetero.cost import HetCostModel, workload_from_config
-    from titanrl.schedule import plan_from_config
-
-    model = HetCostModel(cluster, workload_from_config(run.cfg), coefficients)
-    est = model.evaluate(plan_from_config(run.cfg, len(run.devices), run.devices))
+    est = _estimate(run, cluster, coefficients)
     if not est.feasible:
         raise ValueError(f"{run.path}: the cost model says this run does not fit ({est.why_infeasible})")
     out = [(stage, est.features[stage], seconds) for stage, seconds in run.stages.items()
@@ -112,11 +120,7 @@ def rows(run: MeasuredRun, cluster, coefficients=None) -> list[tuple[str, dict[s
 
 def predictions(run: MeasuredRun, cluster, coefficients) -> dict[str, float]:
     """The cost model's seconds (with ``coefficients``) of every stage ``run`` measured, and of the step."""
-    from titanrl.hetero.cost import HetCostModel, workload_from_config
-    from titanrl.schedule import plan_from_config
-
-    est = HetCostModel(cluster, workload_from_config(run.cfg), coefficients).evaluate(
-        plan_from_config(run.cfg, len(run.devices), run.devices))
+    est = _estimate(run, cluster, coefficients)
     return {**{s: est.stages[s] for s in run.stages}, STEP: est.step_s}
 
 

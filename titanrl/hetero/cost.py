@@ -69,6 +69,7 @@ beyond the per-device inbound bound.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -509,9 +510,7 @@ class Coefficients:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (a profile's ``calibration.coefficients``); :meth:`from_dict` reads it back."""
-        out = {k: getattr(self, k) for k in ("train", "inference", "gen_compute", "gen_hbm", "comm", "latency",
-                                              "memory_util", "max_decode_batch",
-                                              "fitted")}
+        out = dataclasses.asdict(self)
         out["by_type"] = [list(e) for e in self.by_type]
         out["overheads"] = dict(self.overheads)
         return out
@@ -901,28 +900,23 @@ class HetCostModel:
         minibatch's update forward gives the old log-probs: one call). Colocated, it also receives and assembles
         the prompts the balancer moved to each unit (``exchange_prompt`` per prompt of the busiest unit)."""
         c = self.coefficients
-        stage = stages.get("old_logprobs") or _Stage(0.0, {})
         idx = np.array(g.devices).reshape(-1, g.ulysses)
         hs = self.host_scale[idx].max(axis=1)
-        features = dict(stage.features)
-        seconds = stage.seconds
-        if "old_logprobs" not in g.tasks:
-            per = hs * c.overhead("model_call")
-            features["overhead:model_call"] = features.get("overhead:model_call", 0.0)
-        else:
-            per = np.zeros(len(hs))
+        calls = 0.0 if "old_logprobs" in g.tasks else 1.0  # its own pass already counts its call
+        prompts = np.zeros(len(hs))
         if "rollout" in g.tasks:
             speed = (self.tflops[idx] * self.eff["inference"][idx]).min(axis=1)
             shares = speed / speed.sum() if speed_aware else np.full(len(hs), 1.0 / len(hs))
             prompts = self.workload.global_batch * shares
-            per = per + hs * c.overhead("exchange_prompt") * prompts
-            u = int(np.argmax(per))
+        per = hs * (calls * c.overhead("model_call") + c.overhead("exchange_prompt") * prompts)
+        u = int(np.argmax(per))
+        stage = stages.get("old_logprobs") or _Stage(0.0, {})
+        features = dict(stage.features)
+        if calls:
+            features["overhead:model_call"] = features.get("overhead:model_call", 0.0) + float(hs[u])
+        if "rollout" in g.tasks:
             features["overhead:exchange_prompt"] = float(hs[u] * prompts[u])
-        else:
-            u = int(np.argmax(per))
-        if "old_logprobs" not in g.tasks:
-            features["overhead:model_call"] += float(hs[u])
-        stages["old_logprobs"] = _Stage(seconds + float(per[u]), features)
+        stages["old_logprobs"] = _Stage(stage.seconds + float(per[u]), features)
 
     def _memory(self, g: GroupPlan) -> tuple[str | None, np.ndarray]:
         """(problem or None, bytes per device for generation's KV cache), by ``titanrl.memory`` (module doc): a

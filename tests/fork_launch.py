@@ -9,9 +9,10 @@ then a fork of that server. The ranks of a multi-rank run are started by torchru
 with ``start_method="forkserver"`` instead of a fresh interpreter per rank; each rank runs its module or file as
 ``python -m`` / ``python file.py`` would (``runpy``). titanrl itself is imported afresh in every rank.
 
-Used for runs expected to succeed (:func:`train_runs.run` with ``check``, the ``tests/dist`` launches); the tests
-of the launcher's own behaviour (SIGTERM to torchrun, kill -9 of ranks, a failing rank's console) start real
-processes, and ``test_fork_launch`` shows a forked run equals a fresh torchrun bit for bit.
+Used for the runs of :func:`train_runs.run` (those expected to fail too: a rank's console and its exit code are the
+same; torchrun's own summary goes to the test's log) and the ``tests/dist`` launches; the tests of the launcher's
+own behaviour (SIGTERM to torchrun, kill -9 of ranks) start real processes, and ``test_fork_launch`` shows a forked
+run equals a fresh torchrun bit for bit.
 A forked rank must end by returning or ``sys.exit``: torchrun's launcher waits for the return value of a rank that
 exits 0, so one ending with ``os._exit(0)`` (``scripts/bench_load.py``'s worker: its test keeps a fresh torchrun)
 would keep it waiting until the timeout kills the ranks. ``TITANRL_TEST_FORK=0`` turns it off (every run a fresh
@@ -53,6 +54,10 @@ def _entry(target: str, argv: list[str], env: dict[str, str], cwd: str, out: str
     or ``python target argv`` (a ``.py`` file) would run it (its exit code)."""
     os.environ.update(env)
     os.chdir(cwd)
+    # what a fresh interpreter takes from PYTHONPATH at start (a test's reward or environment module)
+    for entry in reversed([e for e in env.get("PYTHONPATH", "").split(os.pathsep) if e]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
     if out is not None:  # one process: its console into files (torchrun's launcher redirects its ranks itself)
         for path, fd in ((out, 1), (err, 2)):
             f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -194,10 +194,11 @@ def _log_launch(argv: list[str], seconds: float) -> None:
 def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 900,
         check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
     """Run a command (:func:`train_cmd`) to its end; ``check``: a failure fails the test (:func:`failure_report`).
-    A ``titanrl.train`` run expected to succeed (``check``) starts from the session's forkserver
-    (:mod:`fork_launch`) unless ``fresh``: then, as any other command, a new process (torchrun or python)."""
+    A ``titanrl.train`` run, expected to succeed or to fail, starts from the session's forkserver
+    (:mod:`fork_launch`: the ranks' console and exit codes are a fresh launch's, torchrun's own lines go to the test's
+    log) unless ``fresh``: then, as any other command, a new process (torchrun or python)."""
     t0 = time.monotonic()
-    if check and not fresh:
+    if not fresh:
         proc = fork_launch.run(argv, run_env(env), ROOT, timeout)
     else:
         proc = subprocess.run(argv, cwd=ROOT, env=run_env(env), capture_output=True, text=True, timeout=timeout)

@@ -27,6 +27,10 @@ def test_unknown_key_fails_fast_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "did you mean 'optimizer.lr'" in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr
+    # under torchrun every rank finds it; the console says it once (it said it per rank, written over each other)
+    proc = run_train(tmp_path, "--optimizer.lrr=3", nproc=2, own_ray=True)
+    lines = [x for x in (proc.stdout + proc.stderr).splitlines() if "optimizer.lrr" in x]
+    assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("config error: unknown key"), lines
 
 
 def test_engine_sleep_on_a_cpu_is_refused_before_anything_is_built(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import TextIO
@@ -64,6 +65,16 @@ def say(message: str, *, error: bool = False, log_only: bool = False) -> None:
     print(message, file=sys.stdout, flush=True)  # the log
     stream = _console_err if error else _console_out
     print(message, file=stream, flush=True)
+
+
+def refuse(message: str) -> int:
+    """A refusal every rank of a host meets before the run starts (a config error, a run folder in use): the host's
+    first rank says it, the others wait for torchrun to end them once that rank has exited, so the console holds it
+    once and not once per rank, written over each other. Returns the exit code, 2."""
+    if int(os.environ.get("LOCAL_RANK", "0")):
+        time.sleep(3)
+    say(message, error=True)
+    return 2
 
 
 def report_exception(err: BaseException, *, rank: int, expected: bool, verbose: bool, console: bool = True) -> None:

@@ -46,7 +46,7 @@ def _shows_cause(info, failing: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     started = time.time()
     from titanrl.config import parse_args_or_exit
-    from titanrl.console import log_path, report_exception, route_output, say
+    from titanrl.console import log_path, refuse, report_exception, route_output, say
 
     cfg = parse_args_or_exit(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -61,10 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # before this run writes anything there (its logs): another live run may own the folder
         check_free(cfg.run_dir)
     except ConfigError as err:
-        if int(os.environ.get("LOCAL_RANK", "0")):
-            time.sleep(3)  # the host's first rank says it: torchrun ends the others once it exits
-        say(str(err), error=True)
-        return 2
+        return refuse(str(err))
     if not cfg.metrics.verbose:
         route_output(cfg.run_dir / "logs", rank)
     if rank == 0:

@@ -293,18 +293,11 @@ def _show(value: Any) -> str:
 
 
 def parse_args_or_exit(argv: Sequence[str] | None = None) -> JobConfig:
-    """``parse_args`` for entry points: a ConfigError is printed (no traceback) and exits 2.
-
-    Under torchrun every rank finds the same error: a host's first rank prints it, the others wait for torchrun to
-    end them once it has exited (as ``titanrl.run_lock``'s refusal does), so the console holds one line, not one
-    per rank written over each other."""
+    """``parse_args`` for entry points: a ConfigError is printed (no traceback, once per host: ``console.refuse``)
+    and exits 2."""
     try:
         return parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as err:
-        if int(os.environ.get("LOCAL_RANK", "0")):
-            import time
+        from titanrl.console import refuse
 
-            time.sleep(3)
-        sys.stderr.write(f"{err}\n")  # one write: whole, even beside another process's
-        sys.stderr.flush()
-        raise SystemExit(2) from None
+        raise SystemExit(refuse(str(err))) from None

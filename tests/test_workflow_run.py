@@ -8,7 +8,7 @@
   the rank and the cause;
 - counted reward errors are shown, and a reward failing on every call stops the run with one line;
 - SIGTERM during step 3 leaves a checkpoint of step 3 (PPO: the critic's state too); the rerun equals an
-  uninterrupted run; SIGTERM in a step longer than the grace abandons it and every process ends within 40 s.
+  uninterrupted run; SIGTERM in a step longer than the grace abandons it and every process ends within 30 s.
 (kill -9 of every rank leaving no process behind: tests/test_async.py, in its resume test.)
 """
 
@@ -172,14 +172,14 @@ def _tree(pid: int) -> list:
     return [root, *root.children(recursive=True)]
 
 
-# Not serial: most of its time waits on a hanging grader and torchrun's grace; its deadlines (25 s for a tiny step
-# and its save, 40 s for every process to end) hold with another test beside it
+# Not serial: most of its time waits on a hanging grader and the grace; its deadlines (15 s for a tiny step and its
+# save, 30 s for every process to end) hold with another test beside it
 def test_sigterm_past_the_grace_abandons_the_step_within_it_saves_it_and_the_reruns_resume_exactly(run_cache,
                                                                                                    tmp_path):
-    """SIGTERM to torchrun (2 ranks; job.preempt_grace_s 25, torchrun kills 30 s after it forwards SIGTERM), twice:
+    """SIGTERM to torchrun (2 ranks; job.preempt_grace_s 15, torchrun kills 30 s after it forwards SIGTERM), twice:
 
     1. A grader that hangs in step 3: every process of the run (ranks, engines, reward workers, the Ray daemons rank
-       0 started) ends within 40 s, the console says the step was abandoned and which checkpoint stands (step 2, the
+       0 started) ends within 30 s, the console says the step was abandoned and which checkpoint stands (step 2, the
        last periodic one).
     2. The rerun resumes from it; a SIGTERM once it has trained a step: the step ends and is saved, every rank exits
        normally.
@@ -191,7 +191,7 @@ def test_sigterm_past_the_grace_abandons_the_step_within_it_saves_it_and_the_rer
     group until the step and its checkpoint are done."""
     marker = tmp_path / "stall"
     env = {"TITANRL_TEST_STALL": str(marker)}
-    common = list(SIGTERM_RUN)
+    common = [*SIGTERM_RUN, "--job.preempt_grace_s=15"]  # the default's 25 s, shortened: the test waits it out
     straight = shared_run(run_cache, 2, *SIGTERM_RUN)  # uninterrupted
     out = tmp_path / "stopped"
     proc = started(train_cmd(out, run_cache, *common, nproc=2, own_ray=True), out, env)
@@ -201,11 +201,11 @@ def test_sigterm_past_the_grace_abandons_the_step_within_it_saves_it_and_the_rer
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     console, _ = proc.communicate(timeout=120)
-    while alive(procs) and time.monotonic() - t0 < 40:
+    while alive(procs) and time.monotonic() - t0 < 30:
         time.sleep(0.5)
     assert not alive(procs), (time.monotonic() - t0, alive(procs))
-    assert time.monotonic() - t0 < 40
-    assert re.search(r"SIGTERM during step 3: abandoned .*job.preempt_grace_s=25 s\); the last checkpoint, .*step-2, "
+    assert time.monotonic() - t0 < 30
+    assert re.search(r"SIGTERM during step 3: abandoned .*job.preempt_grace_s=15 s\); the last checkpoint, .*step-2, "
                      "stands", console), console[-3000:]
     assert sorted(d.name for d in (out / "tiny_cpu" / "checkpoint").iterdir()) == ["step-2"]
     marker.unlink()

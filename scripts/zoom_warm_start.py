@@ -3,15 +3,15 @@ not *what* (``benchmarks/learning_curve_zoom.md``).
 
     python scripts/zoom_warm_start.py OUT --seed 0     # -> OUT: an HF checkpoint for --model.path
 
-A random-init policy over a 1024-token vocabulary never writes a 21-token ``<zoom>x0,y0,x1,y1</zoom>`` call, so RL
+A random-init policy over a 1024-token vocabulary never writes a 25-token ``<zoom>x0,y0,x1,y1</zoom>`` call, so RL
 alone cannot find the tool; a real policy starts from an instruction-tuned model that knows the call's syntax (the
 multi-turn RL papers add a "cold start" of supervised tool calls). This is that cold start, at the tiny scale: a
-few supervised steps on the zoom task's own prompts (with their first-view image), each answered with the zoom
-call on the prompt's region followed by the tool's answer (the enlarged region, as a multi-turn rollout appends it)
-and a colour word (share ``--call-share``), or with a colour word at once; every colour word drawn at random,
-independent of the picture. The warm-started policy therefore calls the tool about as often as it answers and its answers are at
-chance; what RL then has to learn is to prefer the call and to read the colour in what the tool returns. Cross
-entropy on the response tokens and the end-of-turn token, AdamW, one process.
+few supervised steps on the zoom task's own prompts (with their first-view image), each answered with the zoom call
+on the square the prompt names, followed by the tool's answer (the enlarged square, as a multi-turn rollout appends
+it) and a colour word (share ``--call-share``), or with a colour word at once; every colour word drawn at random,
+independent of the picture. The warm-started policy therefore calls the tool about as often as it answers and its
+answers are at chance; what RL then has to learn is to prefer the call and to read the colour in what the tool
+returns. Cross entropy on the response tokens and the end-of-turn token, AdamW, one process.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
     p.add_argument("--seed", type=int, default=0, help="job.seed of the runs: the random checkpoint and data")
-    p.add_argument("--samples", type=int, default=64, help="data.num_samples of the runs")
+    p.add_argument("--samples", type=int, default=256, help="how many of the runs' prompts (the first N) it trains on")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -42,7 +42,7 @@ def main() -> None:
     from titanrl.data.preprocess import MediaSettings, decode_media, media_to_patches
     from titanrl.data.prompt import PromptEncoder
     from titanrl.data.synth import ANSWER_CHOICES, generate_dataset
-    from titanrl.data.synth_formats import ZOOM_REGION
+    from titanrl.data.synth_formats import ZOOM_TARGET
     from titanrl.envs import check_step, env_record
     from titanrl.envs.zoom import ZoomEnv
     from titanrl.assets import tiny_checkpoint
@@ -61,7 +61,7 @@ def main() -> None:
     encoder = PromptEncoder.from_pretrained(ckpt)
     settings = MediaSettings.from_checkpoint(ckpt, fps=2.0, max_frames=8)
     end = int(encoder.tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    call_text = "<zoom>{},{},{},{}</zoom>".format(*ZOOM_REGION)
+    call_text = "<zoom>{},{},{},{}</zoom>".format(*ZOOM_TARGET)
     call = list(encoder.encode_text(call_text))
     colours = [list(encoder.encode_text(c)) for c in ANSWER_CHOICES]
     with tempfile.TemporaryDirectory() as tmp:

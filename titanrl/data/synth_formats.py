@@ -61,35 +61,53 @@ def arithmetic_records(outdir: str | Path, num_samples: int, seed: int = 0, id_p
 
 
 ZOOM_SIDE = 896  # the picture's side: the tiny checkpoint's processor (at most 224 x 224) sees it 4x smaller
-ZOOM_MARK = 3  # the dot's side: under a pixel at the first view, ~12 in a zoom on the region
-ZOOM_REGION = (420, 420, 476, 476)  # x0, y0, x1, y1: the 56 x 56 region the prompt says the dot is in
+ZOOM_SQUARE = 1  # the side of each of the four squares: together they sit at the centre of a first-view pixel
+ZOOM_REGION = (449, 449, 451, 451)  # x0, y0, x1, y1: the four squares, centred on first-view pixel 112, 112
+ZOOM_TARGET = (449, 449, 450, 450)  # the top-left square, whose colour is the answer: a zoom on it shows nothing else
+ZOOM_NOISE = 16  # colour noise, pixel by pixel, this far around the region (it hides what leaks to neighbours)
 
 
 def zoom_records(outdir: str | Path, num_samples: int, seed: int = 0, id_prefix: str = "") -> list[SampleRecord]:
-    """The task that needs ``titanrl.envs.zoom:ZoomEnv``: a small coloured dot on grey noise, somewhere in the region
-    the prompt names, its colour the answer, unreadable at the first view's resolution and plain in a zoom on the
-    region (``rollout.max_turns > 1``)."""
-    from titanrl.data.synth import ANSWER_CHOICES, COLOURS, _grey_noise, _rng, write_image
+    """The task that needs ``titanrl.envs.zoom:ZoomEnv``: four 1-pixel squares of the four answer colours, in random
+    order, in ``ZOOM_REGION``; the answer is the colour of the top-left one, at ``ZOOM_TARGET``, which the prompt
+    names.
+
+    The four squares together are one pixel of the first view (the processor shrinks the picture 4x), which shows
+    their mean: the same for every sample, so the answer is not in the first view (what the resize filter leaks
+    into the neighbouring pixels is buried in colour noise). A zoom on the target shows its colour and nothing else.
+    ``tests/test_multiturn.py`` checks both with linear probes."""
+    from titanrl.data.synth import ANSWER_CHOICES, _rng, write_image
 
     outdir = Path(outdir)
     (outdir / "media").mkdir(parents=True, exist_ok=True)
-    x0, y0, x1, y1 = ZOOM_REGION
     records = []
     for i in range(num_samples):
-        rng = _rng(seed, i, 31)
-        colour = ANSWER_CHOICES[int(rng.integers(len(ANSWER_CHOICES)))]
-        pixels = _grey_noise(rng, ZOOM_SIDE, ZOOM_SIDE, block=16)
-        x = int(rng.integers(x0 + ZOOM_MARK, x1 - 2 * ZOOM_MARK))
-        y = int(rng.integers(y0 + ZOOM_MARK, y1 - 2 * ZOOM_MARK))
-        pixels[y:y + ZOOM_MARK, x:x + ZOOM_MARK] = COLOURS[colour]
+        pixels, colour = zoom_picture(_rng(seed, i, 31))
         rel = f"media/{id_prefix}zoom-{i:05d}.png"
         write_image(outdir / rel, pixels)
-        prompt = (f"<image>\nA small coloured dot is in the region {x0},{y0},{x1},{y1} of this {ZOOM_SIDE} x "
-                  f"{ZOOM_SIDE} picture. To look closer, reply <zoom>x0,y0,x1,y1</zoom> (pixels). Then answer "
-                  "with one word: red, green, blue or yellow.")
+        prompt = ("<image>\nFour tiny squares of four colours fill the region {},{},{},{} of this {} x {} picture, too "
+                  "small to tell apart at this size. What colour is the one at {},{},{},{}? To look closer, reply "
+                  "<zoom>x0,y0,x1,y1</zoom> (pixels). Then answer with one word: red, green, blue or yellow."
+                  ).format(*ZOOM_REGION, ZOOM_SIDE, ZOOM_SIDE, *ZOOM_TARGET)
         records.append(SampleRecord(f"{id_prefix}zoom-{i:05d}", "zoom", prompt, [MediaEntry(rel, "image")], colour,
                                     list(ANSWER_CHOICES)))
     return records
+
+
+def zoom_picture(rng: np.random.Generator) -> tuple[np.ndarray, str]:
+    """One zoom-task picture (``ZOOM_SIDE`` square, uint8 RGB) and its answer."""
+    from titanrl.data.synth import ANSWER_CHOICES, COLOURS, _grey_noise
+
+    pixels = _grey_noise(rng, ZOOM_SIDE, ZOOM_SIDE, block=16)
+    x0, y0, x1, y1 = ZOOM_REGION
+    n = ZOOM_NOISE
+    pixels[y0 - n:y1 + n, x0 - n:x1 + n] = rng.integers(0, 256, (y1 - y0 + 2 * n, x1 - x0 + 2 * n, 3), dtype=np.uint8)
+    order = [ANSWER_CHOICES[k] for k in rng.permutation(len(ANSWER_CHOICES))]
+    s = ZOOM_SQUARE
+    for k, name in enumerate(order):  # top-left, top-right, bottom-left, bottom-right
+        y, x = y0 + (k // 2) * s, x0 + (k % 2) * s
+        pixels[y:y + s, x:x + s] = COLOURS[name]
+    return pixels, order[0]
 
 
 def _verl_row(record: SampleRecord, images: list[dict], videos: list[str]) -> dict[str, Any]:

@@ -4,7 +4,8 @@ A response holding ``<zoom>x0,y0,x1,y1</zoom>`` (pixel coordinates in the sample
 it: x to the right, y down, the box ``[x0, x1) x [y0, y1)``) gets that region back as the next message's image,
 enlarged to the first view's pixel count (so a zoom shows the region at the resolution the whole image had); any
 other response ends the episode and is the answer ``rl.reward`` scores. A call that cannot be carried out (not four
-integers, an empty box, a box outside the image) gets a text observation saying why, and the episode goes on.
+integers, an empty box, a box outside the image, a box over 200 times longer than wide, which the image processor
+refuses) gets a text observation saying why, and the episode goes on.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from titanrl.data.manifest import SampleRecord
 
 _CALL = re.compile(r"<zoom>(.*?)</zoom>", re.S)
+MAX_ASPECT = 200  # Qwen2-VL's image processor refuses a picture longer than this many times its width
 
 
 def crop_and_enlarge(image: np.ndarray, box: tuple[int, int, int, int]) -> np.ndarray:
@@ -38,6 +40,9 @@ def parse_box(text: str, width: int, height: int) -> tuple[int, int, int, int] |
     x0, y0, x1, y1 = (int(p) for p in parts)
     if not (0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height):
         return f"the box {x0},{y0},{x1},{y1} is not inside the image (width {width}, height {height}) or is empty"
+    if max(x1 - x0, y1 - y0) > MAX_ASPECT * min(x1 - x0, y1 - y0):
+        return (f"the box {x0},{y0},{x1},{y1} is {x1 - x0} x {y1 - y0} pixels: one side may be at most "
+                f"{MAX_ASPECT} times the other")
     return x0, y0, x1, y1
 
 

@@ -97,7 +97,8 @@ def main() -> None:
                 ax.plot(tool_steps, share, lw=0.9, ls=":", color=line.get_color(), label=f"tool share, {label}")
     ax.axhline(CHANCE, color="grey", ls=":", label=f"chance ({CHANCE:g})")
     ax.axhline(TARGET, color="green", ls="--", lw=0.8, label=f"target {TARGET:g}")
-    ax.plot(BAND, [FLOOR, FLOOR], color="red", ls="--", lw=0.8, label=f"floor {FLOOR:g}, steps {BAND[0]}-{BAND[1]}")
+    if max(max(r) for r in runs) >= BAND[0]:  # the default's floor, for runs that get there
+        ax.plot(BAND, [FLOOR, FLOOR], color="red", ls="--", lw=0.8, label=f"floor {FLOOR:g}, steps {BAND[0]}-{BAND[1]}")
     if args.mark is not None:
         ax.axvline(args.mark, color="black", ls=":", lw=0.8, label=f"default stops (step {args.mark})")
     ax.set_xlabel("RL step")

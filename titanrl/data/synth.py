@@ -171,7 +171,7 @@ class SampleSpec:
 
 # A mixture's generator changed in a way that changes its samples: its cached sets (model.cache_dir/data) take the
 # version in their folder name, so a cache filled by the earlier generator is not read as this one's.
-GENERATOR_VERSIONS: dict[str, int] = {"zoom": 4}  # 4: four squares in one first-view pixel, one named (2: a dot in a region)
+GENERATOR_VERSIONS: dict[str, int] = {"zoom": 4}  # 4: four squares in one first-view pixel (2: a dot in a region)
 
 
 def cache_name(mixture: str, num_samples: int, seed: int) -> str:

@@ -62,8 +62,9 @@ def arithmetic_records(outdir: str | Path, num_samples: int, seed: int = 0, id_p
 
 ZOOM_SIDE = 896  # the picture's side: the tiny checkpoint's processor (at most 224 x 224) sees it 4x smaller
 ZOOM_SQUARE = 1  # the side of each of the four squares: together they sit at the centre of a first-view pixel
-ZOOM_REGION = (449, 449, 451, 451)  # x0, y0, x1, y1: the four squares, centred on first-view pixel 112, 112
-ZOOM_TARGET = (449, 449, 450, 450)  # the top-left square, whose colour is the answer: a zoom on it shows nothing else
+_ZX, _ZY = 449, 449  # their top-left corner: the four fill 449-451, centred on first-view pixel 112, 112
+ZOOM_REGION = (_ZX, _ZY, _ZX + 2 * ZOOM_SQUARE, _ZY + 2 * ZOOM_SQUARE)  # x0, y0, x1, y1: the four squares
+ZOOM_TARGET = (_ZX, _ZY, _ZX + ZOOM_SQUARE, _ZY + ZOOM_SQUARE)  # the top-left one, the answer: a zoom shows it alone
 ZOOM_NOISE = 16  # colour noise, pixel by pixel, this far around the region (it hides what leaks to neighbours)
 
 

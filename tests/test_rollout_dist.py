@@ -44,7 +44,23 @@ def _uneven_gather(info) -> float:
     return worst
 
 
-def rank_main(ckpt: str, out_dir: str, manifest: str, tp: int) -> None:
+def rank_main(ckpt: str, out_dir: str, manifest: str) -> None:
+    """One launch, both layouts in turn: T = 1 (an engine per rank), closed, then T = 2 (one engine over both ranks)
+    built in the same processes, so the second also shows that a closed engine leaves nothing behind that a new one
+    trips on."""
+    import torch.distributed as dist
+
+    from titanrl.distributed import init_distributed
+
+    info = init_distributed(timeout_s=120)
+    assert dist.is_initialized() and info.world_size == 2
+    for tp in (1, 2):
+        result = _engine_case(ckpt, manifest, tp, info)
+        Path(out_dir, f"rank{info.rank}_tp{tp}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _engine_case(ckpt: str, manifest: str, tp: int, info) -> dict:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -53,7 +69,7 @@ def rank_main(ckpt: str, out_dir: str, manifest: str, tp: int) -> None:
     from titanrl.data.manifest import read_manifest
     from titanrl.data.preprocess import MediaSettings, prepare_sample
     from titanrl.data.prompt import PromptEncoder
-    from titanrl.distributed import all_reduce_sum, block_group, build_dp_mesh, init_distributed
+    from titanrl.distributed import all_reduce_sum, block_group, build_dp_mesh
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs
     from titanrl.parallel.parallelize import build_parallel_model
     from titanrl.rl.batch import Trajectory, pack_trajectories
@@ -61,8 +77,6 @@ def rank_main(ckpt: str, out_dir: str, manifest: str, tp: int) -> None:
     from titanrl.rollout import RolloutRequest, build_rollout_engine
     from titanrl.rollout.launch import engine_launch
 
-    info = init_distributed(timeout_s=120)
-    assert dist.is_initialized() and info.world_size == 2
     shm_before = _shm_entries()
     cfg = JobConfig()
     cfg.rollout.kv_cache_bytes = 32 << 20
@@ -120,8 +134,9 @@ def rank_main(ckpt: str, out_dir: str, manifest: str, tp: int) -> None:
         "new_shm": sorted(_shm_entries() - shm_before),
         "engine_start_s": engine.start_s,
     }
-    Path(out_dir, f"rank{info.rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    return result
+
+
 
 
 def _own_shm(cmd: list[str]) -> list[str]:
@@ -134,21 +149,24 @@ def _own_shm(cmd: list[str]) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
-def test_engines_in_torchrun_ranks_take_an_in_memory_push(tiny_ckpt, tmp_path, tp):
+def test_engines_in_torchrun_ranks_take_an_in_memory_push(tiny_ckpt, tmp_path):
     """Each rank hands vLLM its own rank and device (external launcher); with T = 2 one engine spans both ranks
     (tensor-parallel group [0, 1]) and runs both ranks' prompts in one schedule, rank 1 calling with none at first.
     After a push from FSDP2 shards the engine's log-probs equal the trainer's model (<= 1e-4, float32) and moved,
-    and no weights went to /dev/shm."""
+    and no weights went to /dev/shm. One launch: T = 1, closed, then T = 2 in the same ranks."""
     from titanrl.data.synth import generate_dataset
 
     manifest = generate_dataset(tmp_path / "data", "image-heavy", 1, seed=0)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           __file__, str(tiny_ckpt), str(tmp_path), str(manifest), str(tp)]
+           __file__, str(tiny_ckpt), str(tmp_path), str(manifest)]
     proc = subprocess.run(_own_shm(cmd), env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, failure_report(proc)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for tp in (1, 2):
+        _check_case([json.loads((tmp_path / f"rank{r}_tp{tp}.json").read_text()) for r in range(2)], tp)
+
+
+def _check_case(results: list[dict], tp: int) -> None:
     for r in results:
         print(f"T={tp} rank {r['rank']}: engine start {r['engine_start_s']:.1f} s, push {r['sync_s']:.3f} s, "
               f"probe {r['probe']:.2e}, layout {r['layout']}")
@@ -168,4 +186,4 @@ def test_engines_in_torchrun_ranks_take_an_in_memory_push(tiny_ckpt, tmp_path, t
 
 
 if __name__ == "__main__":
-    rank_main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    rank_main(sys.argv[1], sys.argv[2], sys.argv[3])

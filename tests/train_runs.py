@@ -235,9 +235,9 @@ def kill_ranks_when(argv: list[str], marker: Path, timeout: float = 600, grace_s
     """Start ``argv`` (torchrun) and, once ``marker`` exists, kill -9 its ranks only -- not the engines, reward
     workers or Ray daemons they started -- as a machine's OOM killer or a scheduler would; then wait up to ``grace_s``
     for every process of the run to end by itself, and for the shared memory they made (vLLM's message queues) to
-    be unlinked. Returns the processes still alive then, and the segments made during the run that no process maps
-    but that are still there (none: each process a rank started dies with it, and its segments with it)."""
-    shm_before = set(Path("/dev/shm").glob("psm_*"))
+    be unlinked. Returns the processes still alive then, and the segments the run's processes mapped when it was
+    killed that no process maps but that are still there (none: each process a rank started dies with it, and its
+    segments with it). Only the run's own segments count: a test beside it may be making or unlinking its own."""
     proc = subprocess.Popen(argv, cwd=ROOT, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -247,28 +247,36 @@ def kill_ranks_when(argv: list[str], marker: Path, timeout: float = 600, grace_s
     procs = [root, *root.children(recursive=True)]
     ranks = [p for p in procs[1:] if p.ppid() == proc.pid]
     assert ranks, "no rank processes"
+    ours = _mapped_segments(p.pid for p in procs)
     for rank in ranks:
         with contextlib.suppress(psutil.NoSuchProcess):
             rank.kill()
     proc.wait(60)
     t0 = time.monotonic()
-    left = alive(procs) + orphaned_segments(shm_before)
+    left = alive(procs) + orphaned_segments(ours)
     while left and time.monotonic() - t0 < grace_s:
         time.sleep(0.5)
-        left = alive(procs) + orphaned_segments(shm_before)
+        left = alive(procs) + orphaned_segments(ours)
     return left
 
 
-def orphaned_segments(before: set[Path]) -> list[str]:
-    """Shared-memory segments (``/dev/shm/psm_*``) that appeared since ``before`` and that no live process maps."""
-    new = set(Path("/dev/shm").glob("psm_*")) - before
-    if not new:
-        return []
+def _mapped_segments(pids) -> set[str]:
+    """The shared-memory segments (``/dev/shm/psm_*``: Python's and vLLM's) that processes ``pids`` map."""
     mapped: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
+    for pid in pids:
         with contextlib.suppress(OSError):
-            mapped.update(line.rsplit(None, 1)[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line)
-    return [f"{p} (mapped by no process)" for p in sorted(new) if p.exists() and str(p) not in mapped]
+            mapped.update(line.rsplit(None, 1)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                          if "/dev/shm/psm_" in line)
+    return mapped
+
+
+def orphaned_segments(segments: set[str]) -> list[str]:
+    """Those of ``segments`` still in /dev/shm that no live process maps."""
+    left = [s for s in segments if Path(s).exists()]
+    if not left:
+        return []
+    mapped = _mapped_segments(int(p.parent.name) for p in Path("/proc").glob("[0-9]*/maps"))
+    return [f"{s} (mapped by no process)" for s in sorted(left) if s not in mapped]
 
 
 def started(argv: list[str], out: Path, env: dict | None = None, steps: int = 2) -> subprocess.Popen:

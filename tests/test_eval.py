@@ -1,10 +1,10 @@
 """Evaluation during training ([eval], ``titanrl.rl.evaluation``): the config's rules, the metrics against a hand
 computation, the held-out set, and a run's evaluation against one computed without the trainer.
 
-Every equality test that compares a mode with the one-process reference (``train_runs.REFERENCE``: 4 ranks,
-2 + 2 and tensor-parallel disaggregated, asynchronous, unequal rank speeds) also compares their evaluations
-(``train_runs.same_evaluations``: the same responses, rewards and ``eval/*`` metrics), so evaluation on N ranks
-equals 1 rank in each of them; the resume test (test_rl_loop) shows a resumed run does not repeat one."""
+Every equality test that compares a mode with the one-process reference (``train_runs.REFERENCE``: 4 ranks;
+2 + 2 disaggregated, asynchronous and over a tensor-parallel engine; unequal rank speeds) also compares their
+evaluations (``train_runs.same_evaluations``: the same responses, rewards and ``eval/*`` metrics), so evaluation on
+N ranks equals 1 rank in each of them; the resume test (test_rl_loop) shows a resumed run does not repeat one."""
 
 from __future__ import annotations
 

@@ -77,13 +77,17 @@ def report(data: dict) -> str:
         lines.append(f"| {name} | {stage_cells(m)} | {m['step/wall_s']:.2f} | {ratio(base['step/wall_s'], m['step/wall_s'])} "
                      f"| {m.get('rollout/turns_mean', 0):.2f} | {m.get('rollout/images_per_trajectory', 0):.2f} | "
                      f"{m.get('rollout/context_tokens_max', 0):.0f} | {m.get('balance/bubble_measured', 0):.2f} |")
-    lines += ["", "Where the rollout's time goes, per turn (the slowest rank's engine call, s):", "",
-              "| configuration | " + " | ".join(f"turn {k}" for k in range(1, TURNS + 1)) + " |",
-              "|---|" + "---|" * TURNS]
+    lines += ["", "Where the rollout's time goes, per turn (the slowest rank's engine call, s), and the share of the "
+              "later turns' context tokens vLLM read from its prefix cache instead of computing them again "
+              "(`rollout/turn_prefix_cached`):", "",
+              "| configuration | " + " | ".join(f"turn {k}" for k in range(1, TURNS + 1)) + " | later turns cached |",
+              "|---|" + "---|" * TURNS + "---|"]
     for name, run in runs.items():
         m = run["median"]
+        cached = m.get("rollout/turn_prefix_cached")
         lines.append(f"| {name} | " + " | ".join(f"{m.get(f'rollout/turn{k}_s', 0.0):.2f}"
-                                                  for k in range(1, TURNS + 1)) + " |")
+                                                  for k in range(1, TURNS + 1))
+                     + f" | {'-' if cached is None else f'{cached:.2f}'} |")
     m_all = runs["all"]["median"]
     speed = base["step/wall_s"] / m_all["step/wall_s"]
     slower = [s for s in STAGES if m_all.get(f"time/{s}", 0.0) > 1.15 * base.get(f"time/{s}", 0.0) > 0.05]
@@ -100,8 +104,9 @@ def report(data: dict) -> str:
               + " The planners see the observation images' tokens and vision cost like the prompt's.",
               "- Slower stages are not diagnosed here; with everything on, ShadowLoader's Ray preprocessors run on "
               "the same 2 cores as the engines.",
-              "- Turns after the first continue fewer, longer contexts; the engine continues each from token ids "
-              "(vLLM's prefix cache on; its hit rate across turns is not measured here).",
+              "- Turns after the first continue fewer, longer contexts; the engine continues each from token ids, "
+              "with vLLM's prefix cache on: the table's last column is how much of those contexts it did not "
+              "compute again (what it cannot hold: the new observation, and the last partly filled block).",
               "- The tool is scripted (the random policy makes no calls): this measures the systems side of "
               "multi-turn steps, not a policy that learns to use a tool.",
               "- One machine with 2 cores; read differences under ~15% as noise (benchmarks/README.md).",

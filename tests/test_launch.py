@@ -43,3 +43,34 @@ def test_one_process_without_a_group_runs_vllm_in_process_on_device_0():
     assert (launch.backend, launch.device) == ("uni", "cuda:0")
     with pytest.raises(ValueError, match="process group"):
         engine_launch(0, 0, 1, 2, "cpu", process_group=False)
+
+
+def test_stale_tensor_parallel_buffers_of_killed_engines_are_removed_and_live_ones_kept():
+    """vLLM-CPU's all-reduce files of an engine over several ranks carry a token per engine
+    (``vllm_engine._cpu_shm_named``: under the external launcher vLLM would name them the same in every run, so a run
+    after a killed one failed with errno 17); a killed run's files are removed at the next such engine's start: those
+    no process maps and over 10 s old, not a live engine's nor one just made."""
+    import mmap
+    import os
+    import time
+    from pathlib import Path
+
+    from titanrl.rollout.vllm_engine import _remove_stale_cpu_shm
+
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    token = os.urandom(4).hex()
+    stale, live, young = (Path(f"/dev/shm/titanrl-{token}{k}-tp:0-[0-1]-cpushm_0") for k in ("s", "l", "y"))
+    old = time.time() - 120
+    for f in (stale, live, young):
+        f.write_bytes(b"\0" * 4096)
+    for f in (stale, live):
+        os.utime(f, (old, old))
+    with open(live, "r+b") as handle, mmap.mmap(handle.fileno(), 4096):
+        try:
+            removed = _remove_stale_cpu_shm()
+            assert stale.name in removed and not stale.exists()
+            assert live.exists() and young.exists() and live.name not in removed
+        finally:
+            for f in (stale, live, young):
+                f.unlink(missing_ok=True)

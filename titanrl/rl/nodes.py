@@ -96,10 +96,12 @@ def _turn_metrics(batch, stats) -> None:
     environment failed carries its message (``extras["env_error"]``): the step's metrics print the run's first."""
     sums = all_reduce_sum(torch.tensor(stats.metrics(), dtype=torch.float64), group=batch.group).tolist()
     longest = all_reduce_max(float(stats.context_tokens_max), group=batch.group)
-    trajs, turns, calls, images, errors = sums
+    trajs, turns, calls, images, errors, continued, cached = sums
     batch.metrics.update({"rollout/turns_mean": turns / max(trajs, 1), "rollout/tool_calls": calls,
                           "rollout/images_per_trajectory": images / max(trajs, 1), "rollout/env_errors": errors,
                           "rollout/context_tokens_max": float(longest)})
+    if continued:  # the share of the later turns' contexts the engine did not compute again (vLLM's prefix cache)
+        batch.metrics["rollout/turn_prefix_cached"] = cached / continued
     for k, seconds in enumerate(stats.turn_seconds):  # the slowest generating rank's engine call of each turn
         batch.metrics[f"rollout/turn{k + 1}_s"] = all_reduce_max(seconds, group=batch.group)
 

@@ -42,9 +42,14 @@ class TurnStats:
     env_errors: int = 0
     context_tokens_max: int = 0
     turn_seconds: list = field(default_factory=list)  # the engine's seconds for each turn (every rank calls each)
+    # the turns after the first: their contexts' tokens, and those the engine read from its prefix cache (engines
+    # that report it: vLLM)
+    continued_tokens: int = 0
+    continued_cached: int = 0
 
     def metrics(self) -> list[float]:
-        return [self.trajectories, self.turns, self.tool_calls, self.images, self.env_errors]
+        return [self.trajectories, self.turns, self.tool_calls, self.images, self.env_errors, self.continued_tokens,
+                self.continued_cached]
 
 
 @dataclass
@@ -206,6 +211,9 @@ def rollout_turns(engine, encoder: PromptEncoder, setup: TurnSetup, prompts: Seq
         stats.turn_seconds.append(time.perf_counter() - t0)
         for (e, _), (s,) in zip(todo, outs):
             t = e.traj
+            if s.cached_tokens is not None:
+                stats.continued_tokens += s.prompt_tokens
+                stats.continued_cached += s.cached_tokens
             _append(t, s.token_ids, s.logprobs, True, version)
             t.finish_reason = s.finish_reason
             t.response_text = _text(encoder, s.token_ids)  # the turn's: the answer rl.reward scores is the last

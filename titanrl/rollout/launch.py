@@ -10,9 +10,10 @@ data-parallel over the world / T engines. The CPU build goes through the same ex
 A process that is the whole job with no process group (``python -m titanrl.train`` in float32) runs the ``uni``
 executor: the same worker in-process, on device 0.
 
-Disaggregated engines run their core and workers in child processes (vLLM's ``mp`` executor, a torch.distributed
-world of their own) on the devices of the rollout ranks they span (``CUDA_VISIBLE_DEVICES`` from the engine's first
-rank). Plain data: ``VLLMEngine`` applies it.
+Disaggregated engines run in child processes of the rollout rank, on the devices of the rollout ranks they span
+(``CUDA_VISIBLE_DEVICES`` from the engine's first rank): vLLM's engine core, with its one worker inside it at tensor
+parallelism 1 (vLLM's ``uni`` executor, as vLLM lays out one GPU), or the ``mp`` executor's worker processes, a
+torch.distributed world of their own. Plain data: ``VLLMEngine`` applies it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Where it runs is ``titanrl.rollout.launch``'s: colocated, in the rank's own process through vLLM's external
 launcher (no engine-core or worker processes, 2-7 s to start on the tiny model plus ~5 s for the first
-``import vllm``; the worker binds the rank's device); disaggregated, its engine core and workers in child processes.
+``import vllm``; the worker binds the rank's device); disaggregated, in child processes (its engine core, which
+holds its worker at tensor parallelism 1, and at T > 1 its T workers).
 Weights arrive in memory (``update_weights``: tensors by reference into vLLM's layer-wise reload; or, in child
 processes, over the push's process group: ``receive_weights``). What that costs, and how it is contained:
 
@@ -147,7 +148,13 @@ def _worker_layout(worker: Any) -> dict[str, Any]:
 
     return {"device": str(worker.device), "rank": int(worker.rank), "local_rank": int(worker.local_rank),
             "tp_ranks": list(ps.get_tp_group().ranks), "world_ranks": list(ps.get_world_group().ranks),
-            "backend": str(worker.parallel_config.distributed_executor_backend)}
+            "backend": _backend_name(worker.parallel_config.distributed_executor_backend),
+            "pid": os.getpid()}
+
+
+def _backend_name(backend: Any) -> str:
+    """vLLM's executor as its config names it: a string, or a class given instead (uni inside the engine core)."""
+    return {"UniProcExecutor": "uni"}.get(getattr(backend, "__name__", ""), str(backend))
 
 
 def _reload(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -379,7 +386,8 @@ class VLLMEngine:
             raise ValueError("an engine over several ranks needs their process group (tp_group)")
         own_process = not launch.in_process
         if own_process:
-            # the engine core (and its worker) in child processes: vLLM's default mode; spawned, not forked
+            # the engine core (and its workers, or at TP 1 its worker inside it) in child processes: vLLM's default
+            # mode; spawned, not forked
             # (this process runs gloo and Ray threads); apply_model's function is pickled to them
             os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="spawn",
                               VLLM_ALLOW_INSECURE_SERIALIZATION="1")
@@ -429,8 +437,16 @@ class VLLMEngine:
                 # the temperature and top-p (what importance weights of off-policy tokens divide by)
                 logprobs_mode="processed_logprobs",
             )
-            if launch.in_process:  # in child processes vLLM picks its executor (mp over several workers)
+            if launch.in_process:
                 kwargs["distributed_executor_backend"] = launch.backend
+            elif launch.tensor_parallel_size == 1:
+                # one worker, inside vLLM's engine-core process: vLLM's choice on GPUs, which its CPU build turns
+                # into a worker process of its own when named "uni" (for thread binding this engine does not do:
+                # VLLM_CPU_OMP_THREADS_BIND=nobind); given as the class, the CPU runs the GPU's layout, one spawned
+                # process less (an import of vLLM, ~15 s on a loaded core) and no worker to wait for at close
+                from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+                kwargs["distributed_executor_backend"] = UniProcExecutor
             if max_num_seqs is not None:
                 kwargs["max_num_seqs"] = max_num_seqs
             if sleep:  # vLLM refuses it on a platform without sleep mode (its CPU build), naming the platform

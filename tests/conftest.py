@@ -113,6 +113,10 @@ def pytest_configure(config):
     bytes."""
     from train_runs import SHARED_RAY_ENV
 
+    from titanrl._platform_compat import start_up_problem
+
+    if problem := start_up_problem():  # the suite would fail test by test, naming torchvision
+        raise pytest.UsageError(problem)
     if _xdist_controller(config):
         os.environ[SHARED_RAY_ENV] = f"/tmp/titanrl-ray-{os.getpid()}"
 

@@ -50,3 +50,18 @@ def test_vllm_imports_in_a_spawned_child():
     child.join(timeout=300)
     assert child.exitcode == 0
     assert queue.get(timeout=5) == "ok"
+
+
+def test_a_missing_start_up_hook_is_named_with_the_fix(monkeypatch):
+    """The hook ran in this interpreter (the installed titanrl is this checkout): no problem. Without it (an install
+    of another checkout: this one found on the current folder), the trainer and the suite stop with one line naming
+    both places and the command, not with vLLM's import naming torchvision."""
+    from titanrl import _platform_compat as compat
+
+    assert compat.start_up_problem() is None
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, compat._CompatFinder)])
+    problem = compat.start_up_problem()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(compat.__file__)))
+    assert problem and "did not run" in problem and here in problem and "pip install -e ." in problem, problem
+    monkeypatch.setenv("TITANRL_NO_PLATFORM_COMPAT", "1")  # turned off on purpose
+    assert compat.start_up_problem() is None

@@ -196,3 +196,27 @@ def install() -> None:
     if any(isinstance(f, _CompatFinder) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _CompatFinder())
+
+
+def start_up_problem() -> str | None:
+    """Why the start-up hook did not run in this interpreter, or None. It imports the installed titanrl; when that
+    is another checkout (or none: an install moved or removed), this one is found later on the path (the current
+    folder) with no hook, and ``import vllm`` fails far from the cause (``operator torchvision::nms does not
+    exist``). On a CPU build of torch only (the hook has nothing to fix elsewhere)."""
+    if os.environ.get(_DISABLE_ENV) == "1" or any(isinstance(f, _CompatFinder) for f in sys.meta_path):
+        return None
+    if not _torch_is_cpu_build():  # CUDA / ROCm builds load the real extensions: nothing to fix
+        return None
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        from importlib.metadata import distribution
+
+        import json
+
+        dist = distribution("titanrl")
+        url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+        installed = f"the installed one is {url.removeprefix('file://') or dist.locate_file('')}"
+    except Exception:  # noqa: BLE001 - not installed at all
+        installed = "none is installed"
+    return (f"titanrl's start-up hook (titanrl_platform_compat.pth) did not run: this titanrl is {here}, {installed}; "
+            f"run `python3 -m pip install -e .` in {here}")

@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = parse_args_or_exit(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", "0"))
-    from titanrl._platform_compat import DIE_WITH_PARENT_ENV
+    from titanrl._platform_compat import DIE_WITH_PARENT_ENV, start_up_problem
+
+    if problem := start_up_problem():  # else vLLM's import fails later, naming torchvision
+        return refuse(problem)
 
     # every process this rank starts (vLLM's engine core and its workers, reward workers, compile workers) and theirs
     # die with it, also when it is killed with -9 (the start-up hook arms the parent-death signal)

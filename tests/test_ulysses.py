@@ -206,7 +206,7 @@ def assert_equal(res: dict, *, sharded: bool = True) -> None:
 
 
 # One launch runs every case (start-up, the reference and the FSDP models are shared).
-CASES = ("fixed:2,fixed:4,flex,random:50,ac-random:8,seq-random:8,compile-fixed:4,deadlock:40,"
+CASES = ("fixed:2,fixed:4,flex,random:30,ac-random:8,seq-random:8,compile-fixed:4,deadlock:24,"
          "none,vision-none,vision-lbmicro,vision-fixed:4,vision-flex,vision-random:20,"
          "prefix-none,prefix-lbmicro,prefix-fixed:4,prefix-flex,prefix-random:10,prefix-vision-flex")
 
@@ -275,9 +275,9 @@ def test_flex_planner_matches_single_process(four_ranks):
 
 
 @pytest.mark.slow
-def test_fifty_random_plans_match_single_process(four_ranks):
-    res = four_ranks["random:50"]
-    assert res["plans"] == 50 and res["max_degree"] == 4
+def test_random_plans_match_single_process(four_ranks):
+    res = four_ranks["random:30"]
+    assert res["plans"] == 30 and res["max_degree"] == 4
     assert_equal(res)
 
 
@@ -296,10 +296,10 @@ def test_compiled_blocks_match_single_process(four_ranks):
 
 @pytest.mark.slow
 def test_random_plans_do_not_deadlock(four_ranks):
-    # 40 plans run forward and backward only, beside the 96 random plans the cases above run and compare (a deadlock
+    # 24 plans run forward and backward only, beside the 76 random plans the cases above run and compare (a deadlock
     # in any of them hits the launch's timeout)
-    res = four_ranks["deadlock:40"]
-    assert res["plans"] == 40 and res["max_degree"] == 4
+    res = four_ranks["deadlock:24"]
+    assert res["plans"] == 24 and res["max_degree"] == 4
     assert res["seconds"] < 300  # a hang would have hit the launch's timeout already
 
 

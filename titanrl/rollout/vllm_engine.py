@@ -487,7 +487,8 @@ class VLLMEngine:
     def busy_outside_s(self) -> float:
         """Seconds the engine worked for this rank outside this process: the wall time of calls into an engine
         whose core runs in child processes (0 in-process, where this process's CPU time holds the work). Wall,
-        not the children's CPU time: vLLM's worker busy-polls for a second after every request."""
+        not the children's CPU time: at tensor parallelism > 1 vLLM's worker processes busy-poll for a second after
+        every request."""
         return self._outside_s
 
     # -- helpers ----------------------------------------------------------------------------

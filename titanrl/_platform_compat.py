@@ -209,9 +209,8 @@ def start_up_problem() -> str | None:
         return None
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        from importlib.metadata import distribution
-
         import json
+        from importlib.metadata import distribution
 
         dist = distribution("titanrl")
         url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")

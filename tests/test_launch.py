@@ -35,7 +35,8 @@ def test_disaggregated_engines_run_in_child_processes_on_their_block():
     launch = engine_launch(2, 2, 8, 2, "cuda", process_group=True, own_process=True)
     assert launch.backend == "mp" and not launch.in_process
     assert launch.visible_devices == (2, 3) and launch.engine_ranks == (2, 3)
-    assert engine_launch(0, 0, 2, 1, "cpu", process_group=True, own_process=True).visible_devices == ()
+    one = engine_launch(0, 0, 2, 1, "cpu", process_group=True, own_process=True)
+    assert one.visible_devices == () and one.backend == "uni" and not one.in_process  # its worker inside the core
 
 
 def test_one_process_without_a_group_runs_vllm_in_process_on_device_0():

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class EngineLaunch:
-    backend: str  # vLLM's distributed_executor_backend: external_launcher | uni | mp
+    backend: str  # vLLM's distributed_executor_backend: external_launcher | uni | mp (own_process: in the engine core)
     tensor_parallel_size: int
     rank: int  # the worker's rank in vLLM's world (external_launcher: the torchrun rank)
     local_rank: int  # the worker's device index on its machine (external_launcher: LOCAL_RANK)
@@ -31,10 +31,11 @@ class EngineLaunch:
     engine_ranks: tuple[int, ...]  # the ranks sharing this engine (its tensor-parallel group)
     visible_devices: tuple[int, ...] = ()  # mp: the devices the child workers see (CUDA_VISIBLE_DEVICES)
     env: dict[str, str] = field(default_factory=dict)  # set while the engine starts (and restored after)
+    own_process: bool = False  # vLLM's engine core in a child process (the disaggregated placement)
 
     @property
     def in_process(self) -> bool:
-        return self.backend != "mp"
+        return not self.own_process
 
 
 def engine_launch(rank: int, local_rank: int, world: int, tp: int, device_type: str, *,
@@ -53,8 +54,8 @@ def engine_launch(rank: int, local_rank: int, world: int, tp: int, device_type: 
             raise ValueError(f"an engine over {tp} ranks from local rank {local_rank} spans machines "
                              f"({local_world} ranks per machine)")
         devices = tuple(range(local_rank, local_rank + tp)) if cuda else ()
-        return EngineLaunch("mp", tp, 0, 0, f"cuda:{local_rank}" if cuda else "cpu",
-                            tuple(range(rank, rank + tp)), devices)
+        return EngineLaunch("uni" if tp == 1 else "mp", tp, 0, 0, f"cuda:{local_rank}" if cuda else "cpu",
+                            tuple(range(rank, rank + tp)), devices, own_process=True)
     if not process_group:
         if world != 1 or tp != 1:
             raise ValueError("several ranks or tensor parallelism need a torch.distributed process group")

@@ -437,16 +437,16 @@ class VLLMEngine:
                 # the temperature and top-p (what importance weights of off-policy tokens divide by)
                 logprobs_mode="processed_logprobs",
             )
-            if launch.in_process:
-                kwargs["distributed_executor_backend"] = launch.backend
-            elif launch.tensor_parallel_size == 1:
-                # one worker, inside vLLM's engine-core process: vLLM's choice on GPUs, which its CPU build turns
-                # into a worker process of its own when named "uni" (for thread binding this engine does not do:
-                # VLLM_CPU_OMP_THREADS_BIND=nobind); given as the class, the CPU runs the GPU's layout, one spawned
+            if launch.own_process and launch.backend == "uni":
+                # one worker, inside vLLM's engine-core process (vLLM's choice on one GPU). vLLM's CPU build turns
+                # the name "uni" into a worker process of its own there (for thread binding this engine does not do:
+                # VLLM_CPU_OMP_THREADS_BIND=nobind); the class is the same executor on every platform: one spawned
                 # process less (an import of vLLM, ~15 s on a loaded core) and no worker to wait for at close
                 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
                 kwargs["distributed_executor_backend"] = UniProcExecutor
+            elif launch.in_process:  # in child processes over several workers vLLM picks mp itself
+                kwargs["distributed_executor_backend"] = launch.backend
             if max_num_seqs is not None:
                 kwargs["max_num_seqs"] = max_num_seqs
             if sleep:  # vLLM refuses it on a platform without sleep mode (its CPU build), naming the platform

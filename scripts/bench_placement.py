@@ -46,7 +46,8 @@ def e2e_args(model: str, steps: int) -> argparse.Namespace:
     """bench_e2e's defaults for ``model`` (its small batch; the tiny default's own batch for tiny)."""
     return argparse.Namespace(model=model, steps=steps, busy_steps=steps, scale="paper",
                               cache="~/.cache/titanrl/bench_data", prompts=4, responses=4, max_new_tokens=32,
-                              max_frames=16, max_pixels=50176, max_prompt_tokens=3072, max_tokens=4096)
+                              max_frames=16, max_pixels=50176, max_prompt_tokens=3072, max_tokens=4096,
+                              busy_clock="cpu", signal=False)
 
 
 def common_flags(model: str, steps: int) -> list[str]:

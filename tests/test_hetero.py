@@ -532,8 +532,11 @@ def test_plan_from_config_inverts_apply_plan():
 
 @pytest.mark.slow
 def test_profile_schedule_train_end_to_end(run_cache, tmp_path):
-    """The whole path on this machine: `titanrl.profile` on 2 ranks (links included), `titanrl.schedule` on its
-    JSON, and the written config trains 2 steps with torchrun as the scheduler prints it."""
+    """The whole path on this machine with 4 ranks (two to a core, so their measured speeds differ by the other
+    worker's load): `titanrl.profile` (links included), `titanrl.schedule` on its JSON, and the written config
+    trains 2 steps with torchrun as the scheduler prints it, each rank on the device the plan gives it. (The other
+    live plans: 2 ranks, one slowed by spinners, `test_profile`; two namespaced hosts behind a shaped link,
+    `test_multihost`.)"""
     import os
     import subprocess
     import sys
@@ -543,7 +546,7 @@ def test_profile_schedule_train_end_to_end(run_cache, tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
 
     def run(cmd):
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
@@ -556,9 +559,9 @@ def test_profile_schedule_train_end_to_end(run_cache, tmp_path):
                    str(profile), "--out", str(plan), "--budget", "200", "--job.steps=2",
                    "--checkpoint.enable=false", f"--model.cache_dir={run_cache}",
                    f"--job.dump_folder={tmp_path / 'out'}"])
-    assert "torchrun --nproc-per-node 2" in printed
+    assert "torchrun --nproc-per-node 4" in printed
     cfg = load_config(plan)
-    cfg.validate_world_size(2)
+    cfg.validate_world_size(4)
     run(torchrun + ["-m", "titanrl.train", "--config", str(plan)])
     records = (tmp_path / "out" / cfg.job.name / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in records] == [1, 2]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -392,6 +393,25 @@ def test_validate_world_size():
     assert "ulysses_degree (3) must divide the number of ranks (16)" in str(info.value)
     assert "8 sequences, fewer than the 16 data-parallel ranks" in str(info.value)
     JobConfig().validate_world_size(2)
+
+
+def test_a_shard_degree_below_the_ranks_is_odc_hybrid_sharding_only():
+    """parallelism.data_parallel_shard_degree below the ranks: hybrid sharding, which only odc runs (colocated);
+    elsewhere refused with the reason. Shard groups must be one machine's consecutive ranks (torchrun's agents)."""
+    from titanrl.distributed import shard_groups_problem
+
+    overridden("--balance.strategy=odc", "--parallelism.data_parallel_shard_degree=2").validate_world_size(4)
+    for flags, world, why in (
+            (["--parallelism.data_parallel_shard_degree=2"], 4, "built for balance.strategy='odc' only"),
+            (["--balance.strategy=odc", "--parallelism.data_parallel_shard_degree=3"], 4, "must divide the number"),
+            (["--balance.strategy=odc", "--parallelism.data_parallel_shard_degree=8"], 4, "must divide the number"),
+            (["--balance.strategy=odc", "--parallelism.data_parallel_shard_degree=1", "--workflow.placement=disaggregated",
+              "--workflow.rollout_ranks=1"], 3, "workflow.placement='colocated' only")):
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            overridden(*flags).validate_world_size(world)
+    assert shard_groups_problem(2, [0, 0, 1, 1]) is None and shard_groups_problem(4, [0, 0, 0, 0]) is None
+    assert "ranks 2-3 span machines [0, 1]" in shard_groups_problem(2, [0, 0, 0, 1])
+    assert "does not divide" in shard_groups_problem(3, [0, 0, 1, 1])
 
 
 # ---------------------------------------------------------------- printing, saving, round trip

@@ -277,6 +277,17 @@ def test_7b_config_fits_8_x_80gb(tmp_path):
     assert odc.term("odc_publication") == 2 * odc.term("gradients") // 4 > 0
     assert 0 < odc.total - micro.total <= 2.5 * 2**30, (odc.total, micro.total)
     memory.check_fits(odc, 80 * 10**9, cfg)
+    # on two machines of 8 (hybrid sharding: shards over one machine's ranks) odc's rank holds what it holds on one
+    odc_cfg = dataclasses.replace(cfg, balance=dataclasses.replace(cfg.balance, strategy="odc"))
+    assert memory.predict(odc_cfg, args, 16, shard=8).total == odc.total
+    assert memory.predict(odc_cfg, args, 16).total < odc.total  # (were the shards spread over all 16)
+    two = run_cli("--config", "configs/qwen2_5_vl_7b.toml", "--world", "16", "--ranks-per-machine", "8",
+                  "--device-memory", "80GB", f"--model.path={tmp_path}", "--balance.strategy=odc")
+    one = run_cli("--config", "configs/qwen2_5_vl_7b.toml", "--world", "8", "--device-memory", "80GB",
+                  f"--model.path={tmp_path}", "--balance.strategy=odc")
+    assert two.returncode == one.returncode == 0 and "fits" in two.stdout
+    total = [x for x in one.stdout.splitlines() if "total" in x.lower()]
+    assert total and total[0] in two.stdout, (total, two.stdout)
     # and the previous settings (lb_mini, 16k tokens, 20 GiB KV) did not
     cfg.balance.strategy, cfg.balance.max_tokens_per_microbatch = "lb_mini", 16384
     cfg.rollout.kv_cache_bytes = 20 << 30

@@ -23,7 +23,7 @@ from titanrl.parallel.stage_plan import plan_stage
 
 SCRIPT = Path(__file__).parent / "dist" / "odc_step.py"
 TOL = 1e-5
-CASES = "native,lb_micro,lb_mini,lb_mini+flex,lb_micro+flex,odc,odc+flex,lb_mini@bf16,odc@bf16"
+CASES = "native,lb_micro,lb_mini,lb_mini+flex,lb_micro+flex,odc,odc+flex,odc+flex/hybrid,lb_mini@bf16,odc@bf16"
 
 
 def test_lb_mini_plans_run_sharded_groups_first_and_each_rank_its_own_count():
@@ -107,8 +107,13 @@ def test_every_strategy_matches_single_process(reference, nproc):
         if nproc == 4:  # the two long videos take two ranks alone; the short prompts need more microbatches
             assert any(len(set(counts)) > 1 for counts in mini["microbatches"]), mini["microbatches"]
         assert mini["metrics"]["balance/syncs_per_minibatch"] == 1.0
-    for name in ("odc", "odc+flex", "odc@bf16"):
+    for name in ("odc", "odc+flex", "odc+flex/hybrid", "odc@bf16"):
         assert res[name]["odc_barriers"] == [1, 2], res[name]["odc_barriers"]  # one per minibatch, counted
+    # hybrid sharding (2 replicas, as on 2 machines: shards over 1 or 2 ranks each): no FSDP collective either (the
+    # gathers stay in a replica's shared memory), and one all-reduce across the replicas per minibatch
+    hybrid = res["odc+flex/hybrid"]
+    assert hybrid["replicas"] == 2 and hybrid["odc_replica_reductions"] == [1, 2], hybrid
+    assert res["odc"]["replicas"] == 1 and res["odc"]["odc_replica_reductions"] == [0, 0]
     # float32: the shards themselves are read; bfloat16: a cast copy is published, and odc equals lb_mini there too
     assert res["odc"]["direct"] and not res["odc@bf16"]["direct"]
     assert 0 <= res["odc@bf16"]["pair_err"] < 1e-5, res["odc@bf16"]["pair_err"]
@@ -195,7 +200,7 @@ def test_odc_refuses_ranks_that_do_not_share_its_folder_or_a_folder_too_small(tm
     proc = torchrun(2, "--out", str(tmp_path / "x.json"), "--strategies", "odc", "--refuse", refuse, timeout=300,
                     plain=True)
     assert proc.returncode != 0
-    want = ("do not see the others' files: the job spans machines" if refuse == "hosts" else
+    want = ("do not see the others' files: the group spans machines" if refuse == "hosts" else
             "MiB of shared memory in /dev/shm for this model's shards and gradient buffers, and 0 MiB are free")
     for rank in (0, 1):
         assert f"[rank{rank}]: titanrl.config.errors.ConfigError: config error: balance.strategy='odc'" in proc.stderr

@@ -59,17 +59,42 @@ def init_distributed(timeout_s: float = 600.0, *, one_rank_group: bool = False) 
 
 
 def build_dp_mesh(info: DistInfo, *, one_rank: bool = False, ranks: Sequence[int] | None = None,
-                  group=None) -> DeviceMesh | None:
+                  group=None, shard: int | None = None) -> DeviceMesh | None:
     """The data-parallel (FSDP2) mesh; None for one process unless ``one_rank`` (and a one-rank group exists).
     ``ranks`` / ``group``: the ranks holding the models and their process group, when they are not all (the
-    mesh is made on those ranks only; None elsewhere)."""
+    mesh is made on those ranks only; None elsewhere). ``shard`` below the world size (every rank holds the
+    models): a 2-D mesh, ``dp_replicate`` x ``dp_shard``, each group of ``shard`` consecutive ranks sharding the
+    models and the groups replicating them (hybrid sharding, FSDP2's HSDP)."""
     if ranks is not None and len(ranks) != info.world_size:
         if info.rank not in ranks:
             return None
         return DeviceMesh.from_group(group, info.device.type, mesh=list(ranks), mesh_dim_names=("dp_shard",))
     if not info.distributed and not (one_rank and dist.is_initialized()):
         return None
+    if shard is not None and shard < info.world_size:
+        return init_device_mesh(info.device.type, (info.world_size // shard, shard),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
     return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))
+
+
+def machine_of_ranks(info: DistInfo) -> list[int]:
+    """The machine of every rank (collective): torchrun's agent rank (``GROUP_RANK``, one agent per machine; 0
+    without torchrun). Namespaced hosts on one kernel are machines here as torchrun launched them."""
+    return [int(m) for m in all_gather_objects(int(os.environ.get("GROUP_RANK", "0")))] if info.distributed else [0]
+
+
+def shard_groups_problem(shard: int, machines: Sequence[int]) -> str | None:
+    """Why groups of ``shard`` consecutive ranks cannot each be one machine's ranks (hybrid sharding keeps every
+    parameter gather within a machine), or None."""
+    world = len(machines)
+    if shard < 1 or world % shard:
+        return f"{shard} does not divide the {world} ranks"
+    for start in range(0, world, shard):
+        group = machines[start:start + shard]
+        if len(set(group)) > 1:
+            return (f"ranks {start}-{start + shard - 1} span machines {sorted(set(group))} (torchrun's GROUP_RANK): "
+                    "each shard group must be ranks of one machine")
+    return None
 
 
 def barrier() -> None:

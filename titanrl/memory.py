@@ -1,6 +1,6 @@
 """Memory planner: the predicted peak memory of one rank of a titanrl job, by term (issue 26).
 
-    python -m titanrl.memory --config configs/X.toml [--world N] [--device-memory 80GB]
+    python -m titanrl.memory --config configs/X.toml [--world N] [--ranks-per-machine M] [--device-memory 80GB]
         [--device cpu|cuda] [--shape NAME|DIR|config.json] [--runtime-bytes B] [--section.key=value ...]
 
 exits 0 when the plan fits the device memory and 2 when it does not (naming the largest term and the
@@ -406,17 +406,20 @@ def fmt_bytes(n: float) -> str:
 
 
 def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device | None = None,
-            runtime_bytes: int | None = None, data: DataShape | None = None) -> MemoryPlan:
+            runtime_bytes: int | None = None, data: DataShape | None = None, shard: int | None = None) -> MemoryPlan:
     """The predicted peak memory per rank of ``cfg`` on ``world`` ranks for the model shape ``args``
     (module docstring: the terms and their formulas). ``device`` defaults to cuda when
     model.attn_backend is flash, else cpu; ``runtime_bytes`` defaults to RUNTIME_BYTES[device/engine];
     ``data``: the samples' lengths (default ``DataShape.worst_case``: the longest, all-media samples the config
-    allows), for the token mix, the data term and the hf engine's KV cache."""
+    allows), for the token mix, the data term and the hf engine's KV cache. ``shard``: FSDP's shard degree when
+    it is not the config's (odc's hybrid sharding over one machine's ranks: the trainer's ``dp_shard``)."""
     device = device or ("cuda" if cfg.model.attn_backend == "flash" else "cpu")
-    dp = cfg.data_parallel_degree(world)
+    dp = shard or cfg.data_parallel_degree(world)
     counts = param_counts(args)
     n = counts.total
-    fsdp = dp > 1 or cfg.one_rank_fsdp  # one process: FSDP2 on a one-rank mesh for bfloat16 or rl.ref_offload
+    # one process: FSDP2 on a one-rank mesh for bfloat16 or rl.ref_offload; hybrid sharding: FSDP2 even over one
+    # rank per machine
+    fsdp = dp > 1 or cfg.one_rank_fsdp or dp < world
     b_p = DTYPE_BYTES[cfg.model.dtype] if fsdp else 4  # compute / gathered-parameter dtype
     tokens = cfg.balance.max_tokens_per_microbatch
     mix = token_mix(cfg, args, data)
@@ -494,6 +497,9 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
                       tokens_per_microbatch=tokens)
     if cfg.parallelism.ulysses != "none":
         plan.notes.append("Ulysses: a trajectory longer than T is split over ranks; T stays the per-rank budget")
+    if dp < world:
+        plan.notes.append(f"hybrid sharding (odc): the models sharded over {dp} rank(s) of a machine, "
+                          f"{world // dp} replicas")
     return plan
 
 
@@ -673,6 +679,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         world = int(_pop_flag(argv, "--world") or 1)
+        per_machine = _pop_flag(argv, "--ranks-per-machine")
         capacity_text = _pop_flag(argv, "--device-memory")
         device = _pop_flag(argv, "--device")
         shape = _pop_flag(argv, "--shape")
@@ -684,15 +691,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = parse_args(argv)
         cfg.validate_world_size(world)
         args, source = resolve_shape(cfg, shape)
+        shard = None
+        if per_machine is not None:  # odc on several machines: hybrid sharding over one machine's ranks
+            per_machine_n = int(per_machine)
+            if per_machine_n < 1 or world % per_machine_n:
+                raise ConfigError(f"--ranks-per-machine ({per_machine_n}) must divide --world ({world})")
+            if (cfg.balance.strategy == "odc" and cfg.parallelism.data_parallel_shard_degree == -1
+                    and cfg.workflow.placement == "colocated"):
+                shard = per_machine_n
         plan = predict(cfg, args, world, device=device,  # type: ignore[arg-type]
-                       runtime_bytes=parse_bytes(runtime) if runtime else None)
+                       runtime_bytes=parse_bytes(runtime) if runtime else None, shard=shard)
         plan.shape = source
         if capacity_text is not None:
             capacity = parse_bytes(capacity_text)
         elif plan.device == "cpu":
             # every rank of a --standalone run shares this host's memory
-            capacity = host_memory_bytes() // world
-            plan.notes.append(f"capacity: this host's memory / {world} ranks")
+            local = int(per_machine) if per_machine is not None else world
+            capacity = host_memory_bytes() // local
+            plan.notes.append(f"capacity: this host's memory / {local} ranks")
         else:
             raise ConfigError("--device-memory is required for a cuda plan (e.g. --device-memory 80GB)")
         print(plan.format(capacity))

@@ -26,7 +26,7 @@ from titanrl.data.manifest import SampleRecord, read_manifest
 from titanrl.data.prompt import PromptEncoder
 from titanrl.data.shadow import SampleMeta, build_loader
 from titanrl.distributed import (DistInfo, all_reduce_max, block_group, build_dp_mesh, build_ulysses_groups,
-                                 new_group)
+                                 machine_of_ranks, new_group, shard_groups_problem)
 from titanrl.metrics import MetricsLogger, format_summary
 from titanrl.models.lora import AdapterCheckpoint
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel
@@ -97,6 +97,24 @@ class Trainer:
             self._resources.close()
             raise
 
+    def _dp_shard(self, cfg: JobConfig, info: DistInfo) -> int:
+        """FSDP's shard degree (collective under odc): the config's, where -1 under odc on several machines is one
+        machine's ranks; below the training ranks every shard group must be one machine's (hybrid sharding: no
+        parameter gather and no gradient push crosses machines)."""
+        train = len(self.placement.train)
+        shard = cfg.data_parallel_degree(train)
+        if cfg.balance.strategy != "odc" or info.world_size == 1:
+            return shard
+        machines = machine_of_ranks(info)
+        if cfg.parallelism.data_parallel_shard_degree == -1 and len(set(machines)) > 1:
+            if self.placement.disaggregated:
+                raise ConfigError(f"balance.strategy='odc' on {len(set(machines))} machines needs hybrid sharding, "
+                                  "which is built for workflow.placement='colocated': use lb_mini or lb_micro there")
+            shard = train // len(set(machines))
+        if shard < train and (problem := shard_groups_problem(shard, machines)):
+            raise ConfigError(f"balance.strategy='odc' with hybrid sharding over groups of {shard} ranks: {problem}")
+        return shard
+
     def _setup(self, cfg: JobConfig, info: DistInfo) -> None:
         cfg.validate_world_size(info.world_size)
         self.engine_sleeps = cfg.engine_sleeps(info.device.type)  # rollout.sleep: refused here where it frees nothing
@@ -124,6 +142,12 @@ class Trainer:
                                  move=self._move, process_groups=process_groups, lead=lead)
         self.train_info = DistInfo(self.placement.train_rank(info.rank), len(self.placement.train), info.local_rank,
                                    info.device)
+        # FSDP's shard groups: all training ranks, or under odc each machine's ranks (hybrid sharding)
+        self.dp_shard = self._dp_shard(cfg, info)
+        if info.is_main and self.dp_shard < len(self.placement.train):
+            say(f"[titanrl] odc with hybrid sharding: the models sharded over groups of {self.dp_shard} rank(s), each "
+                f"within a machine, {len(self.placement.train) // self.dp_shard} replicas whose gradients are summed "
+                "once per minibatch")
         self.control = RunControl(info.rank)
         self._resources.callback(self.control.close)
         if info.is_main:
@@ -157,7 +181,8 @@ class Trainer:
         # of the longest samples, benchmarks/memory.md) only warns
         tinfo = self.train_info
         if info.rank in self.placement.train:
-            self.memory_plan = memory.predict(cfg, self.args, tinfo.world_size, device=info.device.type)
+            self.memory_plan = memory.predict(cfg, self.args, tinfo.world_size, device=info.device.type,
+                                              shard=self.dp_shard)
         else:  # a rank that only generates
             self.memory_plan = memory.predict_rollout_rank(cfg, self.args, len(self.placement.rollout),
                                                            device=info.device.type)
@@ -179,7 +204,7 @@ class Trainer:
         # many ranks (float32 parameters and gradients, compute and the weight push in model.dtype)
         # (disaggregated: a mesh of the training ranks over their group; the others build no model)
         mesh = build_dp_mesh(info, one_rank=cfg.one_rank_fsdp, ranks=self.placement.train,
-                             group=self.train_group)
+                             group=self.train_group, shard=self.dp_shard)
         self.model = self.ref_model = self.critic = self.stages = None
         if self.trains:
             self.model = self._build_model(mesh, trainable=True, lora=cfg.lora if cfg.lora.enabled else None)

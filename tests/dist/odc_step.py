@@ -85,6 +85,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = torch.load(opts.ref)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    # "/hybrid": odc's hybrid sharding, 2 replicas of world / 2 shard ranks each (as 2 machines would run it)
+    hybrid = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+              if any("/hybrid" in c for c in opts.cases.split(",")) else None)
     groups = build_ulysses_groups(rank, world, [d for d in (2, 4) if d <= world], torch.device("cpu"))
     mine = [t for t in trajs if home_of(t.group, world) == rank]
 
@@ -101,11 +104,12 @@ def main() -> None:
     results, kept = {}, {}
     for case in opts.cases.split(","):
         name, _, dtype = case.partition("@")
+        name, _, layout = name.partition("/")
         strategy, _, ulysses = name.partition("+")
         torch.manual_seed(0)
         model = Qwen2_5_VLModel(ARGS)
         model.init_weights()
-        model = parallelize_qwen2_5_vl(model, dp_mesh=mesh, ulysses=bool(ulysses),
+        model = parallelize_qwen2_5_vl(model, dp_mesh=hybrid if layout == "hybrid" else mesh, ulysses=bool(ulysses),
                                        param_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
         opt = optimizer(model)
         runner = StageRunner(args=ARGS, rank=rank, world=world, device=torch.device("cpu"), dtype=torch.float32,
@@ -117,7 +121,7 @@ def main() -> None:
                                  inp.seq_lengths, global_tokens=global_tokens, global_seqs=global_seqs,
                                  ref_logp=inp.fields["ref_logprobs"], entropy=out.entropy, **LOSS)
 
-        losses, counts, micro, barriers = [], [], [], []
+        losses, counts, micro, barriers, reductions = [], [], [], [], []
         for _ in range(STEPS):
             runner.begin_step(mine)
             ids = runner.all_ids()
@@ -126,6 +130,7 @@ def main() -> None:
             counts.append({k: calls[k] - before[k] for k in calls})
             comm = attached(model)
             barriers.append(comm.barriers if comm is not None else None)
+            reductions.append(comm.replica_reductions if comm is not None else None)
             micro.append(runner.plan(ids)[1].microbatch_counts())
             total = torch.tensor([sum(r.loss.item() for r in res)], dtype=torch.float64)
             dist.all_reduce(total)
@@ -142,10 +147,10 @@ def main() -> None:
         dist.all_reduce(e, op=dist.ReduceOp.MAX)
         # "@bf16" cases compare with each other: the first of them is the reference of the next (same shards)
         local = {k: v.to_local().clone() for k, v in model.state_dict().items()}
-        pair = torch.tensor([max(((local[k] - kept[dtype][k]).abs().max().item() for k in local), default=0.0)
-                             if dtype in kept else -1.0], dtype=torch.float64)
+        pair = torch.tensor([max(((local[k] - kept[dtype, layout][k]).abs().max().item() for k in local), default=0.0)
+                             if (dtype, layout) in kept else -1.0], dtype=torch.float64)
         dist.all_reduce(pair, op=dist.ReduceOp.MAX)
-        kept.setdefault(dtype, local)
+        kept.setdefault((dtype, layout), local)  # (a hybrid mesh's shards have another size)
         comm = attached(model)
         units = sum(1 for m in model.modules() if hasattr(m, "set_requires_gradient_sync"))
         every = [None] * world
@@ -153,6 +158,8 @@ def main() -> None:
         results[case] = {"param_err": e.item(), "loss_err": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
                          "collectives": every, "microbatches": micro, "fsdp_units": units,
                          "metrics": runner.metrics(), "odc_barriers": barriers, "losses": losses,
+                         "odc_replica_reductions": reductions,
+                         "replicas": None if comm is None else comm.replicas,
                          "pair_err": pair.item(), "direct": None if comm is None else all(comm.direct)}
     if rank == 0:
         torch.save(results, opts.out)

@@ -164,11 +164,16 @@ def world_size_problems(cfg: "JobConfig", world_size: int) -> list[str]:
                      f"{tp} of them)")
     world_size = cfg.workflow.training_ranks(world_size)
     dp = cfg.data_parallel_degree(world_size)
-    if dp != world_size:
+    if dp != world_size and cfg.balance.strategy != "odc":
         found.append(
-            f"parallelism.data_parallel_shard_degree ({dp}) must be -1 or equal the number "
-            f"of ranks ({world_size}): FSDP is the only mesh dimension"
+            f"parallelism.data_parallel_shard_degree ({dp}) must be -1 or equal the number of ranks ({world_size}): "
+            "a smaller degree is hybrid sharding, built for balance.strategy='odc' only"
         )
+    elif dp != world_size and (world_size % dp or dp > world_size):
+        found.append(f"parallelism.data_parallel_shard_degree ({dp}) must divide the number of ranks ({world_size})")
+    elif dp != world_size and cfg.workflow.placement != "colocated":
+        found.append(f"parallelism.data_parallel_shard_degree ({dp}) below the ranks (hybrid sharding) runs with "
+                     "workflow.placement='colocated' only")
     par = cfg.parallelism
     if par.ulysses == "fixed" and par.ulysses_degree > world_size:
         found.append(

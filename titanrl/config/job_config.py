@@ -240,7 +240,10 @@ class ParallelismConfig:
     """[parallelism] How the policy is sharded over ranks for training."""
 
     data_parallel_shard_degree: int = -1
-    """FSDP shard degree; -1 = all ranks."""
+    """FSDP shard degree; -1 = all ranks, except under balance.strategy='odc' on several machines: the ranks of
+    one machine. Below the ranks (odc only): hybrid sharding, parameters, gradients and optimizer state sharded
+    over each group of this many consecutive ranks (one machine's), replicated across the groups, whose
+    gradients are summed once per minibatch (docs/balance.md, "odc")."""
     ulysses: Literal["none", "fixed", "flex"] = "none"
     """Ulysses sequence parallelism of the log-prob and update stages: none = every trajectory whole on
     the rank that generated it; fixed = every trajectory split over ulysses_degree ranks; flex =

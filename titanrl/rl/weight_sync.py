@@ -29,7 +29,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titanrl.distributed import (DistInfo, all_gather_objects, broadcast_from_first, host_store,
                                  stateless_group)
@@ -44,11 +44,13 @@ SHARD_BYTES = 256 << 20  # what write_hf holds before a shard goes to the file
 
 
 def _shard_dim0(value: torch.Tensor) -> bool:
-    """Whether ``value`` is sharded on dim 0 over a 1-D mesh (FSDP2), the layout the bucketed gather handles."""
-    if not isinstance(value, DTensor) or value.device_mesh.ndim != 1:
+    """Whether ``value`` is sharded on dim 0 over its mesh's last dimension and replicated over any other (FSDP2,
+    and its hybrid sharding), the layout the bucketed gather handles (over the last dimension: within a machine)."""
+    if not isinstance(value, DTensor):
         return False
-    (placement,) = value.placements
-    return isinstance(placement, Shard) and placement.dim == 0
+    *replicated, placement = value.placements
+    return (isinstance(placement, Shard) and placement.dim == 0
+            and all(isinstance(p, Replicate) for p in replicated))
 
 
 def _rows(full: int, world: int, rank: int) -> int:
@@ -63,7 +65,8 @@ def _gather_bucket(entries: list[tuple[str, DTensor]], dtype: torch.dtype | None
     the chunk size and laid end to end as bytes. Each full tensor is put together as it is taken (one at a time
     beside the gathered bytes); ``keep=False``: not at all (None)."""
     mesh = entries[0][1].device_mesh
-    world, me = mesh.size(), mesh.get_local_rank()
+    dim = mesh.ndim - 1  # the shard dimension (hybrid sharding: the replicas hold the same shards)
+    world, me = mesh.size(dim), mesh.get_local_rank(dim)
     locals_, layouts, size = [], [], 0
     for name, value in entries:
         local = value.to_local().detach()
@@ -87,7 +90,7 @@ def _gather_bucket(entries: list[tuple[str, DTensor]], dtype: torch.dtype | None
         gathered = mine
     else:
         gathered = torch.empty(world * size, dtype=torch.uint8, device=device)
-        dist.all_gather_single(gathered, mine, group=mesh.get_group())
+        dist.all_gather_single(gathered, mine, group=mesh.get_group(dim))
     del mine
     for name, full0, rest, dt, row, _, offset in layouts:
         if not keep:

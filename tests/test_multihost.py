@@ -2,7 +2,8 @@
 host 1) and a two-node torchrun (one rank per host, gloo over the hosts' interfaces), as in the README's
 multi-node section.
 
-- the default config (slice-aware loading on) and FlexUlysses ``flex`` each train 3 steps and exit 0;
+- the default config (slice-aware loading on) and FlexUlysses ``flex`` with LoRA under ``odc`` (hybrid sharding
+  across the hosts) each train 3 steps and exit 0;
   frames cross hosts (``vision/frames_cross_host``) and every rank fetches whole samples from its own
   host's preprocessor (``data/ranks_fetching_same_host``); the default runs without a shared cache (each host's
   model.cache_dir on its own local disk: ``Hosts.local_dir``): every host prepares what its rank reads;
@@ -109,12 +110,15 @@ def test_two_hosts_train_with_slice_loading(hosts, run_cache, tmp_path, flex):
     without a shared cache: each host's model.cache_dir on its own local disk, at a different path on each, so every
     host builds the tiny checkpoint and the data its rank reads and its preprocessor reads its own host's copy. The
     second variant shares one cache and runs FlexUlysses with LoRA adapters (the merged push on each host: the probe
-    checks its engine after every push)."""
-    extra = ["--parallelism.ulysses=flex", "--lora.rank=8", "--lora.alpha=16"] if flex else []
+    checks its engine after every push) under odc, which spans the hosts by hybrid sharding (each host's rank holds
+    its replica; the adapters' gradients summed across the hosts once per minibatch)."""
+    extra = ["--parallelism.ulysses=flex", "--lora.rank=8", "--lora.alpha=16", "--balance.strategy=odc"] if flex else []
     caches = run_cache if flex else [hosts.local_dir / f"cache-h{i}" for i in range(len(hosts))]
     results = train_on_hosts(hosts, tmp_path / "out", caches, *extra, port=29555 + flex)
     for rank, proc in enumerate(results):
         assert proc.returncode == 0, f"host {rank}:\n{proc.stdout[-4000:]}"
+    hybrid = "odc with hybrid sharding: the models sharded over groups of 1 rank(s), each within a machine, 2 replicas"
+    assert (hybrid in results[0].stdout) == flex, results[0].stdout[-3000:]
     steps = step_metrics(tmp_path / "out")
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all(m["probe/logprob_max_diff"] <= 1e-4 for m in steps), steps

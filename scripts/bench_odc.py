@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_common import HeapSampler, provenance, provenance_text  # noqa: E402
-STRATEGIES = ("native", "lb_micro", "lb_mini", "odc", "lb_micro+flex", "lb_mini+flex", "odc+flex")
+STRATEGIES = ("native", "lb_micro", "lb_mini", "odc", "odc/hybrid", "lb_micro+flex", "lb_mini+flex", "odc+flex")
 
 
 def aime_batch(model_dir: Path, prompts: int, responses: int, seed: int):
@@ -97,8 +97,11 @@ def worker(opts) -> None:
     torch.manual_seed(0)
     model = Qwen2_5_VLModel(args)
     model.init_weights()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    strategy, _, flex = opts.strategy.partition("+")
+    name, _, layout = opts.strategy.partition("/")
+    # "/hybrid": odc's hybrid sharding as on 2 machines (2 replicas, each sharded over world / 2 ranks)
+    mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+            if layout == "hybrid" else init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)))
+    strategy, _, flex = name.partition("+")
     p_max = min(4, world) if flex else 1
     degrees = tuple(p for p in (2, 4) if p <= p_max)
     groups = build_ulysses_groups(rank, world, degrees, device) if flex else {}
@@ -217,6 +220,9 @@ def report(rows: list[dict]) -> str:
               "shards move into shared memory, which is not counted: they were there before). lb_mini holds full",
               "parameters and unsharded gradients for the minibatch (the small model: ~140 MB each); odc gathers a",
               "unit from the owners' shared memory when it runs, as FSDP does, and synchronises once per minibatch.",
+              "`odc/hybrid`: odc's hybrid sharding as on two machines (2 replicas, each sharded over half the ranks,",
+              "gradients all-reduced across the replicas once per minibatch); its parameter and optimizer shards are",
+              "twice odc's (not in `peak added`, which counts the gradient buffer).",
               "Wall-clock ratios only for 2 ranks.", ""]
     lines += ["## The 7B config's predicted peak per GPU (8 x 80 GB, `python -m titanrl.memory`)", "",
               "| strategy | predicted peak GiB | fits 80 GB |", "|---|---|---|"]
@@ -234,17 +240,20 @@ def planner_rows() -> list[tuple[str, float, bool]]:
     from titanrl.config.errors import ConfigError
 
     rows = []
-    for strategy in ("lb_micro", "odc", "lb_mini"):
+    # (row, strategy, ranks, shard degree): odc on 2 machines of 8 shards within each (hybrid sharding)
+    for label, strategy, world, shard in (("lb_micro", "lb_micro", 8, None), ("odc", "odc", 8, None),
+                                          ("odc, 2 machines of 8 (hybrid sharding)", "odc", 16, 8),
+                                          ("lb_mini", "lb_mini", 8, None)):
         cfg = load_config(ROOT / "configs" / "qwen2_5_vl_7b.toml",
                           ["--model.path=/models/Qwen2.5-VL-7B-Instruct", f"--balance.strategy={strategy}"])
         args, _ = memory.resolve_shape(cfg)
-        plan = memory.predict(cfg, args, 8, device="cuda")
+        plan = memory.predict(cfg, args, world, device="cuda", shard=shard)
         try:
             memory.check_fits(plan, 80 * 10**9, cfg)
             fits = True
         except ConfigError:
             fits = False
-        rows.append((strategy, plan.total / 2**30, fits))
+        rows.append((label, plan.total / 2**30, fits))
     return rows
 
 

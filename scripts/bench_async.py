@@ -15,8 +15,8 @@ core) of the workloads of ``bench_placement`` (the tiny default, 32 prompts x 8 
 
 Per variant, medians over steps 3.. (the first async step also fills the pipeline): the step's wall time, each
 rank's busy seconds and idle share (1 - busy / step), the stage times, and the staleness of the trained batch.
-A rollout rank's busy time counts the wall time of its calls into its vLLM engine (whose core runs in child
-processes); a training rank's is its process CPU time.
+A rollout rank's busy time counts the wall time of its calls into its vLLM engine (whose core runs in a child
+process); a training rank's is its process CPU time.
 """
 
 from __future__ import annotations
@@ -116,8 +116,9 @@ def report(data: dict) -> str:
         "",
         "With one rank per side the asynchronous step is bounded below by the busier side: the step shortens from "
         "rollout + training (synchronous disaggregated) towards max(rollout, training). On this machine the "
-        "rollout rank's vLLM engine runs in child processes (engine core and worker) that share the 2 cores with "
-        "both ranks, so while it generates it takes CPU from the training rank, which a device per rank would not.",
+        "rollout rank's vLLM engine runs in a child process (vLLM's engine core, its worker inside) that shares "
+        "the 2 cores with both ranks, so while it generates it takes CPU from the training rank, which a device per "
+        "rank would not.",
         "",
         "Commands:",
         "",

@@ -199,6 +199,26 @@ def test_memory_constraint_costs_inf_and_says_why():
     assert m.why_infeasible(sharded) is None and math.isfinite(m.step_time(sharded))
 
 
+def test_odc_across_hosts_is_priced_as_the_trainer_runs_it():
+    """balance.strategy = odc on devices of several hosts: a colocated group is priced with hybrid sharding (the
+    models sharded over one host's devices, titanrl.memory's shard), a model group without the rollout that spans
+    hosts is infeasible (the trainer refuses it), and one on a single host is not."""
+    from titanrl.config import load_config
+
+    c = cluster_from_dict({"devices": {"g": dict(count=4, tflops=50, memory_gb=80, hbm_gbps=1000, intra_gbps=100,
+                                                  per_host=2)}, "links": [dict(between=["g", "g"], gbps=10)]})
+    odc = workload_from_config(load_config("configs/tiny_cpu.toml", ["--balance.strategy=odc"]))
+    mini = workload_from_config(load_config("configs/tiny_cpu.toml"))
+    models = ("reference", "update")
+    colocated = Plan((GroupPlan(odc.tasks, (0, 1, 2, 3), fsdp=4),))
+    one_host = Plan((GroupPlan(("rollout",), (0, 1)), GroupPlan(models, (2, 3), fsdp=2)))
+    spanning = Plan((GroupPlan(("rollout",), (0,)), GroupPlan(models, (1, 2, 3), fsdp=3)))
+    m = HetCostModel(c, odc)
+    assert m.why_infeasible(colocated) is None and m.why_infeasible(one_host) is None
+    assert "hybrid sharding needs the colocated placement" in m.why_infeasible(spanning)
+    assert HetCostModel(c, mini).why_infeasible(spanning) is None
+
+
 def test_step_combines_stages_by_placement_and_mode():
     """Sync: stages add; tasks of a phase in one group add, in different groups overlap (Phi); async overlaps the
     rollout with the rest only when the rollout has devices of its own."""

@@ -106,11 +106,13 @@ class Trainer:
         if cfg.balance.strategy != "odc" or info.world_size == 1:
             return shard
         machines = machine_of_ranks(info)
-        if cfg.parallelism.data_parallel_shard_degree == -1 and len(set(machines)) > 1:
+        spanned = {machines[r] for r in self.placement.train}  # the machines of the ranks holding the models
+        if cfg.parallelism.data_parallel_shard_degree == -1 and len(spanned) > 1:
             if self.placement.disaggregated:
-                raise ConfigError(f"balance.strategy='odc' on {len(set(machines))} machines needs hybrid sharding, "
-                                  "which is built for workflow.placement='colocated': use lb_mini or lb_micro there")
-            shard = train // len(set(machines))
+                raise ConfigError(f"balance.strategy='odc' with training ranks on {len(spanned)} machines needs "
+                                  "hybrid sharding, which is built for workflow.placement='colocated': use lb_mini "
+                                  "or lb_micro there, or put the training ranks on one machine")
+            shard = train // len(spanned)
         if shard < train and (problem := shard_groups_problem(shard, machines)):
             raise ConfigError(f"balance.strategy='odc' with hybrid sharding over groups of {shard} ranks: {problem}")
         return shard

@@ -936,8 +936,18 @@ class HetCostModel:
             cfg.workflow.placement = "colocated" if "rollout" in g.tasks else "disaggregated"
             if g.ulysses > 1:
                 cfg.parallelism.ulysses, cfg.parallelism.p_max = "flex", g.ulysses
-            # FSDP shards over blocks of fsdp_degree devices (titanrl: the whole group; HSDP in HetRL's wider space)
-            plan = memory.predict(cfg, w.args, g.fsdp_degree, device=device)
+            # FSDP shards over blocks of fsdp_degree devices (titanrl: the whole group; HSDP in HetRL's wider space);
+            # odc on several hosts shards over one host's devices (hybrid sharding), colocated only, as the trainer
+            shard = None
+            hosts = [self.cluster.devices[d].host for d in g.devices]
+            if cfg.balance.strategy == "odc" and len(set(hosts)) > 1:
+                per_host = {h: hosts.count(h) for h in hosts}
+                if "rollout" not in g.tasks or len(set(per_host.values())) > 1:
+                    return (f"the group of {'+'.join(g.tasks)} spans hosts {sorted(per_host)} under "
+                            "balance.strategy='odc', whose hybrid sharding needs the colocated placement and as many "
+                            "ranks on every host"), np.zeros(len(idx))
+                shard = len(g.devices) // len(per_host)
+            plan = memory.predict(cfg, w.args, g.fsdp_degree, device=device, shard=shard)
         else:
             cfg.workflow.placement = "disaggregated"
             plan = memory.predict_rollout_rank(cfg, w.args, len(g.devices), device=device)

@@ -146,7 +146,11 @@ def test_a_dying_preprocessor_is_restarted_and_its_samples_redecoded(ray_session
             for a, b in zip(step.materialize(), reference[step_index]):
                 assert_same_sample(a, b)
         assert ray.get(handle.ping.remote()) != pid  # a new process
-        assert ray.get(handle.get_stats.remote())["on_demand"] >= routed  # step 0 was decoded again
+        # what died with the old process was decoded again by the new one when a fetch asked for it (on demand; a
+        # fetch or prefetch in flight at the kill is retried by Ray and may decode some of step 0 first, so not
+        # necessarily all `routed` of them on demand: 3 of 4 in one suite run)
+        stats = ray.get(handle.get_stats.remote())
+        assert stats["on_demand"] >= 1 and stats["decoded"] >= routed, (stats, routed)
         # a preprocessor that is gone for good is a clear error, not a hang
         ray.kill(handle, no_restart=True)
         loader.load_state_dict(start)  # replan: the fetches now go to the dead actor

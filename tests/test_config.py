@@ -398,7 +398,7 @@ def test_validate_world_size():
 def test_a_shard_degree_below_the_ranks_is_odc_hybrid_sharding_only():
     """parallelism.data_parallel_shard_degree below the ranks: hybrid sharding, which only odc runs (colocated);
     elsewhere refused with the reason. Shard groups must be one machine's consecutive ranks (torchrun's agents)."""
-    from titanrl.distributed import shard_groups_problem
+    from titanrl.memory import shard_groups_problem
 
     overridden("--balance.strategy=odc", "--parallelism.data_parallel_shard_degree=2").validate_world_size(4)
     for flags, world, why in (
@@ -412,6 +412,18 @@ def test_a_shard_degree_below_the_ranks_is_odc_hybrid_sharding_only():
     assert shard_groups_problem(2, [0, 0, 1, 1]) is None and shard_groups_problem(4, [0, 0, 0, 0]) is None
     assert "ranks 2-3 span machines [0, 1]" in shard_groups_problem(2, [0, 0, 0, 1])
     assert "does not divide" in shard_groups_problem(3, [0, 0, 1, 1])
+    # the one rule the trainer, the memory CLI and HetRL's cost model apply (titanrl.memory.fsdp_shard_degree)
+    from titanrl.memory import fsdp_shard_degree
+
+    odc = overridden("--balance.strategy=odc")
+    assert fsdp_shard_degree(odc, [0, 0, 1, 1], disaggregated=False) == 2
+    assert fsdp_shard_degree(odc, [0, 0, 0, 0], disaggregated=False) == 4
+    assert fsdp_shard_degree(overridden(), [0, 0, 1, 1], disaggregated=False) == 4  # lb_mini: not hybrid
+    for machines, disaggregated, why in (([0, 0, 1, 1], True, "built for workflow.placement='colocated'"),
+                                         ([0, 0, 0, 1], False, "as many training ranks on every machine"),
+                                         ([0, 1, 0, 1], False, "ranks 0-1 span machines [0, 1]")):
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            fsdp_shard_degree(odc, machines, disaggregated=disaggregated)
 
 
 # ---------------------------------------------------------------- printing, saving, round trip

@@ -215,7 +215,10 @@ def test_odc_across_hosts_is_priced_as_the_trainer_runs_it():
     spanning = Plan((GroupPlan(("rollout",), (0,)), GroupPlan(models, (1, 2, 3), fsdp=3)))
     m = HetCostModel(c, odc)
     assert m.why_infeasible(colocated) is None and m.why_infeasible(one_host) is None
-    assert "hybrid sharding needs the colocated placement" in m.why_infeasible(spanning)
+    assert "built for workflow.placement='colocated'" in m.why_infeasible(spanning)
+    # as many devices on every host: 2 + 1 is refused as the trainer refuses it
+    uneven = Plan((GroupPlan(odc.tasks, (0, 1, 2), fsdp=3),))
+    assert "needs as many training ranks on every machine" in m.why_infeasible(uneven)
     assert HetCostModel(c, mini).why_infeasible(spanning) is None
 
 

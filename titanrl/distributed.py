@@ -83,20 +83,6 @@ def machine_of_ranks(info: DistInfo) -> list[int]:
     return [int(m) for m in all_gather_objects(int(os.environ.get("GROUP_RANK", "0")))] if info.distributed else [0]
 
 
-def shard_groups_problem(shard: int, machines: Sequence[int]) -> str | None:
-    """Why groups of ``shard`` consecutive ranks cannot each be one machine's ranks (hybrid sharding keeps every
-    parameter gather within a machine), or None."""
-    world = len(machines)
-    if shard < 1 or world % shard:
-        return f"{shard} does not divide the {world} ranks"
-    for start in range(0, world, shard):
-        group = machines[start:start + shard]
-        if len(set(group)) > 1:
-            return (f"ranks {start}-{start + shard - 1} span machines {sorted(set(group))} (torchrun's GROUP_RANK): "
-                    "each shard group must be ranks of one machine")
-    return None
-
-
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

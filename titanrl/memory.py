@@ -405,6 +405,47 @@ def fmt_bytes(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 8 else f"{n / (1 << 20):.1f} MiB"
 
 
+def shard_groups_problem(shard: int, machines: Sequence[int]) -> str | None:
+    """Why groups of ``shard`` consecutive ranks (whose machines are ``machines``) cannot each be one machine's
+    ranks (hybrid sharding keeps every parameter gather within a machine), or None."""
+    world = len(machines)
+    if shard < 1 or world % shard:
+        return f"{shard} does not divide the {world} ranks"
+    for start in range(0, world, shard):
+        group = machines[start:start + shard]
+        if len(set(group)) > 1:
+            return (f"ranks {start}-{start + shard - 1} span machines {sorted(set(group))} (torchrun's GROUP_RANK): "
+                    "each shard group must be ranks of one machine")
+    return None
+
+
+def fsdp_shard_degree(cfg: JobConfig, machines: Sequence[int], *, disaggregated: bool) -> int:
+    """FSDP's shard degree over the training ranks whose machines are ``machines`` (in rank order): the config's,
+    where under ``odc`` with ``parallelism.data_parallel_shard_degree = -1`` on several machines it is one machine's
+    ranks (hybrid sharding: no parameter gather and no gradient push crosses machines). Below the training ranks
+    every shard group must be one machine's consecutive ranks. The one rule the trainer, this planner's CLI
+    (``--ranks-per-machine``) and HetRL's cost model apply; ConfigError with the reason where it cannot hold."""
+    train = len(machines)
+    shard = cfg.data_parallel_degree(train)
+    if cfg.balance.strategy != "odc" or train <= 1:
+        return shard
+    spanned = set(machines)
+    if cfg.parallelism.data_parallel_shard_degree == -1 and len(spanned) > 1:
+        if disaggregated:
+            raise ConfigError(f"balance.strategy='odc' with training ranks on {len(spanned)} machines needs "
+                              "hybrid sharding, which is built for workflow.placement='colocated': use lb_mini "
+                              "or lb_micro there, or put the training ranks on one machine")
+        counts = {m: list(machines).count(m) for m in sorted(spanned)}
+        if len(set(counts.values())) > 1:
+            raise ConfigError(f"balance.strategy='odc' on several machines shards over one machine's ranks (hybrid "
+                              f"sharding), which needs as many training ranks on every machine: {counts} "
+                              "(machine: ranks)")
+        shard = train // len(spanned)
+    if shard < train and (problem := shard_groups_problem(shard, machines)):
+        raise ConfigError(f"balance.strategy='odc' with hybrid sharding over groups of {shard} ranks: {problem}")
+    return shard
+
+
 def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device | None = None,
             runtime_bytes: int | None = None, data: DataShape | None = None, shard: int | None = None) -> MemoryPlan:
     """The predicted peak memory per rank of ``cfg`` on ``world`` ranks for the model shape ``args``
@@ -692,13 +733,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.validate_world_size(world)
         args, source = resolve_shape(cfg, shape)
         shard = None
-        if per_machine is not None:  # odc on several machines: hybrid sharding over one machine's ranks
+        if per_machine is not None:  # several machines: odc shards over one machine's ranks (hybrid sharding)
             per_machine_n = int(per_machine)
             if per_machine_n < 1 or world % per_machine_n:
                 raise ConfigError(f"--ranks-per-machine ({per_machine_n}) must divide --world ({world})")
-            if (cfg.balance.strategy == "odc" and cfg.parallelism.data_parallel_shard_degree == -1
-                    and cfg.workflow.placement == "colocated"):
-                shard = per_machine_n
+            shard = fsdp_shard_degree(cfg, [r // per_machine_n for r in range(world)],
+                                      disaggregated=cfg.workflow.placement == "disaggregated")
         plan = predict(cfg, args, world, device=device,  # type: ignore[arg-type]
                        runtime_bytes=parse_bytes(runtime) if runtime else None, shard=shard)
         plan.shape = source

@@ -26,7 +26,7 @@ from titanrl.data.manifest import SampleRecord, read_manifest
 from titanrl.data.prompt import PromptEncoder
 from titanrl.data.shadow import SampleMeta, build_loader
 from titanrl.distributed import (DistInfo, all_reduce_max, block_group, build_dp_mesh, build_ulysses_groups,
-                                 machine_of_ranks, new_group, shard_groups_problem)
+                                 machine_of_ranks, new_group)
 from titanrl.metrics import MetricsLogger, format_summary
 from titanrl.models.lora import AdapterCheckpoint
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel
@@ -97,26 +97,6 @@ class Trainer:
             self._resources.close()
             raise
 
-    def _dp_shard(self, cfg: JobConfig, info: DistInfo) -> int:
-        """FSDP's shard degree (collective under odc): the config's, where -1 under odc on several machines is one
-        machine's ranks; below the training ranks every shard group must be one machine's (hybrid sharding: no
-        parameter gather and no gradient push crosses machines)."""
-        train = len(self.placement.train)
-        shard = cfg.data_parallel_degree(train)
-        if cfg.balance.strategy != "odc" or info.world_size == 1:
-            return shard
-        machines = machine_of_ranks(info)
-        spanned = {machines[r] for r in self.placement.train}  # the machines of the ranks holding the models
-        if cfg.parallelism.data_parallel_shard_degree == -1 and len(spanned) > 1:
-            if self.placement.disaggregated:
-                raise ConfigError(f"balance.strategy='odc' with training ranks on {len(spanned)} machines needs "
-                                  "hybrid sharding, which is built for workflow.placement='colocated': use lb_mini "
-                                  "or lb_micro there, or put the training ranks on one machine")
-            shard = train // len(spanned)
-        if shard < train and (problem := shard_groups_problem(shard, machines)):
-            raise ConfigError(f"balance.strategy='odc' with hybrid sharding over groups of {shard} ranks: {problem}")
-        return shard
-
     def _setup(self, cfg: JobConfig, info: DistInfo) -> None:
         cfg.validate_world_size(info.world_size)
         self.engine_sleeps = cfg.engine_sleeps(info.device.type)  # rollout.sleep: refused here where it frees nothing
@@ -145,7 +125,9 @@ class Trainer:
         self.train_info = DistInfo(self.placement.train_rank(info.rank), len(self.placement.train), info.local_rank,
                                    info.device)
         # FSDP's shard groups: all training ranks, or under odc each machine's ranks (hybrid sharding)
-        self.dp_shard = self._dp_shard(cfg, info)
+        machines = machine_of_ranks(info) if cfg.balance.strategy == "odc" else [0] * info.world_size
+        self.dp_shard = memory.fsdp_shard_degree(cfg, [machines[r] for r in self.placement.train],
+                                          disaggregated=self.placement.disaggregated)
         if info.is_main and self.dp_shard < len(self.placement.train):
             say(f"[titanrl] odc with hybrid sharding: the models sharded over groups of {self.dp_shard} rank(s), each "
                 f"within a machine, {len(self.placement.train) // self.dp_shard} replicas whose gradients are summed "

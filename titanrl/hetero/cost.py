@@ -78,6 +78,7 @@ from typing import Any
 
 import numpy as np
 
+from titanrl.config.errors import ConfigError
 from titanrl.hetero.cluster import Cluster
 from titanrl.parallel.cost_model import CostModel
 
@@ -938,15 +939,12 @@ class HetCostModel:
                 cfg.parallelism.ulysses, cfg.parallelism.p_max = "flex", g.ulysses
             # FSDP shards over blocks of fsdp_degree devices (titanrl: the whole group; HSDP in HetRL's wider space);
             # odc on several hosts shards over one host's devices (hybrid sharding), colocated only, as the trainer
-            shard = None
-            hosts = [self.cluster.devices[d].host for d in g.devices]
-            if cfg.balance.strategy == "odc" and len(set(hosts)) > 1:
-                per_host = {h: hosts.count(h) for h in hosts}
-                if "rollout" not in g.tasks or len(set(per_host.values())) > 1:
-                    return (f"the group of {'+'.join(g.tasks)} spans hosts {sorted(per_host)} under "
-                            "balance.strategy='odc', whose hybrid sharding needs the colocated placement and as many "
-                            "ranks on every host"), np.zeros(len(idx))
-                shard = len(g.devices) // len(per_host)
+            try:
+                shard = memory.fsdp_shard_degree(cfg, [self.cluster.devices[d].host for d in g.devices],
+                                                 disaggregated="rollout" not in g.tasks)
+            except ConfigError as err:
+                return f"the group of {'+'.join(g.tasks)}: {err}", np.zeros(len(idx))
+            shard = shard if shard < len(g.devices) else None  # (else the group's fsdp_degree)
             plan = memory.predict(cfg, w.args, g.fsdp_degree, device=device, shard=shard)
         else:
             cfg.workflow.placement = "disaggregated"

@@ -47,8 +47,7 @@ PRELOAD = ["torch", "torch._dynamo", "torch._inductor.lowering", "transformers",
            "transformers.tokenization_mistral_common", "vllm.v1.worker.cpu_worker", "vllm.model_executor.model_loader",
            "vllm.model_executor.models.qwen2_5_vl", "vllm.v1.core.sched.scheduler", "vllm.v1.sample.sampler",
            "vllm.lora.layers", "vllm.lora.worker_manager", "vllm.kernels", "compressed_tensors",
-           "vllm.model_executor.layers.quantization.compressed_tensors", "vllm.entrypoints.launchers", "pyarrow", "ray.dag",
-           "boto3"]
+           "vllm.model_executor.layers.quantization.compressed_tensors", "vllm.entrypoints.launchers", "boto3"]
 
 
 def enabled() -> bool:

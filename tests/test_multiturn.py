@@ -373,11 +373,11 @@ def test_multi_turn_on_two_ranks_killed_and_resumed_and_async_equals_one_process
     evaluation of 4 held-out prompts every 2 steps: 2 ranks with one vLLM engine over both (tensor parallelism 2:
     every rank calls it each turn, with its own trajectories), FlexUlysses, vision balancing and shared-prefix
     packing (the observation images encoded where the vision plan puts them, sent from the rank that rolled them
-    out), killed with -9 after the step-2 checkpoint and rerun, equal the uninterrupted one-process run on per-token
-    log-probs and parameter updates; vLLM's log-probs of the generated tokens equal the trainer's after every push
+    out), killed with -9 after the step-2 checkpoint and rerun (its evaluation not repeated), equal the
+    uninterrupted one-process run on per-token log-probs and parameter updates; vLLM's log-probs of the generated tokens equal the trainer's after every push
     (probe <= 1e-4), and the later turns' contexts come mostly from vLLM's prefix cache. So does the disaggregated
     asynchronous placement without lag (1 rollout + 1 training rank)."""
-    from train_runs import SIGNAL, assert_same_computation, kill_ranks_when, metrics, run, train_cmd
+    from train_runs import SIGNAL, assert_same_computation, kill_ranks_when, metric_records, metrics, run, train_cmd
 
     from titanrl.rl.dump import load_dumps
 
@@ -394,6 +394,8 @@ def test_multi_turn_on_two_ranks_killed_and_resumed_and_async_equals_one_process
     # at its close
     assert not list(Path("/dev/shm").glob("titanrl-*cpushm_*"))
     assert sorted({r["step"] for r in metric_steps(two)}) == [1, 2, 3]
+    # the evaluation logged before the step-2 checkpoint is not repeated by the resumed run
+    assert [r["step"] for r in metric_records(two) if "eval/responses" in r] == [2]
     seen = assert_same_computation(one, two, steps=3)
     assert {"rollout_logprobs", "old_logprobs", "update/policy", "evaluations"} <= set(seen), seen
     for step, m in metrics(two).items():

@@ -158,10 +158,12 @@ def test_counted_reward_errors_are_shown_and_a_reward_that_always_fails_stops_th
     assert not re.search(r'File ".*/titanrl/', missing.stdout + missing.stderr)
 
 
-# The SIGTERM tests' runs: PPO (the critic, its optimizer and LR schedule are in the checkpoint too), 5 steps, a
-# checkpoint every 2, and a reward that hangs only while the test's marker file exists (tests/stalling_reward.py).
+# The SIGTERM tests' runs: PPO (the critic, its optimizer and LR schedule are in the checkpoint too) with FlexUlysses
+# and lb_mini (trajectories exchanged and sharded every step: a small token budget), 5 steps, a checkpoint every 2,
+# and a reward that hangs only while the test's marker file exists (tests/stalling_reward.py).
 SIGTERM_RUN = ("--rl.algorithm=ppo", "--job.steps=5", "--checkpoint.interval=2", "--metrics.dump_tensors",
-               "--rl.old_logprobs=recompute", "--rl.reward_timeout_s=300",
+               "--rl.old_logprobs=recompute", "--rl.reward_timeout_s=300", "--parallelism.ulysses=flex",
+               "--parallelism.p_max=2", "--balance.strategy=lb_mini", "--balance.max_tokens_per_microbatch=200",
                f"--rl.reward={ROOT / 'tests' / 'stalling_reward.py'}:reward")
 
 
@@ -184,7 +186,8 @@ def test_sigterm_past_the_grace_abandons_the_step_within_it_saves_it_and_the_rer
     2. The rerun resumes from it; a SIGTERM once it has trained a step: the step ends and is saved, every rank exits
        normally.
     3. The next rerun resumes from that checkpoint. Steps 3-5 of the three runs equal the uninterrupted run's
-       exactly (PPO: the critic, its optimizer and LR schedule are in the checkpoints too).
+       exactly: per-token log-probs, parameters and statistics (model, optimizer, LR, data position, RNGs from DCP;
+       PPO's critic, its optimizer and LR schedule too), with FlexUlysses sharding sequences (asserted).
 
     (Disaggregated and asynchronous, with the engine in child processes of the rollout rank: test_async's resume
     test.) The stopped runs have their own Ray instance: rank 0's daemons must survive torchrun's SIGTERM to the
@@ -226,9 +229,11 @@ def test_sigterm_past_the_grace_abandons_the_step_within_it_saves_it_and_the_rer
     assert f"resumed from step {stopped[1]}" in resumed.stdout + resumed.stderr
     a, b = load_dumps(straight), load_dumps(out / "tiny_cpu")
     ma, mb = metrics(straight), metrics(out / "tiny_cpu")
+    assert max(ma[s]["parallel/sharded_sequences"] for s in (1, 2, 3, 4, 5)) > 0  # FlexUlysses really sharded
     for step in (3, 4, 5):
         diff = max_differences(a[step], b[step])
-        assert {"params/policy", "params/critic"} <= set(diff) and all(v == 0.0 for v in diff.values()), (step, diff)
+        assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "params/policy", "params/critic"} <= set(diff) \
+            and all(v == 0.0 for v in diff.values()), (step, diff)
         for key in ("loss", "reward/mean", "kl", "entropy", "grad_norm"):
             assert ma[step][key] == mb[step][key], (step, key)
 

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import fork_launch
 import pytest
 
 from titanrl.metrics import format_summary
@@ -107,7 +108,7 @@ def test_a_hung_rank_ends_the_run_with_an_error_naming_stage_rank_and_timeout():
     script = Path(__file__).parent / "dist" / "collective_timeout.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), "3",
            "20"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = fork_launch.run(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=180)
     assert proc.returncode != 0
     assert ("error on rank 0: stage 'update': rank 0 waited more than job.collective_timeout_s=3 s for a collective"
             in proc.stderr), proc.stderr[-3000:]

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import fork_launch
 import pytest
 
 from titanrl.config import ConfigError, parse_args
@@ -126,9 +126,9 @@ def test_an_evaluation_equals_one_computed_without_the_trainer(run_cache, tmp_pa
     held = sorted((Path(run_cache) / "data").glob(f"heldout_{mixture}_*/manifest.jsonl"))
     assert len(held) == 1, held
     out = tmp_path / "direct.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "eval_direct.py"), str(run_dir), str(held[0]),
-                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "tests")})
+    proc = fork_launch.run([sys.executable, str(ROOT / "tests" / "eval_direct.py"), str(run_dir), str(held[0]),
+                            str(out)], {**__import__("os").environ, "PYTHONPATH": str(ROOT / "tests")}, ROOT,
+                           timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     direct = json.loads(out.read_text())
     evals = evaluations(run_dir)

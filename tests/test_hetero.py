@@ -8,6 +8,7 @@ import json
 import math
 from dataclasses import replace
 
+import fork_launch
 import numpy as np
 import pytest
 from train_runs import failure_report
@@ -561,7 +562,6 @@ def test_profile_schedule_train_end_to_end(run_cache, tmp_path):
     live plans: 2 ranks, one slowed by spinners, `test_profile`; two namespaced hosts behind a shaped link,
     `test_multihost`.)"""
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -571,8 +571,8 @@ def test_profile_schedule_train_end_to_end(run_cache, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
 
-    def run(cmd):
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    def run(cmd):  # started from the tests' forkserver (fork_launch: torchrun's ranks, or one process)
+        proc = fork_launch.run(cmd, env, root, timeout=900)
         assert proc.returncode == 0, failure_report(proc)
         return proc.stdout
 

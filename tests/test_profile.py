@@ -16,25 +16,13 @@ import sys
 import time
 from pathlib import Path
 
+import fork_launch
 import pytest
+from train_runs import pin_wrapper
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK_KEYS = {"rank", "host", "device", "device_name", "matmul_tflops", "attention_tflops", "memory_gb", "hbm_gbps",
              "gen_tokens_per_s"}
-
-# torchrun runs this instead of ``-m titanrl.profile`` (or WRAP_MODULE): it pins the rank to one core (PIN_CORES, by
-# LOCAL_RANK) and names its host (HOST_PREFIX + LOCAL_RANK) before running the module as __main__.
-WRAPPER = """\
-import os, runpy, sys
-local = int(os.environ["LOCAL_RANK"])
-if os.environ.get("PIN_CORES"):
-    os.sched_setaffinity(0, {int(os.environ["PIN_CORES"].split(",")[local])})
-if os.environ.get("HOST_PREFIX"):
-    os.environ["TITANRL_HOST"] = os.environ["HOST_PREFIX"] + str(local)
-module = os.environ.get("WRAP_MODULE", "titanrl.profile")
-sys.argv[0] = module
-runpy.run_module(module, run_name="__main__", alter_sys=True)
-"""
 
 
 def check_schema(profile: dict, world: int) -> None:
@@ -55,11 +43,12 @@ def check_schema(profile: dict, world: int) -> None:
 
 
 def run(argv: list[str], *, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``argv`` to its end, started from the tests' forkserver (``fork_launch``: torchrun's ranks, or one process)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = fork_launch.run(argv, env, ROOT, timeout)
     if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
         # gloo's rare teardown abort after the work was done (see tests/test_distributed.py): once more
-        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = fork_launch.run(argv, env, ROOT, timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -71,9 +60,9 @@ def torchrun(wrapper: Path, nproc: int, *args: str) -> list[str]:
 
 @pytest.fixture
 def wrapper(tmp_path: Path) -> Path:
-    path = tmp_path / "profile_rank.py"
-    path.write_text(WRAPPER)
-    return path
+    """torchrun runs it instead of ``-m titanrl.profile`` (``train_runs.PIN_WRAPPER``): PIN_CORES, HOST_PREFIX,
+    WRAP_MODULE."""
+    return pin_wrapper(tmp_path)
 
 
 def test_profile_ranks_in_process_leaves_nothing_behind():

@@ -6,7 +6,8 @@ import itertools
 
 import numpy as np
 import pytest
-from train_runs import failure_report, run, train_cmd
+import fork_launch
+from train_runs import failure_report, pin_wrapper, run, train_cmd
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -220,18 +221,15 @@ def test_profile_speeds_at_start_up_give_a_slowed_rank_less_work(run_cache, tmp_
         pytest.skip("needs two cores")
     core0, core1 = sorted(os.sched_getaffinity(0))[:2]
     root = Path(__file__).resolve().parents[1]
-    wrapper = tmp_path / "pin.sh"
-    wrapper.write_text('#!/bin/bash\nvar="PIN_${LOCAL_RANK}"\nexec taskset -c "${!var}" "$@"\n')
-    wrapper.chmod(0o755)
     spinner = subprocess.Popen(["taskset", "-c", str(core1), sys.executable, "-c", "while True: pass"])
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
-             str(wrapper), sys.executable, "-m", "titanrl.train", "--config", "configs/tiny_cpu.toml",
-             f"--model.cache_dir={run_cache}", "--job.steps=2", "--checkpoint.enable=false",
-             f"--job.dump_folder={tmp_path / 'out'}", "--balance.profile_speeds=true"],
-            cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1", "PIN_0": str(core0), "PIN_1": str(core1)},
-            capture_output=True, text=True, timeout=900)
+    try:  # each rank pinned by the wrapper (what taskset does), started from the tests' forkserver
+        proc = fork_launch.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             str(pin_wrapper(tmp_path)), "--config", "configs/tiny_cpu.toml", f"--model.cache_dir={run_cache}",
+             "--job.steps=2", "--checkpoint.enable=false", f"--job.dump_folder={tmp_path / 'out'}",
+             "--balance.profile_speeds=true"],
+            {**os.environ, "OMP_NUM_THREADS": "1", "PIN_CORES": f"{core0},{core1}", "WRAP_MODULE": "titanrl.train"},
+            root, timeout=900)
     finally:
         spinner.kill()
         spinner.wait()

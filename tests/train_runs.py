@@ -158,6 +158,30 @@ def stop_shared_ray_cluster(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+# torchrun runs this file instead of ``-m <module>`` where a test pins ranks to cores or names their hosts: it pins
+# the rank to one core (PIN_CORES, by LOCAL_RANK: what ``taskset`` does) and names its host (HOST_PREFIX +
+# LOCAL_RANK) before running WRAP_MODULE (default titanrl.profile) as __main__. A .py file, so that the tests' forked
+# launches (fork_launch) run it too.
+PIN_WRAPPER = """\
+import os, runpy, sys
+local = int(os.environ["LOCAL_RANK"])
+if os.environ.get("PIN_CORES"):
+    os.sched_setaffinity(0, {int(os.environ["PIN_CORES"].split(",")[local])})
+if os.environ.get("HOST_PREFIX"):
+    os.environ["TITANRL_HOST"] = os.environ["HOST_PREFIX"] + str(local)
+module = os.environ.get("WRAP_MODULE", "titanrl.profile")
+sys.argv[0] = module
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def pin_wrapper(folder: Path) -> Path:
+    """:data:`PIN_WRAPPER` written into ``folder``."""
+    path = Path(folder) / "pinned_rank.py"
+    path.write_text(PIN_WRAPPER)
+    return path
+
+
 def launch(nproc: int | None) -> list[str]:
     """``titanrl.train`` on one process (``nproc`` None or 1: no torchrun) or under torchrun."""
     if nproc is None or nproc == 1:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 
+import fork_launch
 import numpy as np
 import pytest
-import fork_launch
 from train_runs import failure_report, pin_wrapper, run, train_cmd
 from hypothesis import given, settings
 from hypothesis import strategies as st

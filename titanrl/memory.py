@@ -59,6 +59,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
@@ -435,7 +436,7 @@ def fsdp_shard_degree(cfg: JobConfig, machines: Sequence[int], *, disaggregated:
             raise ConfigError(f"balance.strategy='odc' with training ranks on {len(spanned)} machines needs "
                               "hybrid sharding, which is built for workflow.placement='colocated': use lb_mini "
                               "or lb_micro there, or put the training ranks on one machine")
-        counts = {m: list(machines).count(m) for m in sorted(spanned)}
+        counts = dict(sorted(Counter(machines).items()))
         if len(set(counts.values())) > 1:
             raise ConfigError(f"balance.strategy='odc' on several machines shards over one machine's ranks (hybrid "
                               f"sharding), which needs as many training ranks on every machine: {counts} "

@@ -127,7 +127,7 @@ class Trainer:
         # FSDP's shard groups: all training ranks, or under odc each machine's ranks (hybrid sharding)
         machines = machine_of_ranks(info) if cfg.balance.strategy == "odc" else [0] * info.world_size
         self.dp_shard = memory.fsdp_shard_degree(cfg, [machines[r] for r in self.placement.train],
-                                          disaggregated=self.placement.disaggregated)
+                                                 disaggregated=self.placement.disaggregated)
         if info.is_main and self.dp_shard < len(self.placement.train):
             say(f"[titanrl] odc with hybrid sharding: the models sharded over groups of {self.dp_shard} rank(s), each "
                 f"within a machine, {len(self.placement.train) // self.dp_shard} replicas whose gradients are summed "

@@ -273,20 +273,31 @@ def test_objective_choices_are_checked_against_the_rest_of_the_config():
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", [("--rl.advantage=rloo", "--rl.policy_loss=gspo", "--rl.clip_low=3e-4",
                                         "--rl.clip_high=4e-4"),
-                                       ("--rl.policy_loss=cispo", "--rl.clip_high=0.3"),
+                                       ("--rl.policy_loss=cispo", "--rl.clip_high=0.3", "--model.freeze_vision_tower"),
                                        ("--rl.advantage=reinforce++", "--rl.kl_coef=0.05")],
-                         ids=["rloo_gspo", "cispo", "reinforce_pp"])
+                         ids=["rloo_gspo", "cispo_frozen_tower", "reinforce_pp"])
 def test_objectives_on_two_ranks_equal_one(objective, tmp_path, run_cache):
     """RLOO advantages with GSPO (the paper's clip range), CISPO, and REINFORCE++ (the KL in each token's reward):
     2 ranks equal 1 rank on per-token log-probs (and REINFORCE++'s per-token advantages) and parameter updates, with
-    a learning signal."""
+    a learning signal. CISPO's runs also freeze the vision tower (model.freeze_vision_tower), its 2 ranks with
+    FlexUlysses and vision balancing (the tower's rows routed between ranks, no gradient back): the tower keeps the
+    checkpoint's weights bit for bit while the language model trains."""
+    from titanrl.rl.dump import load_dumps
     from train_runs import assert_same_computation, train_tiny
 
+    frozen = "--model.freeze_vision_tower" in objective
+    parallel = ("--parallelism.ulysses=flex", "--parallelism.vision_balance=true") if frozen else ()
     one_dir, _ = train_tiny(tmp_path, run_cache, "one", 1, *objective)
-    two_dir, two = train_tiny(tmp_path, run_cache, "two", 2, *objective)
+    two_dir, two = train_tiny(tmp_path, run_cache, "two", 2, *objective, *parallel)
     seen = assert_same_computation(one_dir, two_dir)
     assert {"old_logprobs", "update/policy"} <= set(seen), seen
     assert all(r["clip_fraction"] >= 0 for r in two)
+    if frozen:
+        dumps = load_dumps(two_dir)
+        first, last = dumps[1]["params"]["policy"], dumps[max(dumps)]["params"]["policy"]
+        tower = [k for k in first if k.startswith("vision.")]
+        assert tower and all(torch.equal(first[k], last[k]) for k in tower)
+        assert max(float((last[k] - first[k]).abs().max()) for k in first if k not in tower) > 1e-4
 
 
 def test_reinforce_pp_advantages_hand_computed():

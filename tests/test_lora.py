@@ -171,7 +171,9 @@ def test_config_refusals():
            "--lora.rank=8 --lora.modules_to_save=lm_head --rl.kl_coef=0.01": "set rl.kl_coef = 0",
            # a second copy of the base to offload does not exist: refused with the reason
            "--lora.rank=8 --rl.kl_coef=0.01 --rl.ref_offload=true": "with LoRA (lora.rank > 0) the reference is "
-                                                                    "the policy with its adapters off"}
+                                                                    "the policy with its adapters off",
+           "--lora.rank=8 --lora.vision --model.freeze_vision_tower": "lora.vision = true trains adapters on its "
+                                                                      "blocks: drop one of them"}
     for flags, message in bad.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_args(flags.split())

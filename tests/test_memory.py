@@ -40,6 +40,7 @@ def test_parameter_count_by_hand():
     # patch_embed 4*4, merger: norm 4, fc1 16*16+16, fc2 16*8+8; embed 10*8, norm 8, output 10*8
     assert c.root == 16 + (4 + 272 + 136) + 80 + 8 + 80 == 596
     assert c.total == 596 + 204 + 608
+    assert c.vision == 16 + 412 + 204  # what model.freeze_vision_tower freezes: patch embed, merger, blocks
 
 
 def test_parameter_count_matches_the_built_tiny_model():
@@ -50,6 +51,7 @@ def test_parameter_count_matches_the_built_tiny_model():
     with torch.device("meta"):
         model = Qwen2_5_VLModel(args)
     assert memory.param_counts(args).total == sum(p.numel() for p in model.parameters())
+    assert memory.param_counts(args).vision == sum(p.numel() for p in model.vision.parameters())
 
 
 def test_activation_formulas_by_hand():
@@ -321,6 +323,72 @@ def test_parse_bytes():
     assert memory.parse_bytes("1.5e3") == 1500
     with pytest.raises(ConfigError, match="device-memory"):
         memory.parse_bytes("3 parsecs")
+
+
+def test_a_frozen_vision_tower_has_no_gradients_optimizer_state_or_activations_in_the_plan():
+    """model.freeze_vision_tower: gradients, AdamW state and lb_mini's unsharded gradients of N_t = N - N_v (the
+    critic's too), no saved activations for the tower; LoRA without lora.vision saves none for it either."""
+    args = hand_args()
+    c = memory.param_counts(args)
+    n, nt = c.total, c.total - c.vision
+    cfg = load_config(None, ["--model.dtype=bfloat16", "--rl.algorithm=ppo"])
+    full = memory.predict(cfg, args, 4, runtime_bytes=7)
+    cfg.model.freeze_vision_tower = True
+    frozen = memory.predict(cfg, args, 4, runtime_bytes=7)
+    assert frozen.term("optimizer") == 8 * nt // 4 and full.term("optimizer") == 8 * n // 4
+    assert frozen.term("lb_mini_full_grads") == 4 * nt and frozen.term("parameters") == 4 * n // 4
+    assert frozen.term("critic") == (4 * n + 12 * nt) // 4 and full.term("critic") == 16 * n // 4
+    mix = memory.token_mix(cfg, args)
+    tokens = cfg.balance.max_tokens_per_microbatch
+    assert frozen.term("activations") == memory.activation_bytes(args, mix, tokens, 2, "none", tower=False)
+    tower = tokens * mix.vision_patches_per_token * memory.vision_block_activation_bytes(args, 2)  # D = 1 block
+    assert full.term("activations") - frozen.term("activations") == pytest.approx(tower, abs=1)
+    cfg.balance.strategy = "lb_micro"
+    assert memory.predict(cfg, args, 4).term("gradients") == 4 * nt // 4
+    cfg.model.freeze_vision_tower, cfg.rl.algorithm, cfg.rl.kl_coef = False, "grpo", 0.0
+    cfg.lora.rank = 4
+    assert not memory.tower_trains(cfg)
+    assert memory.predict(cfg, args, 4).term("activations") == frozen.term("activations")
+    cfg.lora.vision = True
+    assert memory.tower_trains(cfg)
+
+
+def test_a_frozen_vision_tower_saves_no_activations():
+    """What autograd saves inside the vision tower's forward of an image prompt: something when it trains, nothing
+    under model.freeze_vision_tower (build_parallel_model's freeze), while the decoder's are saved as before."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from titanrl.models.packed import pack_sequences
+    from titanrl.models.qwen2_5_vl.inputs import make_sequence_input
+    from titanrl.models.qwen2_5_vl.model import Qwen2_5_VLModel
+    from titanrl.models.vision_grid import VisionGrid
+
+    args = dataclasses.replace(memory.flavor_shape("tiny"), image_token_id=1000)  # inside the tiny vocabulary
+    grid = VisionGrid(1, 4, 4)
+    ids = np.array([1, 2] + [args.image_token_id] * 4 + [3, 4, 5], dtype=np.int64)
+    pixels = torch.randn(16, args.vision.patch_dim)
+    seen = {}
+    for freeze in (False, True):
+        model = Qwen2_5_VLModel(args)
+        model.init_weights()
+        if freeze:
+            model.vision.requires_grad_(False)
+        batch = pack_sequences([make_sequence_input(args, ids, [grid], pixels)]).to(torch.device("cpu"),
+                                                                                       torch.float32)
+        inside, saved = [False], {"vision": 0, "other": 0}
+        model.vision.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+        model.vision.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+
+        def keep(t):
+            saved["vision" if inside[0] else "other"] += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            model(batch).hidden.sum().backward()
+        seen[freeze] = saved
+    assert seen[False]["vision"] > 0 and seen[True]["vision"] == 0, seen
+    assert seen[True]["other"] > 0
 
 
 def test_measured_peak_is_positive():

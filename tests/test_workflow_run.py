@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from train_runs import (PPO_REFERENCE, REFERENCE, alive, assert_same_computation, metrics, ppo_reference_run,
                         reference_run, run, run_tiny, shared_run, started, train_cmd)
 
@@ -159,9 +160,10 @@ def test_counted_reward_errors_are_shown_and_a_reward_that_always_fails_stops_th
 
 
 # The SIGTERM tests' runs: PPO (the critic, its optimizer and LR schedule are in the checkpoint too) with FlexUlysses
-# and lb_mini (trajectories exchanged and sharded every step: a small token budget), 5 steps, a checkpoint every 2,
-# and a reward that hangs only while the test's marker file exists (tests/stalling_reward.py).
-SIGTERM_RUN = ("--rl.algorithm=ppo", "--job.steps=5", "--checkpoint.interval=2", "--metrics.dump_tensors",
+# and lb_mini (trajectories exchanged and sharded every step: a small token budget), the vision tower frozen in the
+# policy and the critic (optimizer states without it), 5 steps, a checkpoint every 2, and a reward that hangs only
+# while the test's marker file exists (tests/stalling_reward.py).
+SIGTERM_RUN = ("--rl.algorithm=ppo", "--model.freeze_vision_tower", "--job.steps=5", "--checkpoint.interval=2", "--metrics.dump_tensors",
                "--rl.old_logprobs=recompute", "--rl.reward_timeout_s=300", "--parallelism.ulysses=flex",
                "--parallelism.p_max=2", "--balance.strategy=lb_mini", "--balance.max_tokens_per_microbatch=200",
                f"--rl.reward={ROOT / 'tests' / 'stalling_reward.py'}:reward")
@@ -187,7 +189,9 @@ def test_sigterm_past_the_grace_abandons_the_step_within_it_saves_it_and_the_rer
        normally.
     3. The next rerun resumes from that checkpoint. Steps 3-5 of the three runs equal the uninterrupted run's
        exactly: per-token log-probs, parameters and statistics (model, optimizer, LR, data position, RNGs from DCP;
-       PPO's critic, its optimizer and LR schedule too), with FlexUlysses sharding sequences (asserted).
+       PPO's critic, its optimizer and LR schedule too), with FlexUlysses sharding sequences (asserted). The vision
+       tower (model.freeze_vision_tower) keeps the checkpoint's weights in the policy and the critic over the 5
+       steps, bit for bit, while the rest of both trains.
 
     (Disaggregated and asynchronous, with the engine in child processes of the rollout rank: test_async's resume
     test.) The stopped runs have their own Ray instance: rank 0's daemons must survive torchrun's SIGTERM to the
@@ -230,6 +234,11 @@ def test_sigterm_past_the_grace_abandons_the_step_within_it_saves_it_and_the_rer
     a, b = load_dumps(straight), load_dumps(out / "tiny_cpu")
     ma, mb = metrics(straight), metrics(out / "tiny_cpu")
     assert max(ma[s]["parallel/sharded_sequences"] for s in (1, 2, 3, 4, 5)) > 0  # FlexUlysses really sharded
+    for model in ("policy", "critic"):
+        first, last = a[1]["params"][model], a[5]["params"][model]
+        tower = [k for k in first if k.startswith("vision.")]
+        assert tower and all(torch.equal(first[k], last[k]) for k in tower), model
+        assert all(not torch.equal(first[k], last[k]) for k in ("layers.0.attention.wq.weight", "norm.weight")), model
     for step in (3, 4, 5):
         diff = max_differences(a[step], b[step])
         assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "params/policy", "params/critic"} <= set(diff) \

@@ -39,6 +39,9 @@ backward of the update stage's largest microbatch:
   ``parallelism.fsdp_reshard_after_forward=false`` keeps every unit gathered (N b_p);
 - activations of one microbatch of T tokens (``activation_bytes``), and the log-prob head's fp32
   log-softmax over the vocabulary (``logits_bytes``);
+- a vision tower that does not train (``model.freeze_vision_tower``, or LoRA without ``lora.vision``) saves no
+  activations; under ``model.freeze_vision_tower`` gradients and AdamW state (the policy's and the critic's)
+  cover the trained N_t = N - N_v parameters only (N_v: the tower's blocks, patch embedding and merger);
 - the rollout engine in the same process (colocated; a disaggregated run's rollout ranks hold only it:
   ``predict_rollout_rank``): vLLM's weights (N b_p / rollout.tensor_parallel_size) and its KV cache
   (``rollout.kv_cache_bytes``); the hf engine: its transformers copy of the weights (N b_p); all resident, or
@@ -187,10 +190,16 @@ class ParamCounts:
     root: int  # patch embed, merger, token embeddings, final norm, output projection
     vision_depth: int
     num_layers: int
+    vision_root: int = 0  # the part of root that is the vision tower's: patch embed and merger
 
     @property
     def total(self) -> int:
         return self.root + self.vision_depth * self.vision_block + self.num_layers * self.decoder_layer
+
+    @property
+    def vision(self) -> int:
+        """The vision tower's parameters (blocks, patch embedding, merger): what model.freeze_vision_tower freezes."""
+        return self.vision_root + self.vision_depth * self.vision_block
 
     @property
     def largest_block(self) -> int:
@@ -236,7 +245,13 @@ def param_counts(args: Qwen2_5_VLArgs) -> ParamCounts:
     merger = hv + (mh * mh + mh) + (mh * v.out_hidden_size + v.out_hidden_size)
     root = v.patch_dim * hv + merger + t.vocab_size * h + h + (0 if t.tie_word_embeddings else t.vocab_size * h)
     return ParamCounts(vision_block=vision_block, decoder_layer=decoder, root=root,
-                       vision_depth=v.depth, num_layers=t.num_hidden_layers)
+                       vision_depth=v.depth, num_layers=t.num_hidden_layers, vision_root=v.patch_dim * hv + merger)
+
+
+def tower_trains(cfg: JobConfig) -> bool:
+    """Whether the policy's vision tower gets gradients: not under model.freeze_vision_tower, nor under LoRA
+    without lora.vision (its base frozen, no adapter on it). A tower that does not train saves no activations."""
+    return not cfg.model.freeze_vision_tower and (not cfg.lora.enabled or cfg.lora.vision)
 
 
 # ------------------------------------------------------------------ activations
@@ -298,7 +313,8 @@ def vision_block_activation_bytes(args: Qwen2_5_VLArgs, b: int) -> int:
     return 2 * (4 + b) * v.hidden_size + 6 * b * v.hidden_size + 4 * b * v.intermediate_size + 4 * v.num_heads
 
 
-def activation_bytes(args: Qwen2_5_VLArgs, mix: TokenMix, tokens: int, b: int, checkpoint: str) -> int:
+def activation_bytes(args: Qwen2_5_VLArgs, mix: TokenMix, tokens: int, b: int, checkpoint: str,
+                     tower: bool = True) -> int:
     """Saved activations of one microbatch of ``tokens`` tokens (T), with V_p = T f_v m vision patches,
     L decoder layers, D vision blocks, plus per token the embedding, final norm and rotary tables
     (o = b h + (4 + b) h + 8 head_dim):
@@ -306,9 +322,11 @@ def activation_bytes(args: Qwen2_5_VLArgs, mix: TokenMix, tokens: int, b: int, c
     - none: T (L A_d + o) + V_p D A_v;
     - full (each block keeps only its input; backward recomputes one block at a time):
       T (L b h + o) + V_p D b hv + max(T A_d, V_p A_v).
+
+    ``tower=False`` (a vision tower without gradients, ``tower_trains``): V_p = 0, its forward saves nothing.
     """
     t, v = args.text, args.vision
-    patches = tokens * mix.vision_patches_per_token
+    patches = tokens * mix.vision_patches_per_token if tower else 0
     other = tokens * (b * t.hidden_size + (4 + b) * t.hidden_size + 8 * t.head_dim)
     a_d, a_v = decoder_layer_activation_bytes(args, b), vision_block_activation_bytes(args, b)
     if checkpoint == "none":
@@ -469,6 +487,9 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
     terms: list[Term] = []
     # LoRA's trained parameters L: the adapters and the modules trained in full (lora.modules_to_save)
     lora = lora_params(args, cfg.lora) if cfg.lora.enabled else 0
+    # the trained parameters of a full fine-tune (model.freeze_vision_tower: all but the vision tower's)
+    trained = n - counts.vision if cfg.model.freeze_vision_tower else n
+    frozen = "" if trained == n else f", N_t = N - vision tower = {trained:,}"
     if lora:
         # LoRA: the base frozen in model.dtype, the adapters (L parameters) trained in fp32
         base_b = DTYPE_BYTES[cfg.model.dtype]
@@ -478,18 +499,20 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
         terms.append(Term("optimizer", 8 * lora // dp, f"LoRA: AdamW on the adapters only, fp32 8 L / {dp}"))
     elif fsdp:
         terms.append(Term("parameters", 4 * n // dp, f"fp32 master shard 4 N / {dp}"))
+        nt = "N_t" if frozen else "N"
         if cfg.balance.strategy == "lb_mini":
-            terms.append(Term("gradients", 0, f"lb_mini: the fp32 shards (4 N / {dp}) are written in the minibatch's "
-                                              "last backward as the unsharded gradients are freed; none before"))
+            terms.append(Term("gradients", 0, f"lb_mini: the fp32 shards (4 {nt} / {dp}) are written in the "
+                                              "minibatch's last backward as the unsharded gradients are freed; "
+                                              "none before"))
         else:
-            terms.append(Term("gradients", 4 * n // dp, f"fp32 gradient shard 4 N / {dp}" + (
+            terms.append(Term("gradients", 4 * trained // dp, f"fp32 gradient shard 4 {nt} / {dp}{frozen}" + (
                 " (odc: the accumulation buffer in shared memory, resident)" if cfg.balance.strategy == "odc" else "")))
-        terms.append(Term("optimizer", 8 * n // dp, f"AdamW exp_avg + exp_avg_sq, fp32: 8 N / {dp}"))
+        terms.append(Term("optimizer", 8 * trained // dp, f"AdamW exp_avg + exp_avg_sq, fp32: 8 {nt} / {dp}"))
     else:
         notes = "one process in float32: no FSDP"
         terms.append(Term("parameters", 4 * n, f"fp32, 4 N ({notes})"))
-        terms.append(Term("gradients", 4 * n, "fp32, 4 N"))
-        terms.append(Term("optimizer", 8 * n, "AdamW exp_avg + exp_avg_sq, fp32: 8 N"))
+        terms.append(Term("gradients", 4 * trained, f"fp32, 4 {'N_t' if frozen else 'N'}{frozen}"))
+        terms.append(Term("optimizer", 8 * trained, f"AdamW exp_avg + exp_avg_sq, fp32: 8 {'N_t' if frozen else 'N'}"))
     if fsdp and cfg.balance.strategy == "odc":
         # the gradient term above is odc's accumulation buffer (the shards' .grad are views of it)
         # in float32 the shards themselves are read (moved into shared memory): nothing is added
@@ -498,8 +521,9 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
                           if b_p < 4 else "odc: float32, the others read the shards themselves"))
     if fsdp and cfg.balance.strategy == "lb_mini":
         terms.append(Term("lb_mini_full_params", b_p * n, f"lb_mini: every unit gathered for the minibatch, {b_p} N"))
-        terms.append(Term("lb_mini_full_grads", 4 * lora if lora else 4 * n,
-                          "lb_mini: unreduced gradients accumulated unsharded, fp32 " + ("4 L (LoRA)" if lora else "4 N")))
+        terms.append(Term("lb_mini_full_grads", 4 * lora if lora else 4 * trained,
+                          "lb_mini: unreduced gradients accumulated unsharded, fp32 "
+                          + ("4 L (LoRA)" if lora else "4 N_t" if frozen else "4 N")))
     elif fsdp and not cfg.parallelism.fsdp_reshard_after_forward:
         unit = counts.root + counts.largest_block
         terms.append(Term("fsdp_gathered", b_p * n + b_p * unit,
@@ -508,9 +532,11 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
         gathered = b_p * (counts.root + 2 * counts.largest_block) + b_p * (counts.root + counts.largest_block)
         terms.append(Term("fsdp_gathered", gathered,
                           f"{cfg.balance.strategy}: root + 2 blocks gathered, grads of root + 1 block, {b_p} B each"))
-    terms.append(Term("activations", activation_bytes(args, mix, tokens, b_p, ac),
-                      f"T={tokens} tokens, {mix.vision_patches_per_token:.2f} patches/token, "
-                      f"activation_checkpoint={ac}, {b_p} B", "update"))
+    tower = tower_trains(cfg)
+    terms.append(Term("activations", activation_bytes(args, mix, tokens, b_p, ac, tower),
+                      f"T={tokens} tokens, {mix.vision_patches_per_token:.2f} patches/token"
+                      + ("" if tower else " (none saved for the vision tower: it does not train)")
+                      + f", activation_checkpoint={ac}, {b_p} B", "update"))
     entropy = cfg.rl.entropy_coef > 0
     terms.append(Term("logprob_head", logits_bytes(args, mix, tokens, b_p, entropy),
                       f"{mix.targets_per_token:.2f} targets/token x vocab {args.text.vocab_size} fp32 log-softmax"
@@ -525,7 +551,9 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
     elif cfg.rl.kl_coef > 0:
         terms.append(Term("reference_model", 4 * n // dp, f"rl.kl_coef > 0: frozen fp32 shard 4 N / {dp}"
                           + (" (rl.ref_offload: host memory is the device here)" if cfg.rl.ref_offload else "")))
-    terms.append(Term("critic", critic_bytes(cfg, n, dp), "16 N / dp: fp32 parameters, gradients, AdamW (ppo)"
+    terms.append(Term("critic", critic_bytes(cfg, n, dp, trained),
+                      ("16 N / dp: fp32 parameters, gradients, AdamW (ppo)" if trained == n else
+                       "(4 N + 12 N_t) / dp: fp32 parameters, gradients and AdamW of the trained N_t (ppo)")
                       if cfg.rl.algorithm == "ppo" else "no critic with rl.algorithm=grpo"))
     media = "all-media prompts" if data is None else f"{data.media_tokens:.0f} media tokens per prompt"
     if device == "cpu":
@@ -592,11 +620,13 @@ def hf_generate_kv_bytes(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, data:
     return int(per_token * seqs * length)
 
 
-def critic_bytes(cfg: JobConfig, n: int, dp: int) -> int:
+def critic_bytes(cfg: JobConfig, n: int, dp: int, trained: int | None = None) -> int:
     """PPO's critic (the policy's network with a value head, ~N parameters): its fp32 parameters, gradients and
-    AdamW state sharded over the ranks, 16 N / dp; its activations are the policy's and come at another time
-    (the critic's update runs after the actor's). 0 for GRPO."""
-    return 16 * n // max(dp, 1) if cfg.rl.algorithm == "ppo" else 0
+    AdamW state sharded over the ranks, 16 N / dp (``trained`` < N: gradients and AdamW state of those only, a
+    frozen vision tower); its activations are the policy's and come at another time (the critic's update runs after
+    the actor's). 0 for GRPO."""
+    trained = n if trained is None else trained
+    return (4 * n + 12 * trained) // max(dp, 1) if cfg.rl.algorithm == "ppo" else 0
 
 
 # ------------------------------------------------------------------ fit check

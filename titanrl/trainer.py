@@ -232,13 +232,14 @@ class Trainer:
         self.policy_loss = build_policy_loss(cfg.rl, off_policy=self.off_policy)
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.policy_loss = torch.compile(self.policy_loss, backend=cfg.compile.backend, dynamic=cfg.compile.dynamic)
-        # LoRA: the adapters only (the frozen base has no gradient and no optimizer state)
+        # LoRA: the adapters only (the frozen base has no gradient and no optimizer state); likewise a frozen tower
         self.optimizer = (build_optimizer(cfg, [p for p in self.model.parameters() if p.requires_grad])
                           if self.trains else None)
         self.lr_scheduler = build_lr_scheduler(cfg, self.optimizer) if self.trains else None
         critic_states = {}
         if self.critic is not None:
-            self.critic_optimizer = build_optimizer(cfg, self.critic.parameters(), lr=cfg.critic.lr)
+            self.critic_optimizer = build_optimizer(cfg, [p for p in self.critic.parameters() if p.requires_grad],
+                                                    lr=cfg.critic.lr)
             self.critic_lr_scheduler = build_lr_scheduler(cfg, self.critic_optimizer,
                                                           warmup_steps=cfg.critic.warmup_steps)
             critic_states = {"critic": ModelState(self.critic),
@@ -349,6 +350,7 @@ class Trainer:
         return build_parallel_model(
             self.args, path or self.model_dir, device=self.info.device, dp_mesh=mesh, trainable=trainable,
             value_head=value_head, attn_backend=cfg.model.attn_backend, lora=lora, seed=cfg.job.seed,
+            freeze_vision=trainable and cfg.model.freeze_vision_tower,
             compile_options=CompileOptions(
                 enable=cfg.compile.enable and "model" in cfg.compile.components,  # policy, reference, critic
                 backend=cfg.compile.backend,

@@ -25,6 +25,9 @@ def cross_section_problems(cfg: "JobConfig") -> list[str]:
         found.append(f"lora.modules_to_save = {cfg.lora.modules_to_save} trains those modules in full, so the policy "
                      "with its adapters off is no longer the base, and a reference holding the base's copy of them "
                      "(PEFT's disable_adapter) is not built: set rl.kl_coef = 0, or lora.modules_to_save = []")
+    if cfg.model.freeze_vision_tower and cfg.lora.enabled and cfg.lora.vision:
+        found.append("model.freeze_vision_tower = true keeps the vision tower as the checkpoint has it, but "
+                     "lora.vision = true trains adapters on its blocks: drop one of them")
     if cfg.rl.algorithm == "grpo" and cfg.rollout.n < 2:
         found.append(
             f"rollout.n must be >= 2 for rl.algorithm='grpo' (advantages are relative to the "

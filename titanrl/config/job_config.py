@@ -93,6 +93,10 @@ class ModelConfig:
     needs a CUDA GPU and bfloat16)."""
     max_seq_len: int = 512
     """Longest packed sample (prompt with vision tokens + response), in tokens."""
+    freeze_vision_tower: bool = False
+    """Train the language model only (verl's and EasyR1's freeze_vision_tower): the vision tower (patch embedding,
+    blocks, merger) keeps the checkpoint's weights in the policy and the critic; it has no gradients and no optimizer
+    state, and its forward saves no activations. LoRA without lora.vision freezes it as well."""
 
     def path_missing(self, tool: str) -> str | None:
         """Why ``tool`` cannot run without model.path (None: it can): model.flavor = 'none' names no built-in model."""

@@ -124,6 +124,7 @@ def build_parallel_model(
     value_head: bool = False,
     attn_backend: str = "sdpa",
     lora=None,
+    freeze_vision: bool = False,
     seed: int = 0,
     **parallel: object,
 ) -> Qwen2_5_VLModel:
@@ -132,7 +133,8 @@ def build_parallel_model(
     and reading only its own FSDP shards (torchtitan's order: meta build, parallelize, ``to_empty``, load).
     ``trainable=False``: no gradients, eval mode (a reference model). ``lora`` (a ``[lora]`` section with
     ``rank > 0``): adapters on the target layers before parallelising, the base frozen in ``param_dtype``, the
-    adapters initialised from ``seed`` after the load (``titanrl.models.lora``)."""
+    adapters initialised from ``seed`` after the load (``titanrl.models.lora``). ``freeze_vision``: the vision tower
+    gets no gradients (model.freeze_vision_tower)."""
     from titanrl.models.lora import apply_lora, init_adapters
     from titanrl.models.qwen2_5_vl.state_dict_adapter import load_hf_weights
 
@@ -142,6 +144,8 @@ def build_parallel_model(
     if not trainable:
         model.requires_grad_(False)
         model.eval()
+    if freeze_vision:
+        model.vision.requires_grad_(False)
     if lora is not None:
         apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets,
                    vision=lora.vision, modules_to_save=lora.modules_to_save, base_dtype=parallel.get("param_dtype"))

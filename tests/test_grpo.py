@@ -298,6 +298,10 @@ def test_objectives_on_two_ranks_equal_one(objective, tmp_path, run_cache):
         tower = [k for k in first if k.startswith("vision.")]
         assert tower and all(torch.equal(first[k], last[k]) for k in tower)
         assert max(float((last[k] - first[k]).abs().max()) for k in first if k not in tower) > 1e-4
+        # after the first push only the language model's units go to the engines; they then equal the trainer
+        pushed = [r["sync/bytes"] for r in two if "sync/bytes" in r]
+        assert len(pushed) == 2 and pushed[1] < 0.8 * pushed[0], pushed
+        assert max(r["probe/logprob_max_diff"] for r in two if "probe/logprob_max_diff" in r) <= 1e-4
 
 
 def test_reinforce_pp_advantages_hand_computed():

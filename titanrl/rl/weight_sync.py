@@ -14,6 +14,12 @@ ranks gather as above, and the first training rank broadcasts each bucket over a
 (``titanrl.distributed.stateless_group``: NCCL on GPU, gloo on CPU) whose other members are every engine's
 workers; the rollout ranks only tell their engines to receive (``engine.receive_weights``).
 
+What moves: the first push (at start-up after a resume, else after the first step) sends the whole model; after it,
+only the *push units* a step can change (``push_unit``: a decoder layer or vision block whole, else a top-level
+module such as the embeddings or the merger) whose parameters train. A frozen vision tower
+(``model.freeze_vision_tower``) and LoRA's frozen base outside the adapted layers stay as the engines have them.
+Units are whole blocks so that an engine's fused modules (q/k/v, gate/up) are always given whole.
+
 Before the first push each engine checks the update's names, shapes and dtypes against the checkpoint it started
 from (a reload that fails half-way would kill vLLM). ``write_hf`` is the same gather into HF safetensors files:
 ``checkpoint.export_hf``, not the push.
@@ -25,7 +31,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -101,12 +107,33 @@ def _gather_bucket(entries: list[tuple[str, DTensor]], dtype: torch.dtype | None
         yield name, flat.view(dt).reshape(full0, *rest)
 
 
+def push_unit(name: str) -> str:
+    """The push unit of a titanrl state-dict name: a decoder layer (``layers.3``) or vision block
+    (``vision.blocks.3``) whole, else its top-level module (``tok_embeddings``, ``vision.merger``, ...)."""
+    parts = name.split(".")
+    if parts[0] == "layers" or parts[:2] == ["vision", "blocks"]:
+        return ".".join(parts[:3] if parts[0] == "vision" else parts[:2])
+    return ".".join(parts[:2] if parts[0] == "vision" else parts[:1])
+
+
+def changing_units(model: torch.nn.Module) -> Callable[[str], bool] | None:
+    """Which titanrl names a training step can change: those of the push units holding a trained parameter (LoRA's
+    adapters change their layer's merged weight). None: every unit trains."""
+    trained = {push_unit(clean_name(n)) for n, p in model.named_parameters() if p.requires_grad}
+    every = {push_unit(clean_name(n)) for n in model.state_dict()}
+    if trained >= every:
+        return None
+    return lambda name: push_unit(name) in trained
+
+
 def gather_full_state(model: torch.nn.Module, dtype: torch.dtype | None, *, keep: bool = True,
-                      bucket_bytes: int = BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor | None]]:
+                      bucket_bytes: int = BUCKET_BYTES, only: Callable[[str], bool] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """(titanrl name, full tensor on the model's device) of every state-dict entry, in state-dict order on every
     rank (the gathers are collectives every rank of the model's mesh must join). Floating tensors are cast to
     ``dtype``; dim-0 shards are gathered ``bucket_bytes`` of full tensors at a time. ``keep=False``: the rank joins
-    the gathers and gets None (a full tensor is never copied off its device here)."""
+    the gathers and gets None (a full tensor is never copied off its device here). ``only``: the names to gather
+    (the same on every rank; None: all)."""
     pending: list[tuple[str, DTensor]] = []
     pending_bytes = 0
 
@@ -118,6 +145,8 @@ def gather_full_state(model: torch.nn.Module, dtype: torch.dtype | None, *, keep
 
     for name, value in model.state_dict().items():
         name = clean_name(name)
+        if only is not None and not only(name):
+            continue
         if _shard_dim0(value):
             if pending and value.device_mesh is not pending[0][1].device_mesh:
                 yield from flush()
@@ -138,15 +167,19 @@ def gather_full_state(model: torch.nn.Module, dtype: torch.dtype | None, *, keep
     yield from flush()
 
 
-def hf_layout(model: torch.nn.Module, args: Qwen2_5_VLArgs, dtype: torch.dtype | None) -> dict[str, TensorInfo]:
-    """HF name -> full shape and dtype of every tensor the push sends, in the order it sends them (no data
-    moves: meta tensors through the same merge and name conversion as ``hf_state``)."""
+def hf_layout(model: torch.nn.Module, args: Qwen2_5_VLArgs, dtype: torch.dtype | None,
+              only: Callable[[str], bool] | None = None) -> dict[str, TensorInfo]:
+    """HF name -> full shape and dtype of every tensor the push sends (``only``: of those names), in the order it
+    sends them (no data moves: meta tensors through the same merge and name conversion as ``hf_state``)."""
     adapter = Qwen2_5_VLStateDictAdapter(args)
 
     def metas():
         for name, value in model.state_dict().items():
+            name = clean_name(name)
+            if only is not None and not only(name):
+                continue
             dt = dtype if dtype is not None and value.is_floating_point() else value.dtype
-            yield clean_name(name), torch.empty(value.shape, dtype=dt, device="meta")
+            yield name, torch.empty(value.shape, dtype=dt, device="meta")
 
     stream = merge_adapters(metas(), lora_scales(model)) if has_adapters(model) else metas()
     out: dict[str, TensorInfo] = {}
@@ -157,19 +190,21 @@ def hf_layout(model: torch.nn.Module, args: Qwen2_5_VLArgs, dtype: torch.dtype |
 
 
 def merged_state(model: torch.nn.Module, dtype: torch.dtype | None, *, keep: bool = True,
-                 bucket_bytes: int = BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor | None]]:
+                 bucket_bytes: int = BUCKET_BYTES, only: Callable[[str], bool] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """``gather_full_state`` with LoRA adapters folded into their layers' weights (``W + (alpha / r) B A``,
     ``titanrl.models.lora.merge_adapters``): the plain model the engines and HF files take. A model without
     adapters: ``gather_full_state`` as it is."""
-    stream = gather_full_state(model, dtype, keep=keep, bucket_bytes=bucket_bytes)
+    stream = gather_full_state(model, dtype, keep=keep, bucket_bytes=bucket_bytes, only=only)
     return merge_adapters(stream, lora_scales(model)) if has_adapters(model) else stream
 
 
 def hf_state(model: torch.nn.Module, args: Qwen2_5_VLArgs, dtype: torch.dtype | None, *, keep: bool = True,
-             bucket_bytes: int = BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor | None]]:
+             bucket_bytes: int = BUCKET_BYTES, only: Callable[[str], bool] | None = None
+             ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """``merged_state`` under HF names (what engines and HF files take)."""
     adapter = Qwen2_5_VLStateDictAdapter(args)
-    for name, tensor in merged_state(model, dtype, keep=keep, bucket_bytes=bucket_bytes):
+    for name, tensor in merged_state(model, dtype, keep=keep, bucket_bytes=bucket_bytes, only=only):
         if tensor is None:  # keep=False: the gathers only
             yield name, None
         else:
@@ -276,36 +311,53 @@ class WeightPusher:
         self.timeout_s, self.bucket_bytes = timeout_s, bucket_bytes
         self.pushes = 0
         self.bytes_pushed = 0
-        self._layout: dict[str, TensorInfo] | None = None
-        self._buckets: list[Bucket] | None = None
+        # [the whole model, the units a step changes] (the second None when every unit trains)
+        self._layouts: list[dict[str, TensorInfo] | None] | None = None
+        self._buckets: list[list[Bucket] | None] | None = None
+        self._only: Callable[[str], bool] | None = None
         self._group = None  # disaggregated: the push's own process group (first training rank + engine workers)
 
     @property
     def disaggregated(self) -> bool:
         return self.placement is not None and self.placement.disaggregated
 
+    def _model_layouts(self, model) -> list[dict[str, TensorInfo] | None]:
+        """The whole model's layout and that of the units a step changes (``changing_units``; None if all)."""
+        self._only = changing_units(model)
+        full = hf_layout(model, self.args, self.dtype)
+        return [full, None if self._only is None else hf_layout(model, self.args, self.dtype, self._only)]
+
+    def _which(self) -> int:
+        """0: the whole model (the first push: the engines may hold other weights, a resumed run's); 1: the units a
+        step changes."""
+        return 1 if self.pushes and self._layouts[1] is not None else 0
+
     def _disaggregated_setup(self, model, engine) -> None:
-        """Once (every rank): the layout from the first training rank, and the push's process group, which the
+        """Once (every rank): the layouts from the first training rank, and the push's process group, which the
         first training rank hosts and every engine's workers join."""
         placement = self.placement
         first = placement.train[0]
         mine = None
+        if model is not None:
+            layouts = self._model_layouts(model)  # the other training ranks need ``_only`` for their gathers
         if self.info.rank == first:
             store = host_store(self.timeout_s)
-            mine = (_reachable_address(), store.port, hf_layout(model, self.args, self.dtype))
+            mine = (_reachable_address(), store.port, layouts)
         every = all_gather_objects((mine, engine.workers if engine is not None else 0, _reachable_address()))
-        host, port, self._layout = every[first][0]
+        host, port, self._layouts = every[first][0]
         if every[self.info.rank][2] == every[first][2]:
             # the store listens on every interface: at its own address, loopback. (Host names would not do:
             # namespaced hosts, containers and some clusters share one name across machines.)
             host = "127.0.0.1"
-        self._buckets = plan_buckets(self._layout, self.bucket_bytes)
+        self._buckets = [None if lay is None else plan_buckets(lay, self.bucket_bytes) for lay in self._layouts]
         workers = [n for _, n, _ in every]
         world = 1 + sum(workers)
         if self.info.rank == first:
             self._group = stateless_group((host, port), 0, world, self.info.device, self.timeout_s, store=store)
         elif engine is not None:
-            engine.check_update(self._layout)  # before joining: a rejected update stops the run here
+            for lay in self._layouts:  # before joining: a rejected update stops the run here
+                if lay is not None:
+                    engine.check_update(lay)
             engine.join_weight_group((host, port), world, 1 + sum(workers[:self.info.rank]), self.timeout_s)
 
     def push(self, model: torch.nn.Module | None, engine) -> dict[str, float]:
@@ -315,26 +367,34 @@ class WeightPusher:
         if self.disaggregated:
             if self._buckets is None:
                 self._disaggregated_setup(model, engine)
+            which = self._which()
+            self.pushes += 1
             if model is not None:
                 keep = self.info.rank == self.placement.train[0]
-                tensors = hf_state(model, self.args, self.dtype, keep=keep, bucket_bytes=self.bucket_bytes)
+                tensors = hf_state(model, self.args, self.dtype, keep=keep, bucket_bytes=self.bucket_bytes,
+                                   only=self._only if which else None)
                 if keep:
-                    self.bytes_pushed += send_buckets(tensors, self._buckets, self._group, self.info.device)
-                else:
-                    for _ in tensors:  # the gathers only
-                        pass
+                    sent = send_buckets(tensors, self._buckets[which], self._group, self.info.device)
+                    self.bytes_pushed += sent
+                    return {"sync/gather_s": time.perf_counter() - t0, "sync/bytes": float(sent)}
+                for _ in tensors:  # the gathers only
+                    pass
                 return {"sync/gather_s": time.perf_counter() - t0}
             if engine is not None:
-                engine.receive_weights(self._buckets)
+                engine.receive_weights(self._buckets[which])
                 return {"sync/load_s": time.perf_counter() - t0}
             return {}
-        if self._layout is None:
-            self._layout = hf_layout(model, self.args, self.dtype)
-        gathered = _Timed(hf_state(model, self.args, self.dtype, bucket_bytes=self.bucket_bytes))
-        engine.update_weights(self._layout, gathered)
+        if self._layouts is None:
+            self._layouts = self._model_layouts(model)
+        which = self._which()
+        layout = self._layouts[which]
+        gathered = _Timed(hf_state(model, self.args, self.dtype, bucket_bytes=self.bucket_bytes,
+                                   only=self._only if which else None))
+        engine.update_weights(layout, gathered)
         self.pushes += 1
-        self.bytes_pushed += sum(i.nbytes for i in self._layout.values())
-        return {"sync/gather_s": gathered.seconds, "sync/load_s": time.perf_counter() - t0 - gathered.seconds}
+        self.bytes_pushed += sum(i.nbytes for i in layout.values())
+        return {"sync/gather_s": gathered.seconds, "sync/load_s": time.perf_counter() - t0 - gathered.seconds,
+                "sync/bytes": float(sum(i.nbytes for i in layout.values()))}
 
     def close(self) -> None:
         self._group = None

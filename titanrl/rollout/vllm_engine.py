@@ -60,6 +60,7 @@ from titanrl.rollout.types import (
     request_seed,
     torch_threads,
 )
+from titanrl.models.qwen2_5_vl.state_dict_adapter import canonical_hf_name
 from titanrl.rollout.launch import EngineLaunch, engine_launch
 from titanrl.rollout.weights import (QWEN2_5_VL_PACKED_MODULES, TensorInfo, check_update, checked_stream,
                                      file_tensors, read_header, read_headers, weight_files)
@@ -157,11 +158,28 @@ def _backend_name(backend: Any) -> str:
     return {"UniProcExecutor": "uni"}.get(getattr(backend, "__name__", ""), str(backend))
 
 
-def _reload(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+def _reload(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]], partial: bool = False) -> None:
     """Runs inside vLLM's worker: (HF name, tensor) pairs into the model with vLLM's layer-wise in-place reload
-    (plain model.load_weights breaks prepacked CPU GEMM weights)."""
+    (plain model.load_weights breaks prepacked CPU GEMM weights). ``partial``: an update of some whole modules (the
+    push of what a step changes, checked by ``check_update``): vLLM puts the others' tensors back, and its warnings
+    that they were not loaded say nothing."""
     _quiet_derived_buffer_warnings(worker.model_runner.get_model())
-    worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+    if not partial:
+        worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+        return
+    loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
+    for logger in loggers:
+        logger.addFilter(_not_loaded_filter)
+    try:
+        worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+    finally:
+        for logger in loggers:
+            logger.removeFilter(_not_loaded_filter)
+
+
+def _not_loaded_filter(record: logging.LogRecord) -> bool:
+    """vLLM's warnings that a module's weights were not in an update (expected in a partial one)."""
+    return record.msg not in ("%s: Failed to load weights", "Following weights were not loaded from checkpoint: %s")
 
 
 def _eager_token_ranks(worker: Any) -> None:
@@ -177,14 +195,14 @@ def _eager_token_ranks(worker: Any) -> None:
         sampler.batched_count_greater_than = eager
 
 
-def _reload_tensors(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+def _reload_tensors(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]], partial: bool = False) -> None:
     """In the rank's process (in-process engines): the tensors arrive as they are, by reference."""
-    _reload(worker, tensors)
+    _reload(worker, tensors, partial)
 
 
-def _reload_files(worker: Any, files: list[str]) -> None:
+def _reload_files(worker: Any, files: list[str], partial: bool = False) -> None:
     """An engine in child processes, from safetensors files (``load_weights``; the trainer's push sends none)."""
-    _reload(worker, file_tensors(files))
+    _reload(worker, file_tensors(files), partial)
 
 
 def _join_weight_group(worker: Any, address: tuple[str, int], world: int, first: int, timeout_s: float) -> None:
@@ -195,12 +213,12 @@ def _join_weight_group(worker: Any, address: tuple[str, int], world: int, first:
                                                    timeout_s)
 
 
-def _receive_weights(worker: Any, buckets: list) -> None:
+def _receive_weights(worker: Any, buckets: list, partial: bool = False) -> None:
     """Runs inside each of the engine's workers: the buckets the first training rank broadcasts, into the model."""
     from titanrl.rl.weight_sync import Bucket, receive_buckets
 
     buckets = [Bucket.from_wire(b) for b in buckets]
-    _reload(worker, receive_buckets(buckets, worker._titanrl_weight_group, worker.device))
+    _reload(worker, receive_buckets(buckets, worker._titanrl_weight_group, worker.device), partial)
 
 
 class _DerivedBufferFilter(logging.Filter):
@@ -654,6 +672,10 @@ class VLLMEngine:
         processes; in the rank's process, none of their own)."""
         return 0 if self.launch.in_process else self.launch.tensor_parallel_size
 
+    def _partial(self, layout: Mapping[str, Any]) -> bool:
+        """Whether an update (checked: known names) leaves some of the engine's tensors out."""
+        return len({canonical_hf_name(k) for k in layout}) < len(self._reference)
+
     def check_update(self, layout: Mapping[str, TensorInfo], where: str = "weight push") -> None:
         """WeightsMismatchError naming what does not fit, before anything loads (a reload that fails half-way kills
         the engine)."""
@@ -670,7 +692,7 @@ class VLLMEngine:
         self.check_update(layout)
         self._wake(("weights",))  # the worker loads into its device parameters (its KV cache may stay asleep)
         with self._call():
-            self.llm.collective_rpc(_reload_tensors, args=(checked_stream(tensors, layout),))
+            self.llm.collective_rpc(_reload_tensors, args=(checked_stream(tensors, layout), self._partial(layout)))
         self._after_update()
         return time.perf_counter() - t0
 
@@ -689,11 +711,11 @@ class VLLMEngine:
         if self.launch.in_process:
             self._wake(("weights",))
             with self._call():
-                self.llm.collective_rpc(_reload_tensors, args=(file_tensors(files),))
+                self.llm.collective_rpc(_reload_tensors, args=(file_tensors(files), self._partial(update)))
         else:
             self._wake(("weights",))
             with self._call():
-                self.llm.collective_rpc(_reload_files, args=([str(f) for f in files],))
+                self.llm.collective_rpc(_reload_files, args=([str(f) for f in files], self._partial(update)))
         self._after_update()
         return time.perf_counter() - t0
 
@@ -707,7 +729,8 @@ class VLLMEngine:
         t0 = time.perf_counter()
         self._wake(("weights",))
         with self._call():
-            self.llm.collective_rpc(_receive_weights, args=([b.to_wire() for b in buckets],))
+            partial = self._partial({name: None for b in buckets for name, *_ in b.entries})
+            self.llm.collective_rpc(_receive_weights, args=([b.to_wire() for b in buckets], partial))
         self._after_update()
         return time.perf_counter() - t0
 

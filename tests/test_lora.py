@@ -265,6 +265,36 @@ def test_push_layout_lists_the_merged_tensors_in_the_order_the_push_sends_them(t
     assert not any("lora" in name for name, _ in sent)
 
 
+@pytest.mark.parametrize("way", ["frozen_tower", "lora", "lora_vision_head", "full"])
+def test_the_push_after_the_first_holds_what_trains_in_whole_engine_modules(tiny_ckpt, way):
+    """What the push sends once the engines have the whole model (``changing_units``): every unit holding a trained
+    parameter, whole, so that vLLM's fused modules (q/k/v, gate/up) and a weight's bias always arrive together
+    (``check_update`` against the whole layout with vLLM's packing accepts it), and nothing of what cannot change."""
+    from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs
+    from titanrl.parallel.parallelize import build_parallel_model
+    from titanrl.rl.weight_sync import changing_units, hf_layout, push_unit
+    from titanrl.rollout.weights import QWEN2_5_VL_PACKED_MODULES, check_update
+
+    args = Qwen2_5_VLArgs.from_pretrained(tiny_ckpt)
+    lora = {"lora": LoRAConfig(rank=4), "lora_vision_head": LoRAConfig(rank=4, vision=True, targets=["v_proj"],
+                                                                        modules_to_save=["lm_head"])}.get(way)
+    model = build_parallel_model(args, tiny_ckpt, device=torch.device("cpu"), dp_mesh=None, lora=lora,
+                                 freeze_vision=way == "frozen_tower")
+    only = changing_units(model)
+    if way == "full":
+        assert only is None  # every unit trains: the whole model each time
+        return
+    full, part = hf_layout(model, args, torch.float32), hf_layout(model, args, torch.float32, only)
+    check_update(full, part, where=way, packed=QWEN2_5_VL_PACKED_MODULES)
+    assert 0 < len(part) < len(full) and list(part) == [n for n in full if n in part]
+    assert any("visual." in n for n in part) == (way == "lora_vision_head")  # its blocks hold adapters
+    assert not any("patch_embed" in n or "merger" in n for n in part)
+    assert any(".layers.0." in n for n in part) and ("lm_head.weight" in part) == (way != "lora")
+    assert not any("lora" in n for n in part)  # merged weights, no adapters
+    assert all(push_unit(n) in {"tok_embeddings", "norm", "output"} or n.startswith(("layers.", "vision.blocks."))
+               for n, p in model.named_parameters() if p.requires_grad)
+
+
 def test_modules_to_save_train_in_full_are_checkpointed_exported_and_counted(tiny_ckpt, tmp_path):
     """lora.modules_to_save (PEFT's name): the output head and final norm train in full, in float32, beside the
     adapters; the checkpoint view holds them, the PEFT folder saves them under their HF names and lists them, and

@@ -119,7 +119,8 @@ def push_unit(name: str) -> str:
 def changing_units(model: torch.nn.Module) -> Callable[[str], bool] | None:
     """Which titanrl names a training step can change: those of the push units holding a trained parameter (LoRA's
     adapters change their layer's merged weight). None: every unit trains."""
-    trained = {push_unit(clean_name(n)) for n, p in model.named_parameters() if p.requires_grad}
+    trained = {push_unit(clean_name(n)) for n, p in model.named_parameters(remove_duplicate=False)  # tied: both
+               if p.requires_grad}
     every = {push_unit(clean_name(n)) for n in model.state_dict()}
     if trained >= every:
         return None

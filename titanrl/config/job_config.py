@@ -96,7 +96,8 @@ class ModelConfig:
     freeze_vision_tower: bool = False
     """Train the language model only (verl's and EasyR1's freeze_vision_tower): the vision tower (patch embedding,
     blocks, merger) keeps the checkpoint's weights in the policy and the critic; it has no gradients and no optimizer
-    state, and its forward saves no activations. LoRA without lora.vision freezes it as well."""
+    state, its forward saves no activations, and after the first weight push the engines get the language model
+    only. LoRA without lora.vision freezes it as well. docs/workflow.md"""
 
     def path_missing(self, tool: str) -> str | None:
         """Why ``tool`` cannot run without model.path (None: it can): model.flavor = 'none' names no built-in model."""

@@ -111,9 +111,8 @@ def push_unit(name: str) -> str:
     """The push unit of a titanrl state-dict name: a decoder layer (``layers.3``) or vision block
     (``vision.blocks.3``) whole, else its top-level module (``tok_embeddings``, ``vision.merger``, ...)."""
     parts = name.split(".")
-    if parts[0] == "layers" or parts[:2] == ["vision", "blocks"]:
-        return ".".join(parts[:3] if parts[0] == "vision" else parts[:2])
-    return ".".join(parts[:2] if parts[0] == "vision" else parts[:1])
+    depth = 3 if parts[:2] == ["vision", "blocks"] else 2 if parts[0] in ("layers", "vision") else 1
+    return ".".join(parts[:depth])
 
 
 def changing_units(model: torch.nn.Module) -> Callable[[str], bool] | None:
@@ -339,8 +338,8 @@ class WeightPusher:
         placement = self.placement
         first = placement.train[0]
         mine = None
-        if model is not None:
-            layouts = self._model_layouts(model)  # the other training ranks need ``_only`` for their gathers
+        # every training rank: ``_only`` for its gathers; the first sends the layouts to every rank
+        layouts = self._model_layouts(model) if model is not None else None
         if self.info.rank == first:
             store = host_store(self.timeout_s)
             mine = (_reachable_address(), store.port, layouts)

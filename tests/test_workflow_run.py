@@ -246,3 +246,13 @@ def test_sigterm_past_the_grace_abandons_the_step_within_it_saves_it_and_the_rer
         for key in ("loss", "reward/mean", "kl", "entropy", "grad_norm"):
             assert ma[step][key] == mb[step][key], (step, key)
 
+    # a rerun with other settings (the tower trained: optimizer states the checkpoint lacks) ends every rank with one
+    # line naming the checkpoint, the missing state and what to do (DCP's own exception passes `except Exception`)
+    other = [a for a in common if a != "--model.freeze_vision_tower"]
+    refused = run(train_cmd(out, run_cache, *other, "--job.steps=6", nproc=2), env=env, check=False)
+    assert refused.returncode != 0
+    line = [x for x in (refused.stdout + refused.stderr).splitlines() if x.startswith("[titanrl] error on rank")]
+    assert len(line) == 1 and re.search(r"checkpoint load in .*checkpoint failed on rank\(s\) \[0, 1\]: RuntimeError: Missing key in "
+                              r"checkpoint state_dict: \w*optimizer\.state\.vision\..*saved with other settings \(model\."
+                              r"freeze_vision_tower", line[0]), line
+

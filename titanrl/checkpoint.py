@@ -9,8 +9,9 @@ saved under a per-rank key: DCP deduplicates identical non-tensor keys across ra
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpointer.dcp import CheckpointManager
 
@@ -158,3 +160,27 @@ def remove_incomplete(folder: Path) -> list[Path]:
                 shutil.rmtree(d, ignore_errors=True)
                 removed.append(d)
     return removed
+
+
+class CheckpointError(RuntimeError):
+    """A DCP load or save that failed, named: which folder, which ranks, the first rank's error."""
+
+
+@contextmanager
+def named_checkpoint_errors(action: str, folder: Path) -> Iterator[None]:
+    """Turn DCP's ``CheckpointException`` into a ``CheckpointError`` with one line naming the cause. DCP's exception
+    derives from ``BaseException``: it passes every ``except Exception`` and would end the rank with a bare
+    traceback and no named line. A load that misses keys is the checkpoint of other settings."""
+    try:
+        yield
+    except CheckpointException as err:
+        failures = err.failures
+        first = failures[min(failures)] if failures else None
+        exc = first[0] if isinstance(first, tuple) else first
+        cause = f"{type(exc).__name__}: {str(exc).rstrip('.')}" if exc is not None else "unknown error"
+        message = f"checkpoint {action} in {folder} failed on rank(s) {sorted(failures)}: {cause}"
+        if action == "load" and "Missing key" in cause:
+            message += (". The checkpoint holds other parameters or optimizer states than this run builds: it was "
+                        "saved with other settings (model.freeze_vision_tower, [lora], rl.algorithm, the model). "
+                        "Resume with those, or start afresh (checkpoint.resume = false, or another job.dump_folder)")
+        raise CheckpointError(message) from err

@@ -24,7 +24,12 @@ _USER_ERRORS = (
     "titanrl.rl.timing.CollectiveError",
     "titanrl.rl.reward_runner.RewardError",
     "titanrl.envs.EnvError",
+    "titanrl.checkpoint.CheckpointError",
 )
+
+
+# Errors every rank raises alike (a DCP checkpoint's load or save fails on all of them): one console line, rank 0's
+_EVERY_RANK = ("titanrl.checkpoint.CheckpointError",)
 
 
 def _is_user_error(err: BaseException) -> bool:
@@ -112,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             say(f"[titanrl] rank {info.rank} stopped: {elsewhere}", error=True,
                 log_only=not _shows_cause(info, trainer.control.failed_rank))
         else:
-            report_exception(err, rank=info.rank, expected=_is_user_error(err), verbose=cfg.metrics.verbose)
+            alike = any(f"{c.__module__}.{c.__qualname__}" in _EVERY_RANK for c in type(err).__mro__)
+            report_exception(err, rank=info.rank, expected=_is_user_error(err), verbose=cfg.metrics.verbose,
+                             console=not alike or info.is_main or _shows_cause(info, 0))
         return 1
     finally:
         shutdown()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from titanrl import assets, memory
 from titanrl.checkpoint import (CallbackState, ModelState, OptimizerState, RNGState, SchedulerState,
-                                build_checkpoint_manager, remove_incomplete)
+                                build_checkpoint_manager, named_checkpoint_errors, remove_incomplete)
 from titanrl.config import ConfigError, JobConfig, config_to_dict, save_resolved
 from titanrl.console import log_path, say
 from titanrl.data.manifest import SampleRecord, read_manifest
@@ -307,7 +307,9 @@ class Trainer:
         if info.is_main and cfg.checkpoint.enable:
             for folder in remove_incomplete(cfg.checkpoint_dir):
                 say(f"[titanrl] removed {folder}: a checkpoint save cut off before it finished (no .metadata)")
-        if cfg.checkpoint.enable and cfg.checkpoint.resume and self.checkpointer.load():
+        with named_checkpoint_errors("load", cfg.checkpoint_dir):
+            resumed = cfg.checkpoint.enable and cfg.checkpoint.resume and self.checkpointer.load()
+        if resumed:
             self._restore_in_flight()
             # The engine started from the initial checkpoint: give it the resumed weights.
             self.pusher.push(self.model, self.engine)
@@ -534,7 +536,8 @@ class Trainer:
                 t_save = time.monotonic()
                 self._step_started = None  # between steps: only the save remains
                 last = self.step == self.cfg.job.steps or stop
-                self.checkpointer.save(self.step, last_step=last)
+                with named_checkpoint_errors("save", self.cfg.checkpoint_dir):
+                    self.checkpointer.save(self.step, last_step=last)
                 if self.cfg.checkpoint.enable and (last or self.step % self.cfg.checkpoint.interval == 0):
                     self._save_seconds = time.monotonic() - t_save
                 if stop:

@@ -279,7 +279,7 @@ def test_objective_choices_are_checked_against_the_rest_of_the_config():
 def test_objectives_on_two_ranks_equal_one(objective, tmp_path, run_cache):
     """RLOO advantages with GSPO (the paper's clip range), CISPO, and REINFORCE++ (the KL in each token's reward):
     2 ranks equal 1 rank on per-token log-probs (and REINFORCE++'s per-token advantages) and parameter updates, with
-    a learning signal. CISPO's runs also freeze the vision tower (model.freeze_vision_tower), its 2 ranks with
+    a learning signal. CISPO's runs also freeze the vision tower (model.freeze_vision_tower), on 4 ranks with
     FlexUlysses and vision balancing (the tower's rows routed between ranks, no gradient back): the tower keeps the
     checkpoint's weights bit for bit while the language model trains."""
     from titanrl.rl.dump import load_dumps
@@ -288,7 +288,7 @@ def test_objectives_on_two_ranks_equal_one(objective, tmp_path, run_cache):
     frozen = "--model.freeze_vision_tower" in objective
     parallel = ("--parallelism.ulysses=flex", "--parallelism.vision_balance=true") if frozen else ()
     one_dir, _ = train_tiny(tmp_path, run_cache, "one", 1, *objective)
-    two_dir, two = train_tiny(tmp_path, run_cache, "two", 2, *objective, *parallel)
+    two_dir, two = train_tiny(tmp_path, run_cache, "two", 4 if frozen else 2, *objective, *parallel)
     seen = assert_same_computation(one_dir, two_dir)
     assert {"old_logprobs", "update/policy"} <= set(seen), seen
     assert all(r["clip_fraction"] >= 0 for r in two)
@@ -302,6 +302,7 @@ def test_objectives_on_two_ranks_equal_one(objective, tmp_path, run_cache):
         pushed = [r["sync/bytes"] for r in two if "sync/bytes" in r]
         assert len(pushed) == 2 and pushed[1] < 0.8 * pushed[0], pushed
         assert max(r["probe/logprob_max_diff"] for r in two if "probe/logprob_max_diff" in r) <= 1e-4
+        assert max(r["parallel/sharded_sequences"] for r in two if "parallel/sharded_sequences" in r) > 0
 
 
 def test_reinforce_pp_advantages_hand_computed():

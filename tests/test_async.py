@@ -206,7 +206,7 @@ def test_async_without_lag_equals_the_synchronous_disaggregated_run(run_cache, t
     assert m1[3]["sync/bytes"] == m1[2]["sync/bytes"] < 0.8 * m1[1]["sync/bytes"]  # the frozen tower pushed once
     # step 1 is on-policy: the weight pi / mu is 1 less the mass mu never samples (the vision pad tokens the
     # engines ban: ~2 tokens of the tiny vocabulary), not exactly 1
-    assert 0.99 < m1[1]["async/behaviour_weight_mean"] < 1.0
+    assert 0.99 < m1[1]["rl/behaviour_weight_mean"] < 1.0
     # step 1 trains the same batch with the same weights; step 2's batch came from the initial weights
     c = load_dumps(tmp_path / "async1" / "tiny_cpu")  # (its update differs by the weight above)
     assert max(v for k, v in max_differences(a[1], c[1]).items() if not k.startswith("params/")) <= 1e-5

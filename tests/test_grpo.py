@@ -252,6 +252,43 @@ def test_cispo_hand_computed():
     assert logp.grad.tolist() == pytest.approx([-w * ai / 5 for w, ai in zip(weights, a)])
 
 
+def test_decoupled_cispo_and_gspo_hand_computed():
+    """The decoupled forms (rl.behaviour_weight): CISPO weights each token's term by min(pi_old / pi_behaviour, cap);
+    GSPO weights each response's term by min(exp(mean of its tokens' log(pi_old / pi_behaviour)), cap); no gradient
+    through either weight; with the behaviour policy equal to the proximal one both are the plain objectives."""
+    from titanrl.rl.grpo import cispo_loss, gspo_loss
+
+    kw = dict(clip_low=0.2, clip_high=0.1, mode="token-mean", global_tokens=5, global_seqs=2)
+    for loss in (cispo_loss, gspo_loss):
+        logp, old, adv, seq, lengths = _two_responses()
+        plain = loss(logp, old, adv, seq, lengths, **kw)
+        same = loss(logp, old, adv, seq, lengths, behaviour_logp=old.clone(), behaviour_cap=2.0, **kw)
+        assert same.loss.item() == pytest.approx(plain.loss.item()) and same.behaviour_weight.item() == 1.0
+        assert plain.behaviour_weight is None
+    # behaviour log-probs below the proximal ones by 0, 0.5, 1 (response 0) and 0.2, 0.2 (response 1)
+    shift = torch.tensor([0.0, 0.5, 1.0, 0.2, 0.2], dtype=torch.float64)
+    logp, old, adv, seq, lengths = _two_responses()
+    out = cispo_loss(logp, old, adv, seq, lengths, behaviour_logp=old - shift, behaviour_cap=2.0, **kw)
+    ratios = [math.exp(x) for x in (0.1, -0.1, 0.5, 0.0, -0.3)]
+    clipped = [min(max(r, 0.8), 1.1) for r in ratios]
+    w = [min(math.exp(x), 2.0) for x in shift.tolist()]  # e^1 = 2.72 -> 2
+    a = adv.tolist()
+    assert out.loss.item() == pytest.approx(sum(-wi * c * ai * lp for wi, c, ai, lp in
+                                                zip(w, clipped, a, logp.tolist())) / 5)
+    assert out.behaviour_weight.item() == pytest.approx(sum(w) / 5) and out.behaviour_truncated.item() == 0.2
+    out.loss.backward()
+    assert logp.grad.tolist() == pytest.approx([-wi * c * ai / 5 for wi, c, ai in zip(w, clipped, a)])
+
+    logp, old, adv, seq, lengths = _two_responses()
+    out = gspo_loss(logp, old, adv, seq, lengths, behaviour_logp=old - shift, behaviour_cap=1.4, **kw)
+    s0, s1 = math.exp(0.5 / 3), math.exp(-0.3 / 2)  # response 0 clipped at 1.1 (A > 0), response 1 not
+    w0, w1 = min(math.exp(1.5 / 3), 1.4), min(math.exp(0.2), 1.4)  # 1.649 -> 1.4, 1.221
+    assert out.loss.item() == pytest.approx((w0 * -0.5 * min(s0, 1.1) + w1 * 1.0 * s1) / 2)
+    assert out.behaviour_weight.item() == pytest.approx((w0 + w1) / 2) and out.behaviour_truncated.item() == 0.5
+    out.loss.backward()
+    assert logp.grad.tolist() == pytest.approx([0.0, 0.0, 0.0, w1 * s1 / 4, w1 * s1 / 4])
+
+
 def test_objective_choices_are_checked_against_the_rest_of_the_config():
     from titanrl.config import JobConfig
 
@@ -268,18 +305,33 @@ def test_objective_choices_are_checked_against_the_rest_of_the_config():
     cfg.rl.policy_loss, cfg.parallelism.ulysses = "gspo", "flex"
     assert any("every response whole on one rank" in p for p in cfg.problems())
     assert not problems(advantage="rloo", policy_loss="cispo") and not problems(policy_loss="gspo")
+    assert "rl.behaviour_weight_cap >= 1" in problems(behaviour_weight="always", behaviour_weight_cap=0.0)
+    cfg = JobConfig()
+    cfg.rl.policy_loss, cfg.workflow.mode, cfg.workflow.placement = "cispo", "async", "disaggregated"
+    cfg.workflow.rollout_ranks = 1
+    assert not cfg.problems()  # the decoupled objectives (rl.behaviour_weight) exist for every policy loss
+
+
+# the decoupled objective in synchronous runs (rl.behaviour_weight = always), against a nucleus the trainer does not
+# truncate to (rollout.top_p < 1): each token's weight pi_old / pi_engine is the nucleus's mass, ~0.90 on every token
+# of the near-uniform tiny model. So these runs show the engine's log-probs reaching the loss on every rank (the
+# weight's mean equal to 1 process's); the weighting of unequal weights is the hand computations'.
+_WEIGHTED = ("--rl.behaviour_weight=always", "--rollout.top_p=0.9")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", [("--rl.advantage=rloo", "--rl.policy_loss=gspo", "--rl.clip_low=3e-4",
-                                        "--rl.clip_high=4e-4"),
-                                       ("--rl.policy_loss=cispo", "--rl.clip_high=0.3", "--model.freeze_vision_tower"),
+                                        "--rl.clip_high=4e-4", *_WEIGHTED),
+                                       ("--rl.policy_loss=cispo", "--rl.clip_high=0.3", "--model.freeze_vision_tower",
+                                        *_WEIGHTED),
                                        ("--rl.advantage=reinforce++", "--rl.kl_coef=0.05")],
                          ids=["rloo_gspo", "cispo_frozen_tower", "reinforce_pp"])
 def test_objectives_on_two_ranks_equal_one(objective, tmp_path, run_cache):
     """RLOO advantages with GSPO (the paper's clip range), CISPO, and REINFORCE++ (the KL in each token's reward):
     2 ranks equal 1 rank on per-token log-probs (and REINFORCE++'s per-token advantages) and parameter updates, with
-    a learning signal. CISPO's runs also freeze the vision tower (model.freeze_vision_tower), on 4 ranks with
+    a learning signal. GSPO and CISPO run decoupled (rl.behaviour_weight = always, top_p 0.9): each response's
+    (GSPO) or token's (CISPO) term weighted by its behaviour weight, the engine's log-probs routed with the
+    trajectories. CISPO's runs also freeze the vision tower (model.freeze_vision_tower), on 4 ranks with
     FlexUlysses and vision balancing (the tower's rows routed between ranks, no gradient back): the tower keeps the
     checkpoint's weights bit for bit while the language model trains."""
     from titanrl.rl.dump import load_dumps
@@ -287,11 +339,16 @@ def test_objectives_on_two_ranks_equal_one(objective, tmp_path, run_cache):
 
     frozen = "--model.freeze_vision_tower" in objective
     parallel = ("--parallelism.ulysses=flex", "--parallelism.vision_balance=true") if frozen else ()
-    one_dir, _ = train_tiny(tmp_path, run_cache, "one", 1, *objective)
+    one_dir, one = train_tiny(tmp_path, run_cache, "one", 1, *objective)
     two_dir, two = train_tiny(tmp_path, run_cache, "two", 4 if frozen else 2, *objective, *parallel)
     seen = assert_same_computation(one_dir, two_dir)
     assert {"old_logprobs", "update/policy"} <= set(seen), seen
     assert all(r["clip_fraction"] >= 0 for r in two)
+    if "--rl.behaviour_weight=always" in objective:
+        weights = [(a["rl/behaviour_weight_mean"], b["rl/behaviour_weight_mean"]) for a, b in zip(one, two)]
+        assert len(weights) == 2 and all(0.5 < a < 0.97 and abs(a - b) <= 1e-5 for a, b in weights), weights
+    else:
+        assert not any("rl/behaviour_weight_mean" in r for r in one + two)
     if frozen:
         dumps = load_dumps(two_dir)
         first, last = dumps[1]["params"]["policy"], dumps[max(dumps)]["params"]["policy"]

@@ -41,7 +41,7 @@ from titanrl.rl.error_watch import ErrorWatch
 from titanrl.rl.turns import TurnSetup
 from titanrl.rl.evaluation import Evaluator
 from titanrl.parallel.vision_plan import VisionBalancing
-from titanrl.rl.grpo import build_policy_loss
+from titanrl.rl.grpo import behaviour_weighted, build_policy_loss
 from titanrl.rl.reward_runner import RewardRunner
 from titanrl.rl.stages import StageRunner, build_cost_model
 from titanrl.rl.step_metrics import step_metrics
@@ -225,11 +225,10 @@ class Trainer:
             vision=VisionBalancing(enabled=vision_balance, cost_model=cost_model, group=vision_group,
                                    speeds=train_speeds),
         ) if self.trains else None
-        # asynchronous: the decoupled objective against the rollout engine's log-probs (rl.behaviour_weight_cap)
-        # (and with partial rollouts, whose earlier tokens come from earlier weights)
-        self.off_policy = (cfg.workflow.mode == "async" or cfg.rollout.tokens_per_update > 0) and \
-            cfg.rl.behaviour_weight_cap > 0
-        self.policy_loss = build_policy_loss(cfg.rl, off_policy=self.off_policy)
+        # the decoupled objective against the rollout engine's log-probs (rl.behaviour_weight): asynchronous runs and
+        # partial rollouts, whose tokens come from earlier weights, or every run
+        self.behaviour_weighted = behaviour_weighted(cfg)
+        self.policy_loss = build_policy_loss(cfg.rl, weighted=self.behaviour_weighted)
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.policy_loss = torch.compile(self.policy_loss, backend=cfg.compile.backend, dynamic=cfg.compile.dynamic)
         # LoRA: the adapters only (the frozen base has no gradient and no optimizer state); likewise a frozen tower
@@ -324,7 +323,7 @@ class Trainer:
             ref_model=self.ref_model, critic=self.critic, stages=self.stages, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, critic_optimizer=getattr(self, "critic_optimizer", None),
             critic_lr_scheduler=getattr(self, "critic_lr_scheduler", None), policy_loss=self.policy_loss,
-            off_policy=self.off_policy, turns=self.turns)
+            behaviour_weighted=self.behaviour_weighted, turns=self.turns)
         self.history: list[dict[str, float]] = []  # every step's metrics, for the end-of-run summary
         self.evals: list[tuple[int, dict[str, float]]] = []  # this process's evaluations (step, metrics)
         self._step_seconds: list[float] = []  # wall seconds of this process's steps (SIGTERM's estimate)

@@ -42,10 +42,6 @@ def cross_section_problems(cfg: "JobConfig") -> list[str]:
         found.append(f"rl.policy_loss = 'gspo' takes one ratio per response (the mean of its tokens' log-ratios), "
                      f"which needs every response whole on one rank, but parallelism.ulysses = "
                      f"{cfg.parallelism.ulysses!r} shards responses: use parallelism.ulysses = 'none'")
-    if cfg.rl.policy_loss != "ppo_clip" and (cfg.workflow.mode == "async" or cfg.rollout.tokens_per_update):
-        found.append(f"rl.policy_loss = {cfg.rl.policy_loss!r} has no off-policy (decoupled) form here yet; "
-                     "workflow.mode = 'async' and partial rollouts (rollout.tokens_per_update) need "
-                     "rl.policy_loss = 'ppo_clip'")
     if cfg.balance.strategy == "bucketing" and cfg.parallelism.ulysses != "none":
         found.append(f"balance.strategy='bucketing' deals whole trajectories to ranks (verl's way), but "
                      f"parallelism.ulysses={cfg.parallelism.ulysses!r} shards them: use parallelism.ulysses='none' "

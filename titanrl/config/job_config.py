@@ -557,14 +557,27 @@ class RLConfig:
     against the proximal policy (the policy before this step's update: the old log-probs) and each token's
     policy-gradient term is weighted by the truncated importance weight min(pi_prox / pi_behaviour, cap), where
     pi_behaviour is the rollout engine's log-prob of the token (the policy version that generated it). 0 = no
-    weight (the proximal policy is treated as the behaviour one). Synchronous runs without partial rollouts do not
-    use it: there the behaviour and the proximal policy are the same weights."""
+    weight (the proximal policy is treated as the behaviour one). Synchronous runs without partial rollouts use it
+    only with rl.behaviour_weight = always."""
+    behaviour_weight: Literal["off_policy", "always"] = "off_policy"
+    """Which runs weight each token by min(pi_prox / pi_behaviour, rl.behaviour_weight_cap) (above). off_policy =
+    asynchronous runs and partial rollouts, whose tokens came from older weights; always = every run, synchronous
+    ones too, where it corrects what differs between the distribution the engine sampled from and the trainer's
+    with the same weights: the engine's kernels and rounding (vLLM's bfloat16 kernels are not the trainer's), its
+    rollout.top_p (the nucleus the tokens were drawn from; the trainer's log-probs are of the whole tempered
+    distribution) - truncated importance sampling (Yao et al. 2025; verl's rollout_is = token). For rl.policy_loss =
+    gspo the weight is one per response, min((pi_prox(y) / pi_behaviour(y)) ^ (1 / |y|), cap), the same
+    length-normalised ratio as GSPO's own. probe/logprob_max_diff (rollout.probe_every) measures the dtype and
+    kernel part."""
 
     def problems(self) -> list[str]:
         found = []
         if self.behaviour_weight_cap < 0 or (0 < self.behaviour_weight_cap < 1):
             found.append(f"rl.behaviour_weight_cap must be 0 (off) or >= 1 (a cap below 1 shrinks on-policy "
                          f"tokens too), got {self.behaviour_weight_cap}")
+        if self.behaviour_weight == "always" and self.behaviour_weight_cap == 0:
+            found.append("rl.behaviour_weight = always weights every token by the cap rl.behaviour_weight_cap, which "
+                         "is 0 (off): set rl.behaviour_weight_cap >= 1 (2 is the default)")
         if self.reward not in REWARD_BUILTINS and not _REWARD_SPEC.match(self.reward):
             found.append(
                 f"rl.reward must be a built-in ({', '.join(REWARD_BUILTINS)}), 'package.module:function' or "

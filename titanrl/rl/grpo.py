@@ -154,19 +154,26 @@ def ppo_clip_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     pg_tokens = torch.maximum(unclipped, clipped)
-    weight_mean = truncated = None
-    if behaviour_logp is not None and behaviour_cap > 0:
-        raw = torch.exp((old_logp.detach() - behaviour_logp).clamp(-20.0, 20.0))
-        weight = raw.clamp(max=behaviour_cap)
-        pg_tokens = pg_tokens * weight
-        weight_mean = aggregate(weight, **agg).detach()
-        truncated = aggregate((raw > behaviour_cap).float(), **agg).detach()
+    pg_tokens, weight_mean, truncated = _behaviour_weighted(pg_tokens, old_logp, behaviour_logp, behaviour_cap, agg)
     pg_loss = aggregate(pg_tokens, **agg)
     loss, kl_value, ent_value = _regularised(pg_loss, logp, agg, ref_logp=ref_logp, kl_coef=kl_coef,
                                              kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef)
     clip_frac = aggregate((clipped > unclipped).float(), **agg).detach()
     return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl_value, clip_fraction=clip_frac,
                             entropy=ent_value, behaviour_weight=weight_mean, behaviour_truncated=truncated)
+
+
+def _behaviour_weighted(pg_tokens: torch.Tensor, old_logp: torch.Tensor, behaviour_logp: torch.Tensor | None,
+                        cap: float, agg: dict) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per-token terms times the truncated importance weight w = min(pi_old / pi_behaviour, cap) (no gradient
+    through w), with w's aggregate and the share of tokens at the cap; the terms as they are without
+    ``behaviour_logp`` or with ``cap`` 0."""
+    if behaviour_logp is None or cap <= 0:
+        return pg_tokens, None, None
+    raw = torch.exp((old_logp.detach() - behaviour_logp).clamp(-20.0, 20.0))
+    weight = raw.clamp(max=cap)
+    return (pg_tokens * weight, aggregate(weight, **agg).detach(),
+            aggregate((raw > cap).to(pg_tokens.dtype), **agg).detach())
 
 
 def _regularised(pg_loss: torch.Tensor, logp, agg: dict, *, ref_logp, kl_coef, kl_estimator, entropy,
@@ -213,9 +220,12 @@ def gspo_loss(
     s_i = (pi(y_i) / pi_old(y_i)) ^ (1 / |y_i|) = exp(mean_t log(pi / pi_old)), and per response
     max(-A_i s_i, -A_i clip(s_i, 1 - clip_low, 1 + clip_high)), averaged over the minibatch's responses
     (``global_seqs``). Every response's tokens must be in this call (the caller keeps responses whole); KL and
-    entropy stay per-token terms under ``mode``."""
-    if behaviour_logp is not None and behaviour_cap > 0:
-        raise ValueError("gspo has no off-policy (decoupled) form here")
+    entropy stay per-token terms under ``mode``.
+
+    Decoupled (``behaviour_logp``, ``behaviour_cap`` > 0): s_i is taken against the proximal policy (``old_logp``)
+    and each response's term is weighted by w_i = min(exp(mean_t log(pi_old / pi_behaviour)), cap), the same
+    length-normalised ratio from the behaviour policy to the proximal one (no gradient through w_i); its mean and
+    share at the cap are over responses."""
     agg = dict(seq_index=seq_index, seq_lengths=seq_lengths, mode=mode, global_tokens=global_tokens,
                global_seqs=global_seqs)
     num = seq_lengths.numel()
@@ -231,12 +241,22 @@ def gspo_loss(
     adv = zeros.index_add(0, seq_index, advantages.to(logp.dtype)) / seq_lengths.clamp(min=1).to(logp.dtype)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg_loss = torch.maximum(unclipped, clipped).sum() / global_seqs
+    per_response = torch.maximum(unclipped, clipped)
+    weight_mean = truncated = None
+    if behaviour_logp is not None and behaviour_cap > 0:
+        behaviour = zeros.index_add(0, seq_index, old_logp.detach() - behaviour_logp) / \
+            seq_lengths.clamp(min=1).to(logp.dtype)
+        raw = torch.exp(behaviour.clamp(-20.0, 20.0))
+        weight = raw.clamp(max=behaviour_cap)
+        per_response = per_response * weight
+        weight_mean = (weight.sum() / global_seqs).detach()
+        truncated = ((raw > behaviour_cap).to(logp.dtype).sum() / global_seqs).detach()
+    pg_loss = per_response.sum() / global_seqs
     loss, kl_value, ent_value = _regularised(pg_loss, logp, agg, ref_logp=ref_logp, kl_coef=kl_coef,
                                              kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef)
     clip_frac = ((clipped > unclipped).to(logp.dtype).sum() / global_seqs).detach()  # share of responses clipped
     return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl_value, clip_fraction=clip_frac,
-                            entropy=ent_value)
+                            entropy=ent_value, behaviour_weight=weight_mean, behaviour_truncated=truncated)
 
 
 def cispo_loss(
@@ -261,32 +281,41 @@ def cispo_loss(
 ) -> PolicyLossOutput:
     """CISPO (MiniMax-M1, Chen et al. 2025, eq. 4): per token -sg(clip(r, 1 - clip_low, 1 + clip_high)) A log pi,
     r = pi / pi_old: the clipped ratio is a detached weight, so every token keeps a gradient (PPO-clip drops the
-    clipped ones), aggregated under ``mode`` (the paper: token-mean)."""
-    if behaviour_logp is not None and behaviour_cap > 0:
-        raise ValueError("cispo has no off-policy (decoupled) form here")
+    clipped ones), aggregated under ``mode`` (the paper: token-mean). Decoupled (``behaviour_logp``): r is taken
+    against the proximal policy (``old_logp``) and each token's term is weighted by min(pi_old / pi_behaviour,
+    ``behaviour_cap``), as in ``ppo_clip_loss``."""
     agg = dict(seq_index=seq_index, seq_lengths=seq_lengths, mode=mode, global_tokens=global_tokens,
                global_seqs=global_seqs)
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0)).detach()
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg_loss = aggregate(-weight * advantages * logp, **agg)
+    pg_tokens, weight_mean, truncated = _behaviour_weighted(-weight * advantages * logp, old_logp, behaviour_logp,
+                                                            behaviour_cap, agg)
+    pg_loss = aggregate(pg_tokens, **agg)
     loss, kl_value, ent_value = _regularised(pg_loss, logp, agg, ref_logp=ref_logp, kl_coef=kl_coef,
                                              kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef)
     clip_frac = aggregate((weight != ratio).to(logp.dtype), **agg).detach()
     return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl_value, clip_fraction=clip_frac,
-                            entropy=ent_value)
+                            entropy=ent_value, behaviour_weight=weight_mean, behaviour_truncated=truncated)
 
 
 POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
 
-def build_policy_loss(rl, *, off_policy: bool = False) -> Callable[..., PolicyLossOutput]:
+def behaviour_weighted(cfg) -> bool:
+    """Whether the update weights its tokens by the behaviour policy's (the engine's) log-probs: rl.behaviour_weight
+    (asynchronous runs and partial rollouts, or every run) with rl.behaviour_weight_cap > 0."""
+    off_policy = cfg.workflow.mode == "async" or cfg.rollout.tokens_per_update > 0
+    return cfg.rl.behaviour_weight_cap > 0 and (off_policy or cfg.rl.behaviour_weight == "always")
+
+
+def build_policy_loss(rl, *, weighted: bool = False) -> Callable[..., PolicyLossOutput]:
     """``rl.policy_loss``'s objective with the run's settings (an ``RLConfig``) bound; the caller gives
-    the per-token tensors and the minibatch's global normalisers (and, ``off_policy``: an asynchronous run,
+    the per-token tensors and the minibatch's global normalisers (and, ``weighted`` (``behaviour_weighted``):
     ``behaviour_logp``, weighted with ``rl.behaviour_weight_cap``)."""
     return functools.partial(
         POLICY_LOSSES[rl.policy_loss], clip_low=rl.clip_low, clip_high=rl.clip_high, mode=rl.loss_agg,
         # REINFORCE++ puts the KL to the reference in the reward (its advantages), not in the loss
         kl_coef=0.0 if rl.advantage == "reinforce++" else rl.kl_coef, kl_estimator=rl.kl_estimator,
         entropy_coef=rl.entropy_coef,
-        behaviour_cap=rl.behaviour_weight_cap if off_policy else 0.0,
+        behaviour_cap=rl.behaviour_weight_cap if weighted else 0.0,
     )

@@ -232,7 +232,7 @@ def train_actor(batch, ctx):
     fields = ("old_logprobs", "ref_logprobs") if ctx.ref_model is not None else ("old_logprobs",)
     if per_token_advantages(cfg):
         fields += ("advantages",)
-    if ctx.off_policy:  # the behaviour policy's log-probs (the engine's) for the decoupled objective
+    if ctx.behaviour_weighted:  # the behaviour policy's log-probs (the engine's) for the decoupled objective
         fields += ("rollout_logprobs",)
     sums = {"pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "grad_norm": 0.0,
             "behaviour_weight": 0.0, "behaviour_truncated": 0.0}
@@ -263,9 +263,9 @@ def train_actor(batch, ctx):
         "clip_fraction": reduced[2].item() / steps, "entropy": reduced[3].item() / steps,
         "grad_norm": sums["grad_norm"] / steps, "lr": ctx.lr_scheduler.get_last_lr()[0],
     })
-    if ctx.off_policy:  # the truncated importance weights' token mean, and the share of tokens at the cap
-        batch.metrics["async/behaviour_weight_mean"] = reduced[4].item() / steps
-        batch.metrics["async/behaviour_weight_truncated"] = reduced[5].item() / steps
+    if ctx.behaviour_weighted:  # the truncated importance weights' mean, and the share at the cap (gspo: responses)
+        batch.metrics["rl/behaviour_weight_mean"] = reduced[4].item() / steps
+        batch.metrics["rl/behaviour_weight_truncated"] = reduced[5].item() / steps
 
 
 # ---------------------------------------------------------------------------------- weights

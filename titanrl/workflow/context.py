@@ -60,7 +60,7 @@ class NodeContext:
     critic_optimizer: Any = None
     critic_lr_scheduler: Any = None
     policy_loss: Callable | None = None
-    off_policy: bool = False
+    behaviour_weighted: bool = False  # titanrl.rl.grpo.behaviour_weighted
     turns: Any = None  # multi-turn rollouts (rollout.max_turns > 1): titanrl.rl.turns.TurnSetup
 
     @property

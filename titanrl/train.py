@@ -32,12 +32,17 @@ _USER_ERRORS = (
 _EVERY_RANK = ("titanrl.checkpoint.CheckpointError",)
 
 
+def _is_a(err: BaseException, names: tuple[str, ...]) -> bool:
+    """Whether ``err`` is an instance of one of the classes named (module.qualname; their modules are not imported
+    here)."""
+    return any(f"{c.__module__}.{c.__qualname__}" in names for c in type(err).__mro__)
+
+
 def _is_user_error(err: BaseException) -> bool:
-    names = {f"{c.__module__}.{c.__qualname__}" for c in type(err).__mro__}
-    if "titanrl.workflow.executor.NodeError" in names:  # the user's own function, or one of the errors above
+    if _is_a(err, ("titanrl.workflow.executor.NodeError",)):  # the user's own function, or one of the errors above
         node = err.node
         return not node.builtin or node.role == "reward" or _is_user_error(err.cause)
-    return any(name in names for name in _USER_ERRORS)
+    return _is_a(err, _USER_ERRORS)
 
 
 def _shows_cause(info, failing: int) -> bool:
@@ -117,9 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             say(f"[titanrl] rank {info.rank} stopped: {elsewhere}", error=True,
                 log_only=not _shows_cause(info, trainer.control.failed_rank))
         else:
-            alike = any(f"{c.__module__}.{c.__qualname__}" in _EVERY_RANK for c in type(err).__mro__)
             report_exception(err, rank=info.rank, expected=_is_user_error(err), verbose=cfg.metrics.verbose,
-                             console=not alike or info.is_main or _shows_cause(info, 0))
+                             console=not _is_a(err, _EVERY_RANK) or info.is_main or _shows_cause(info, 0))
         return 1
     finally:
         shutdown()

@@ -389,3 +389,86 @@ def test_reinforce_pp_advantages_hand_computed():
     assert build_policy_loss(cfg.rl).keywords["kl_coef"] == 0.0 and not old_from_first_forward(cfg)
     order = [n.id for n in resolve(cfg).nodes]
     assert order.index("advantage") > max(order.index("old_logprob"), order.index("ref_logprob"))
+
+
+def test_overlong_penalty_hand_computed():
+    """DAPO's soft overlong punishment (eq. 13) with L_max = 10, L_cache = 4: 0 up to 6 tokens, then -penalty x
+    (L - 6) / 4, the whole penalty at 10 tokens."""
+    from titanrl.rl.rewards import overlong_penalty
+
+    got = [overlong_penalty(n, 10, 4, 0.5) for n in (1, 6, 7, 9, 10, 12)]
+    assert got == pytest.approx([0.0, 0.0, -0.125, -0.375, -0.5, -0.5])
+    assert overlong_penalty(10, 10, 0, 1.0) == 0.0
+
+
+def test_overlong_settings_are_checked():
+    from titanrl.config import JobConfig
+
+    cfg = JobConfig()
+    cfg.rollout.max_new_tokens, cfg.rl.overlong_buffer = 4, 4
+    assert any("must be below rollout.max_new_tokens = 4" in p for p in cfg.problems())
+    cfg.rl.overlong_buffer, cfg.rollout.max_turns, cfg.rl.env = 2, 3, "titanrl.envs.zoom:ZoomEnv"
+    assert any("per turn" in p for p in cfg.problems())
+    cfg.rl.overlong_buffer, cfg.rl.mask_truncated = 0, True
+    assert not cfg.problems()
+    cfg.rl.overlong_buffer, cfg.rl.overlong_penalty = -1, -0.5
+    assert {"rl.overlong_buffer must be >= 0 (0 = off), got -1", "rl.overlong_penalty must be >= 0, got -0.5"} <= \
+        set(cfg.problems())
+
+
+@pytest.fixture(scope="module")
+def stop_ckpt(tiny_ckpt, tmp_path_factory):
+    """The tiny checkpoint whose generation config also ends a response at any of 100 of its 1024 tokens: its random
+    policy ends about half of 6-token responses by itself and the engine cuts the rest, so finished and truncated
+    responses mix in every group."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("stop_ckpt") / "qwen2_5_vl_tiny_stop"
+    shutil.copytree(tiny_ckpt, out)
+    config = json.loads((out / "generation_config.json").read_text())
+    config["eos_token_id"] = config["eos_token_id"] + list(range(300, 400))
+    (out / "generation_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.slow
+def test_overlong_masking_on_two_ranks_equals_dropping_the_responses_in_the_graph(stop_ckpt, tmp_path, run_cache):
+    """DAPO's overlong handling: rl.overlong_buffer's reward term, and rl.mask_truncated leaving the responses the
+    engine cut out of the policy update (lb_mini, 2 ranks) equals one process whose workflow drops them after their
+    group's advantages (a user node, the graph's own way): per-token log-probs of the trained responses and parameter
+    updates, with a learning signal; the penalty each response got is eq. 13 of its length."""
+    from titanrl.rl.dump import load_dumps
+    from titanrl.rl.rewards import overlong_penalty
+    from train_runs import ROOT, assert_same_computation, train_tiny
+
+    overlong = (f"--model.path={stop_ckpt}", "--rollout.max_new_tokens=6", "--rl.overlong_buffer=3")
+    toml = tmp_path / "drop_truncated.toml"
+    toml.write_text(f'''[[workflow.nodes]]
+id = "drop_truncated"
+function = "{ROOT / 'tests' / 'drop_truncated.py'}:drop_truncated"
+inputs = ["advantage"]
+
+[[workflow.nodes]]
+id = "old_logprob"
+inputs = ["drop_truncated"]
+
+[[workflow.nodes]]
+id = "ref_logprob"
+inputs = ["drop_truncated"]
+''')
+    dropped_dir, dropped = train_tiny(tmp_path, run_cache, "dropped", 1, *overlong, config=str(toml))
+    masked_dir, masked = train_tiny(tmp_path, run_cache, "masked", 2, *overlong, "--rl.mask_truncated",
+                                    "--balance.strategy=lb_mini")
+    seen = assert_same_computation(masked_dir, dropped_dir, b_subset=True)
+    assert {"old_logprobs", "update/policy"} <= set(seen), seen
+    dumps = load_dumps(masked_dir)
+    for rec in masked:
+        trajs = dumps[rec["step"]]["trajectories"].values()
+        cut = [t for t in trajs if len(t["response_ids"]) == 6]  # (with those the model ended at the 6th token)
+        assert 0 < rec["train/masked_truncated"] <= len(cut) < len(trajs), rec
+        assert rec["response/truncated_fraction"] == rec["train/masked_truncated"] / len(trajs)
+        penalties = [overlong_penalty(len(t["response_ids"]), 6, 3, 1.0) for t in trajs]
+        assert rec["reward/overlong_penalty"] == pytest.approx(sum(penalties) / len(trajs))
+        assert len(set(penalties)) > 1
+    assert [r["train/tokens_represented"] for r in masked] == [r["train/tokens_represented"] for r in dropped]

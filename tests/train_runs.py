@@ -323,10 +323,10 @@ def alive(procs: list) -> list[str]:
     return out
 
 
-def run_tiny(out: Path, cache: Path, nproc: int, *overrides: str, timeout: float = 1200) -> Path:
-    """``titanrl.train`` on ``configs/tiny_cpu.toml`` with ``overrides``, its run folder under ``out``; returns the
-    run folder (a failed run fails the test with :func:`failure_report`)."""
-    run(train_cmd(out, cache, *overrides, nproc=nproc), timeout=timeout)
+def run_tiny(out: Path, cache: Path, nproc: int, *overrides: str, timeout: float = 1200, config: str = TINY) -> Path:
+    """``titanrl.train`` on ``configs/tiny_cpu.toml`` (or ``config``, a job named tiny_cpu) with ``overrides``, its
+    run folder under ``out``; returns the run folder (a failed run fails the test with :func:`failure_report`)."""
+    run(train_cmd(out, cache, *overrides, nproc=nproc, config=config), timeout=timeout)
     return Path(out) / "tiny_cpu"
 
 
@@ -340,7 +340,7 @@ def shared_run(cache: Path, nproc: int, *overrides: str) -> Path:
     return _SHARED[key]
 
 
-def train_tiny(tmp_path, cache, name, nproc, *extra, shared: bool = False):
+def train_tiny(tmp_path, cache, name, nproc, *extra, shared: bool = False, config: str = TINY):
     """``titanrl.train`` on the tiny CPU config (2 steps, tensors dumped, old log-probs recomputed, video-heavy,
     4 prompts, 2 minibatches, 300 tokens per microbatch, a learning signal: ``SIGNAL``) with ``nproc`` ranks (1: no torchrun) and ``extra``
     overrides; returns the run folder (``titanrl.rl.dump.load_dumps`` reads it) and its metric records.
@@ -351,12 +351,13 @@ def train_tiny(tmp_path, cache, name, nproc, *extra, shared: bool = False):
     if shared:
         run_dir = shared_run(cache, nproc, *common, *extra)
     else:
-        run_dir = run_tiny(tmp_path / name, cache, nproc, *common, *extra)
+        run_dir = run_tiny(tmp_path / name, cache, nproc, *common, *extra, config=config)
     return run_dir, metric_records(run_dir)
 
 
 def assert_same_computation(a_dir: Path, b_dir: Path, *, tol: float = 1e-5, update_rtol: float = 1e-4,
-                            fields: tuple[str, ...] | None = None, steps: int | None = None) -> dict:
+                            fields: tuple[str, ...] | None = None, steps: int | None = None,
+                            b_subset: bool = False) -> dict:
     """Two runs' dumps (``metrics.dump_tensors``) computed the same thing, in steps that learn:
 
     - the same responses, and every per-token field (log-probs, values, returns, advantages) within ``tol`` in the
@@ -371,6 +372,9 @@ def assert_same_computation(a_dir: Path, b_dir: Path, *, tol: float = 1e-5, upda
       AdamW's normalisation turns into steps of full size and either sign (up to ~7e-4 of that tensor's update
       norm apart here).
 
+    ``b_subset``: ``b`` left some responses out of its model stages (a node of its workflow dropped them): the
+    per-token fields are compared over the responses ``b`` computed old log-probs for.
+
     Returns the largest differences seen (per-token fields absolute, ``update/<model>`` relative)."""
     from titanrl.rl.dump import PER_TOKEN, load_dumps, max_differences
 
@@ -380,6 +384,12 @@ def assert_same_computation(a_dir: Path, b_dir: Path, *, tol: float = 1e-5, upda
     if steps is not None:
         assert len(b) == steps, sorted(b)
     a = {step: a[step] for step in b}
+    if b_subset:
+        for step in b:
+            keep = {k for k, rec in b[step]["trajectories"].items() if "old_logprobs" in rec}
+            assert 0 < len(keep) < len(b[step]["trajectories"]), (step, len(keep))
+            for side in (a[step], b[step]):
+                side["trajectories"] = {k: v for k, v in side["trajectories"].items() if k in keep}
     seen: dict[str, float] = {}
     for step in sorted(a):
         diff = max_differences(a[step], b[step], fields or PER_TOKEN)

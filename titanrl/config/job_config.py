@@ -551,6 +551,20 @@ class RLConfig:
     """How per-token losses are reduced to one number."""
     entropy_coef: float = 0.02
     """Weight of the entropy bonus."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), in tokens: a response of L generated tokens, L past
+    rollout.max_new_tokens - overlong_buffer, loses rl.overlong_penalty x (L - (max_new_tokens - overlong_buffer)) /
+    overlong_buffer of its reward, the whole rl.overlong_penalty at rollout.max_new_tokens. 0 = off. Single-turn
+    runs (a multi-turn budget is per turn). The step's mean is reward/overlong_penalty (reward/mean includes it;
+    reward/accuracy does not)."""
+    overlong_penalty: float = 1.0
+    """The reward a response of rollout.max_new_tokens tokens loses under rl.overlong_buffer."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering (AReaL's mask_no_eos_with_zero): responses the engine cut at rollout.max_new_tokens
+    (finish reason 'length'; multi-turn: the last turn's) take no part in the policy update - no loss term, no token
+    in its normalisers - while still counting in their group's advantages and in the reward metrics; a minibatch
+    left with none makes no optimizer step. train/masked_truncated counts them; response/truncated_fraction (every
+    run) is their share of the step's responses."""
     behaviour_weight_cap: float = 2.0
     """workflow.mode = async and partial rollouts (rollout.tokens_per_update; off-policy correction, the decoupled
     PPO objective): the clipped ratio is taken
@@ -575,6 +589,10 @@ class RLConfig:
         if self.behaviour_weight_cap < 0 or (0 < self.behaviour_weight_cap < 1):
             found.append(f"rl.behaviour_weight_cap must be 0 (off) or >= 1 (a cap below 1 shrinks on-policy "
                          f"tokens too), got {self.behaviour_weight_cap}")
+        if self.overlong_buffer < 0:
+            found.append(f"rl.overlong_buffer must be >= 0 (0 = off), got {self.overlong_buffer}")
+        if self.overlong_penalty < 0:
+            found.append(f"rl.overlong_penalty must be >= 0, got {self.overlong_penalty}")
         if self.behaviour_weight == "always" and self.behaviour_weight_cap == 0:
             found.append("rl.behaviour_weight = always weights every token by the cap rl.behaviour_weight_cap, which "
                          "is 0 (off): set rl.behaviour_weight_cap >= 1 (2 is the default)")

@@ -32,6 +32,7 @@ from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
 from titanrl.rl.grpo import ValueLossOutput, aggregate
 from titanrl.rl.grpo import group_advantages as grpo_advantages
 from titanrl.rl.grpo import rloo_advantages
+from titanrl.rl.rewards import overlong_penalty
 from titanrl.rl.slice_loading import StepSlices
 from titanrl.rl.turns import rollout_turns, trajectory_score
 from titanrl.rollout import RolloutRequest
@@ -150,12 +151,18 @@ def continue_partial(fresh: dict, batch, ctx, sampling: dict, budget: int) -> di
 
 def score(batch, ctx):
     """``rl.reward`` on every response, in ``ctx.rewards``' worker processes (``titanrl.rl.reward_runner``): the
-    score is ``t.reward``; the whole result (correct, extras, error) is ``t.extras["reward"]`` for the metrics."""
+    score is ``t.reward`` (less rl.overlong_buffer's punishment); the whole result (correct, extras, error) is
+    ``t.extras["reward"]`` for the metrics."""
     trajs = batch.trajectories
+    rl, budget = ctx.cfg.rl, ctx.cfg.rollout.max_new_tokens
     results = ctx.rewards.score([(t.response_text, t.prompt.record) for t in trajs])
     for t, result in zip(trajs, results):
         t.reward = trajectory_score(t.extras, result.score)  # multi-turn: the environment's reward, or 0 if it failed
         t.extras["reward"] = result
+        if rl.overlong_buffer:
+            t.extras["overlong_penalty"] = overlong_penalty(t.num_generated_tokens, budget, rl.overlong_buffer,
+                                                            rl.overlong_penalty)
+            t.reward += t.extras["overlong_penalty"]
 
 
 def group_advantages(batch, ctx):
@@ -240,7 +247,10 @@ def train_actor(batch, ctx):
     loss_fn = _loss(ctx)
     for epoch in range(rl.ppo_epochs):
         for m in range(rl.minibatches):
-            ids = ctx.stages.minibatch_ids(m, rl.minibatches)
+            # rl.mask_truncated: the responses the engine cut take no part (every rank drops the same ones)
+            ids = ctx.stages.minibatch_ids(m, rl.minibatches, truncated=not rl.mask_truncated)
+            if not ids:  # every response of the minibatch was cut: no gradient, no optimizer step
+                continue
             first = epoch == 0 and m == 0 and old_from_first_forward(cfg)
             use = tuple(f for f in fields if f != "old_logprobs") if first else fields
             for res in ctx.stages.train_minibatch(ctx.model, ids, use, loss_fn, temperature=cfg.rollout.temperature):
@@ -258,11 +268,14 @@ def train_actor(batch, ctx):
                                            sums["behaviour_weight"], sums["behaviour_truncated"]],
                                           dtype=torch.float64), group=batch.group)
     ctx.model.eval()
+    steps = max(steps, 1)
     batch.metrics.update({
         "loss": reduced[0].item() / steps, "kl": reduced[1].item() / steps,
         "clip_fraction": reduced[2].item() / steps, "entropy": reduced[3].item() / steps,
         "grad_norm": sums["grad_norm"] / steps, "lr": ctx.lr_scheduler.get_last_lr()[0],
     })
+    if rl.mask_truncated:
+        batch.metrics["train/masked_truncated"] = float(sum(m.truncated for m in ctx.stages.metas))
     if ctx.behaviour_weighted:  # the truncated importance weights' mean, and the share at the cap (gspo: responses)
         batch.metrics["rl/behaviour_weight_mean"] = reduced[4].item() / steps
         batch.metrics["rl/behaviour_weight_truncated"] = reduced[5].item() / steps

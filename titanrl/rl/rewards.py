@@ -209,3 +209,14 @@ def load_reward(spec: str) -> Callable[[str, SampleRecord], RewardOutput]:
     from titanrl.workflow.functions import load_function
 
     return load_function(spec, "rl.reward")
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), as a term added to the reward: 0 up to
+    ``max_tokens - buffer`` generated tokens, then falling linearly to ``-penalty`` at ``max_tokens`` (and beyond)."""
+    if buffer <= 0:
+        return 0.0
+    start = max_tokens - buffer
+    if length <= start:
+        return 0.0
+    return -penalty * min(length - start, buffer) / buffer

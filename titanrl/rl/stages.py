@@ -192,10 +192,12 @@ class StageRunner:
     def all_ids(self) -> list[int]:
         return list(range(len(self.metas)))
 
-    def minibatch_ids(self, m: int, minibatches: int) -> list[int]:
+    def minibatch_ids(self, m: int, minibatches: int, *, truncated: bool = True) -> list[int]:
         """Minibatch ``m``: the prompts at global positions ``p % minibatches == m`` with all their
-        responses, the same composition on any number of ranks."""
-        return [i for i, meta in enumerate(self.metas) if meta.group % minibatches == m]
+        responses, the same composition on any number of ranks; ``truncated=False``: without the responses the
+        engine cut at its token limit (rl.mask_truncated)."""
+        return [i for i, meta in enumerate(self.metas)
+                if meta.group % minibatches == m and (truncated or not meta.truncated)]
 
     def units(self, ids: Sequence[int]) -> list[StageUnit]:
         """The units a stage over trajectories ``ids`` places: with shared-prefix packing a prompt

@@ -114,6 +114,8 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> tuple[dict[str, float], d
         sum(t.reward for t in trajs), float(buffer.bytes_redistributed), float(len(trajs)),
         float(sum(t.num_response_tokens for t in trajs)), float(sum(t.num_tokens for t in trajs)),
         float(ctx.skips.total()), float(uniform), float(groups),
+        float(sum(t.finish_reason == "length" for t in trajs)),
+        sum(t.extras.get("overlong_penalty", 0.0) for t in trajs),
     ], dtype=torch.float64)
     total = all_reduce_sum(local)
     # one all-gather of what each rank holds: rewards, sources, node numbers, busy and wall-clock seconds
@@ -161,6 +163,8 @@ def step_metrics(ctx, buffer, timer, wall_s: float) -> tuple[dict[str, float], d
         # groups whose responses all scored the same: no gradient from them this step
         "reward/uniform_group_fraction": total[6].item() / max(total[7].item(), 1.0),
         "response/length_mean": total[3].item() / n,
+        "response/truncated_fraction": total[8].item() / n,  # cut at rollout.max_new_tokens (the last turn's)
+        **({"reward/overlong_penalty": total[9].item() / n} if ctx.cfg.rl.overlong_buffer else {}),
         "rollout/tokens": total[4].item(),  # prompt + response tokens of the step's responses
         **stats,
         "throughput/tokens_per_s": total[4].item() / max(step_time, 1e-9),

@@ -69,6 +69,7 @@ class TrajectoryMeta:
     name: str  # sample id, for messages
     # multi-turn: the response's spans [a, b) of tokens the policy generated (the only scored ones); None: all
     generated: tuple[tuple[int, int], ...] | None = None
+    truncated: bool = False  # the engine cut it at rollout.max_new_tokens (its last turn, multi-turn)
 
     @property
     def num_tokens(self) -> int:
@@ -256,7 +257,8 @@ def gather_metadata(trajs: Sequence, rank: int, args: Qwen2_5_VLArgs, group=None
             items = items_of[key]
         generated = None if t.generated is None or t.generated.all() else _spans(t.generated)
         mine.append(TrajectoryMeta(rank, i, g, len(t.prompt.prompt_ids), t.num_response_tokens,
-                                   float(t.advantage), items, str(t.prompt.record.id), generated))
+                                   float(t.advantage), items, str(t.prompt.record.id), generated,
+                                   t.finish_reason == "length"))
     every = [m for part in all_gather_objects(mine, group=group) for m in part]
     return sorted(every, key=lambda m: (m.group, m.home, m.index))
 

@@ -252,6 +252,30 @@ def test_cispo_hand_computed():
     assert logp.grad.tolist() == pytest.approx([-w * ai / 5 for w, ai in zip(weights, a)])
 
 
+def test_sapo_hand_computed():
+    """SAPO (Gao et al. 2025): per token -A (4 / tau) sigmoid(tau (r - 1)), tau by the advantage's sign, token-mean;
+    its gradient is -A 4 s (1 - s) r per token: the plain policy gradient at r = 1, fading as r leaves it."""
+    from titanrl.rl.grpo import sapo_loss
+
+    logp, old, adv, seq, lengths = _two_responses()
+    ratios = [math.exp(x) for x in (0.1, -0.1, 0.5, 0.0, -0.3)]
+    a = adv.tolist()
+    taus = [1.0 if ai > 0 else 3.0 for ai in a]
+    gates = [1 / (1 + math.exp(-t * (r - 1))) for t, r in zip(taus, ratios)]
+    out = sapo_loss(logp, old, adv, seq, lengths, tau_pos=1.0, tau_neg=3.0, mode="token-mean", global_tokens=5,
+                    global_seqs=2)
+    assert out.loss.item() == pytest.approx(sum(-ai * 4 / t * g for ai, t, g in zip(a, taus, gates)) / 5)
+    out.loss.backward()
+    assert logp.grad.tolist() == pytest.approx([-ai * 4 * g * (1 - g) * r / 5
+                                                for ai, g, r in zip(a, gates, ratios)])
+    assert out.clip_fraction.item() == 0.0  # every gate weight 4 s (1 - s) is above 1/2 this close to r = 1
+    # on-policy (r = 1 everywhere) the gradient is exactly the policy gradient -A / 5 per token
+    logp2 = old.clone().requires_grad_(True)
+    sapo_loss(logp2, old, adv, seq, lengths, tau_pos=1.0, tau_neg=3.0, mode="token-mean", global_tokens=5,
+              global_seqs=2).loss.backward()
+    assert logp2.grad.tolist() == pytest.approx([-ai / 5 for ai in a])
+
+
 def test_decoupled_cispo_and_gspo_hand_computed():
     """The decoupled forms (rl.behaviour_weight): CISPO weights each token's term by min(pi_old / pi_behaviour, cap);
     GSPO weights each response's term by min(exp(mean of its tokens' log(pi_old / pi_behaviour)), cap); no gradient
@@ -324,10 +348,11 @@ _WEIGHTED = ("--rl.behaviour_weight=always", "--rollout.top_p=0.9")
                                         "--rl.clip_high=4e-4", *_WEIGHTED),
                                        ("--rl.policy_loss=cispo", "--rl.clip_high=0.3", "--model.freeze_vision_tower",
                                         *_WEIGHTED),
-                                       ("--rl.advantage=reinforce++", "--rl.kl_coef=0.05")],
-                         ids=["rloo_gspo", "cispo_frozen_tower", "reinforce_pp"])
+                                       ("--rl.advantage=reinforce++", "--rl.kl_coef=0.05", "--rl.policy_loss=sapo")],
+                         ids=["rloo_gspo", "cispo_frozen_tower", "reinforce_pp_sapo"])
 def test_objectives_on_two_ranks_equal_one(objective, tmp_path, run_cache):
-    """RLOO advantages with GSPO (the paper's clip range), CISPO, and REINFORCE++ (the KL in each token's reward):
+    """RLOO advantages with GSPO (the paper's clip range), CISPO, and REINFORCE++ (the KL in each token's reward)
+    with SAPO's soft gate:
     2 ranks equal 1 rank on per-token log-probs (and REINFORCE++'s per-token advantages) and parameter updates, with
     a learning signal. GSPO and CISPO run decoupled (rl.behaviour_weight = always, top_p 0.9): each response's
     (GSPO) or token's (CISPO) term weighted by its behaviour weight, the engine's log-probs routed with the

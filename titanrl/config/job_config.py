@@ -467,12 +467,20 @@ class RLConfig:
     REINFORCE++, eq. 2-4: the KL is in the reward, not the loss; the old log-probs are then computed before the
     update whatever rl.old_logprobs says); gae = per-token GAE from the critic (rl.algorithm = ppo only). auto = gae
     with rl.algorithm = ppo, else grpo."""
-    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+    policy_loss: Literal["ppo_clip", "gspo", "cispo", "sapo"] = "ppo_clip"
     """The policy objective. ppo_clip = the per-token clipped ratio (Schulman et al. 2017; clip_low / clip_high);
     gspo = a sequence-level ratio, the geometric mean of the response's token ratios, clipped per response (Zheng
     et al. 2025, eq. 5-7; the paper's clip range is 3e-4 / 4e-4, set with rl.clip_low / rl.clip_high; needs each
     response whole on a rank: parallelism.ulysses = none); cispo = the clipped ratio as a detached weight on each
-    token's log-prob gradient, so no token's gradient is dropped (MiniMax-M1, Chen et al. 2025, eq. 4)."""
+    token's log-prob gradient, so no token's gradient is dropped (MiniMax-M1, Chen et al. 2025, eq. 4); sapo = a
+    smooth gate in place of the clip, per token (4 / tau) sigmoid(tau (r - 1)) A with tau = rl.sapo_tau_pos for
+    positive advantages and rl.sapo_tau_neg for negative ones (Gao et al. 2025, Soft Adaptive Policy Optimization;
+    rl.clip_low / rl.clip_high unused)."""
+    sapo_tau_pos: float = 1.0
+    """SAPO's gate temperature for tokens of positive advantage (larger: the gradient fades sooner as the ratio
+    leaves 1)."""
+    sapo_tau_neg: float = 1.05
+    """SAPO's gate temperature for tokens of negative advantage (above rl.sapo_tau_pos: those fade sooner)."""
     gamma: float = 1.0
     """PPO: discount of the per-token rewards (the reward arrives at a response's last token)."""
     lam: float = 0.95
@@ -589,6 +597,9 @@ class RLConfig:
         if self.behaviour_weight_cap < 0 or (0 < self.behaviour_weight_cap < 1):
             found.append(f"rl.behaviour_weight_cap must be 0 (off) or >= 1 (a cap below 1 shrinks on-policy "
                          f"tokens too), got {self.behaviour_weight_cap}")
+        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
+            found.append(f"rl.sapo_tau_pos and rl.sapo_tau_neg must be > 0, got {self.sapo_tau_pos} and "
+                         f"{self.sapo_tau_neg}")
         if self.overlong_buffer < 0:
             found.append(f"rl.overlong_buffer must be >= 0 (0 = off), got {self.overlong_buffer}")
         if self.overlong_penalty < 0:
@@ -608,13 +619,13 @@ class RLConfig:
             found.append("rl.advantage = gae needs the critic of rl.algorithm = ppo")
         if self.advantage == "reinforce++" and self.policy_loss == "gspo":
             found.append("rl.advantage = reinforce++ gives every token its own advantage; rl.policy_loss = gspo weighs "
-                         "whole responses by one advantage each (use ppo_clip or cispo)")
+                         "whole responses by one advantage each (use ppo_clip, cispo or sapo)")
         if self.algorithm == "ppo" and self.advantage not in ("auto", "gae"):
             found.append(f"rl.algorithm = ppo trains a critic for GAE advantages; rl.advantage = {self.advantage} would "
                          "not use it (set rl.algorithm = grpo)")
         if self.policy_loss == "gspo" and self.algorithm == "ppo":
             found.append("rl.policy_loss = gspo weighs whole responses by one advantage each; PPO's GAE advantages "
-                         "are per token (use ppo_clip or cispo)")
+                         "are per token (use ppo_clip, cispo or sapo)")
         if self.max_error_steps < 0:
             found.append(f"rl.max_error_steps must be >= 0 (0 = never stop), got {self.max_error_steps}")
         if self.env_timeout_s <= 0:

@@ -298,7 +298,48 @@ def cispo_loss(
                             entropy=ent_value, behaviour_weight=weight_mean, behaviour_truncated=truncated)
 
 
-POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+def sapo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    seq_index: torch.Tensor,
+    seq_lengths: torch.Tensor,
+    *,
+    tau_pos: float,
+    tau_neg: float,
+    mode: LossAgg,
+    global_tokens: float,
+    global_seqs: float,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    behaviour_logp: torch.Tensor | None = None,
+    behaviour_cap: float = 0.0,
+) -> PolicyLossOutput:
+    """SAPO (Soft Adaptive Policy Optimization, Gao et al. 2025, arXiv:2511.20347): per token
+    -A (4 / tau) sigmoid(tau (r - 1)), r = pi / pi_old, tau = ``tau_pos`` where A > 0 else ``tau_neg``: a smooth gate
+    in place of the clip, whose gradient 4 s (1 - s) r A d log pi (s the sigmoid) is the plain policy gradient at
+    r = 1 and fades as r leaves it, faster for negative advantages (tau_neg > tau_pos). Aggregated under ``mode``;
+    ``clip_fraction`` is the share of tokens whose gate weight 4 s (1 - s) is below 1/2. Decoupled
+    (``behaviour_logp``): as in ``ppo_clip_loss``."""
+    agg = dict(seq_index=seq_index, seq_lengths=seq_lengths, mode=mode, global_tokens=global_tokens,
+               global_seqs=global_seqs)
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    pg_tokens, weight_mean, truncated = _behaviour_weighted(-advantages * (4.0 / tau) * gate, old_logp,
+                                                            behaviour_logp, behaviour_cap, agg)
+    pg_loss = aggregate(pg_tokens, **agg)
+    loss, kl_value, ent_value = _regularised(pg_loss, logp, agg, ref_logp=ref_logp, kl_coef=kl_coef,
+                                             kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef)
+    faded = aggregate((4.0 * gate * (1.0 - gate) < 0.5).to(logp.dtype), **agg).detach()
+    return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl_value, clip_fraction=faded,
+                            entropy=ent_value, behaviour_weight=weight_mean, behaviour_truncated=truncated)
+
+
+POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss, "sapo": sapo_loss}
 
 
 def behaviour_weighted(cfg) -> bool:
@@ -312,8 +353,10 @@ def build_policy_loss(rl, *, weighted: bool = False) -> Callable[..., PolicyLoss
     """``rl.policy_loss``'s objective with the run's settings (an ``RLConfig``) bound; the caller gives
     the per-token tensors and the minibatch's global normalisers (and, ``weighted`` (``behaviour_weighted``):
     ``behaviour_logp``, weighted with ``rl.behaviour_weight_cap``)."""
+    shape = (dict(tau_pos=rl.sapo_tau_pos, tau_neg=rl.sapo_tau_neg) if rl.policy_loss == "sapo"
+             else dict(clip_low=rl.clip_low, clip_high=rl.clip_high))
     return functools.partial(
-        POLICY_LOSSES[rl.policy_loss], clip_low=rl.clip_low, clip_high=rl.clip_high, mode=rl.loss_agg,
+        POLICY_LOSSES[rl.policy_loss], **shape, mode=rl.loss_agg,
         # REINFORCE++ puts the KL to the reference in the reward (its advantages), not in the loss
         kl_coef=0.0 if rl.advantage == "reinforce++" else rl.kl_coef, kl_estimator=rl.kl_estimator,
         entropy_coef=rl.entropy_coef,

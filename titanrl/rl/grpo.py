@@ -153,27 +153,30 @@ def ppo_clip_loss(
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg_tokens = torch.maximum(unclipped, clipped)
-    pg_tokens, weight_mean, truncated = _behaviour_weighted(pg_tokens, old_logp, behaviour_logp, behaviour_cap, agg)
+    return _token_objective(torch.maximum(unclipped, clipped), clipped > unclipped, logp, old_logp, agg,
+                            behaviour_logp=behaviour_logp, behaviour_cap=behaviour_cap, ref_logp=ref_logp,
+                            kl_coef=kl_coef, kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef)
+
+
+def _token_objective(pg_tokens: torch.Tensor, clipped: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor,
+                     agg: dict, *, behaviour_logp: torch.Tensor | None, behaviour_cap: float, **regularisers
+                     ) -> PolicyLossOutput:
+    """A per-token objective's output: its terms (``pg_tokens``; decoupled: times the truncated importance weight
+    w = min(pi_old / pi_behaviour, ``behaviour_cap``), no gradient through w, with w's aggregate and the share of
+    tokens at the cap) aggregated under ``agg``, the KL and entropy terms (``_regularised``), and the share of
+    ``clipped`` tokens."""
+    weight_mean = truncated = None
+    if behaviour_logp is not None and behaviour_cap > 0:
+        raw = torch.exp((old_logp.detach() - behaviour_logp).clamp(-20.0, 20.0))
+        weight = raw.clamp(max=behaviour_cap)
+        pg_tokens = pg_tokens * weight
+        weight_mean = aggregate(weight, **agg).detach()
+        truncated = aggregate((raw > behaviour_cap).to(pg_tokens.dtype), **agg).detach()
     pg_loss = aggregate(pg_tokens, **agg)
-    loss, kl_value, ent_value = _regularised(pg_loss, logp, agg, ref_logp=ref_logp, kl_coef=kl_coef,
-                                             kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef)
-    clip_frac = aggregate((clipped > unclipped).float(), **agg).detach()
+    loss, kl_value, ent_value = _regularised(pg_loss, logp, agg, **regularisers)
+    clip_frac = aggregate(clipped.to(logp.dtype), **agg).detach()
     return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl_value, clip_fraction=clip_frac,
                             entropy=ent_value, behaviour_weight=weight_mean, behaviour_truncated=truncated)
-
-
-def _behaviour_weighted(pg_tokens: torch.Tensor, old_logp: torch.Tensor, behaviour_logp: torch.Tensor | None,
-                        cap: float, agg: dict) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Per-token terms times the truncated importance weight w = min(pi_old / pi_behaviour, cap) (no gradient
-    through w), with w's aggregate and the share of tokens at the cap; the terms as they are without
-    ``behaviour_logp`` or with ``cap`` 0."""
-    if behaviour_logp is None or cap <= 0:
-        return pg_tokens, None, None
-    raw = torch.exp((old_logp.detach() - behaviour_logp).clamp(-20.0, 20.0))
-    weight = raw.clamp(max=cap)
-    return (pg_tokens * weight, aggregate(weight, **agg).detach(),
-            aggregate((raw > cap).to(pg_tokens.dtype), **agg).detach())
 
 
 def _regularised(pg_loss: torch.Tensor, logp, agg: dict, *, ref_logp, kl_coef, kl_estimator, entropy,
@@ -288,14 +291,9 @@ def cispo_loss(
                global_seqs=global_seqs)
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0)).detach()
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg_tokens, weight_mean, truncated = _behaviour_weighted(-weight * advantages * logp, old_logp, behaviour_logp,
-                                                            behaviour_cap, agg)
-    pg_loss = aggregate(pg_tokens, **agg)
-    loss, kl_value, ent_value = _regularised(pg_loss, logp, agg, ref_logp=ref_logp, kl_coef=kl_coef,
-                                             kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef)
-    clip_frac = aggregate((weight != ratio).to(logp.dtype), **agg).detach()
-    return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl_value, clip_fraction=clip_frac,
-                            entropy=ent_value, behaviour_weight=weight_mean, behaviour_truncated=truncated)
+    return _token_objective(-weight * advantages * logp, weight != ratio, logp, old_logp, agg,
+                            behaviour_logp=behaviour_logp, behaviour_cap=behaviour_cap, ref_logp=ref_logp,
+                            kl_coef=kl_coef, kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef)
 
 
 def sapo_loss(
@@ -329,14 +327,9 @@ def sapo_loss(
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
     tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0))
-    pg_tokens, weight_mean, truncated = _behaviour_weighted(-advantages * (4.0 / tau) * gate, old_logp,
-                                                            behaviour_logp, behaviour_cap, agg)
-    pg_loss = aggregate(pg_tokens, **agg)
-    loss, kl_value, ent_value = _regularised(pg_loss, logp, agg, ref_logp=ref_logp, kl_coef=kl_coef,
-                                             kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef)
-    faded = aggregate((4.0 * gate * (1.0 - gate) < 0.5).to(logp.dtype), **agg).detach()
-    return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl_value, clip_fraction=faded,
-                            entropy=ent_value, behaviour_weight=weight_mean, behaviour_truncated=truncated)
+    return _token_objective(-advantages * (4.0 / tau) * gate, 4.0 * gate * (1.0 - gate) < 0.5, logp, old_logp, agg,
+                            behaviour_logp=behaviour_logp, behaviour_cap=behaviour_cap, ref_logp=ref_logp,
+                            kl_coef=kl_coef, kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef)
 
 
 POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss, "sapo": sapo_loss}

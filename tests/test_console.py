@@ -126,6 +126,9 @@ def test_counted_errors_reach_the_step_line_and_the_summary():
     watch = ErrorWatch(2, "r.py:f", is_main=True, say=said.append)
     assert "reward errors" not in format_step_line(1, 3, {"reward/errors": 0.0})
     assert "reward errors 3" in format_step_line(1, 3, {"reward/errors": 3.0, "reward/calls": 8.0})
+    # the decoupled objective's mean weight and the responses rl.mask_truncated left out, where those are on
+    assert format_step_line(1, 3, {"grad_norm": 0.5, "rl/behaviour_weight_mean": 0.9812,
+                                   "train/masked_truncated": 7.0}) == "step 1/3 | gnorm 0.500 | iw 0.981 | masked 7"
     watch.observe(1, {"reward/errors": 3.0, "reward/calls": 8.0}, {"reward": "rank 1: sample 'a': boom"})
     watch.observe(2, {"reward/errors": 1.0, "reward/calls": 8.0}, {"reward": "rank 0: sample 'b': bang"})
     assert len(said) == 1 and "rank 1: sample 'a': boom" in said[0]  # the first, once

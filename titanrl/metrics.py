@@ -27,6 +27,8 @@ def format_step_line(step: int, total: int, metrics: dict[str, float]) -> str:
         ("kl", "kl {:.4f}"),
         ("entropy", "ent {:.3f}"),
         ("grad_norm", "gnorm {:.3f}"),
+        ("rl/behaviour_weight_mean", "iw {:.3f}"),  # the truncated importance weight's mean (rl.behaviour_weight)
+        ("train/masked_truncated", "masked {:.0f}"),  # cut responses out of the update (rl.mask_truncated)
         ("throughput/tokens_per_s", "{:.0f} tok/s"),
     ):
         if key in metrics:

@@ -158,6 +158,12 @@ def ppo_clip_loss(
                             kl_coef=kl_coef, kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef)
 
 
+def _truncated_weight(log_ratio: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The importance weight exp(``log_ratio``) (pi_old / pi_behaviour) and its truncation at ``cap``."""
+    raw = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    return raw, raw.clamp(max=cap)
+
+
 def _token_objective(pg_tokens: torch.Tensor, clipped: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor,
                      agg: dict, *, behaviour_logp: torch.Tensor | None, behaviour_cap: float, **regularisers
                      ) -> PolicyLossOutput:
@@ -167,8 +173,7 @@ def _token_objective(pg_tokens: torch.Tensor, clipped: torch.Tensor, logp: torch
     ``clipped`` tokens."""
     weight_mean = truncated = None
     if behaviour_logp is not None and behaviour_cap > 0:
-        raw = torch.exp((old_logp.detach() - behaviour_logp).clamp(-20.0, 20.0))
-        weight = raw.clamp(max=behaviour_cap)
+        raw, weight = _truncated_weight(old_logp.detach() - behaviour_logp, behaviour_cap)
         pg_tokens = pg_tokens * weight
         weight_mean = aggregate(weight, **agg).detach()
         truncated = aggregate((raw > behaviour_cap).to(pg_tokens.dtype), **agg).detach()
@@ -249,8 +254,7 @@ def gspo_loss(
     if behaviour_logp is not None and behaviour_cap > 0:
         behaviour = zeros.index_add(0, seq_index, old_logp.detach() - behaviour_logp) / \
             seq_lengths.clamp(min=1).to(logp.dtype)
-        raw = torch.exp(behaviour.clamp(-20.0, 20.0))
-        weight = raw.clamp(max=behaviour_cap)
+        raw, weight = _truncated_weight(behaviour, behaviour_cap)
         per_response = per_response * weight
         weight_mean = (weight.sum() / global_seqs).detach()
         truncated = ((raw > behaviour_cap).to(logp.dtype).sum() / global_seqs).detach()

@@ -139,3 +139,27 @@ def test_counted_errors_reach_the_step_line_and_the_summary():
     summary = format_summary([{"time/rollout": 1.0}], 1, 10.0, {}, notes=watch.summary())
     assert "errors     20 reward call(s) failed and scored 0 (reward/errors); the first: rank 1: sample 'a'" in summary
     assert ErrorWatch(3, "x", is_main=True, say=said.append).summary() == []
+
+
+def test_a_silent_rank_waits_until_its_hosts_speaker_has_written_the_line(monkeypatch):
+    """An error every rank meets alike: the host's first rank writes the line while the others wait (torchrun ends a
+    host's workers once one exits). The wait ends when that host's speaker says so, not another host's; without a
+    word it waits out its timeout."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from titanrl.workflow import abort
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=10))
+    monkeypatch.setattr(abort, "_store", lambda: store)
+    threading.Timer(0.5, abort.said, args=(4,)).start()  # another host's speaker
+    threading.Timer(1.5, abort.said, args=(0,)).start()
+    t0 = time.monotonic()
+    abort.wait_for_the_speaker(0, timeout_s=20)
+    assert 1.4 < time.monotonic() - t0 < 5
+    t0 = time.monotonic()
+    abort.wait_for_the_speaker(8, timeout_s=1.0)  # nobody speaks for host 8
+    assert 0.9 < time.monotonic() - t0 < 3

@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--metrics.verbose=true shows it here")
 
     from titanrl.distributed import init_distributed, shutdown
+    from titanrl.workflow.abort import said, wait_for_the_speaker
 
     # one process in bfloat16 (or offloading the reference): a one-rank group, so FSDP2 and its mixed-precision
     # policy apply as on many ranks
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as err:  # a check that needs the world size or the model's shape (every rank raises it)
             if info.is_main or _shows_cause(info, 0):
                 say(str(err), error=True)
+                said(info.rank - info.local_rank)
+            else:
+                wait_for_the_speaker(info.rank - info.local_rank)
             return 2
         if info.is_main:
             dtype = str(trainer.param_dtype).removeprefix('torch.')
@@ -122,8 +126,13 @@ def main(argv: list[str] | None = None) -> int:
             say(f"[titanrl] rank {info.rank} stopped: {elsewhere}", error=True,
                 log_only=not _shows_cause(info, trainer.control.failed_rank))
         else:
+            speaks = info.is_main or _shows_cause(info, 0)
             report_exception(err, rank=info.rank, expected=_is_user_error(err), verbose=cfg.metrics.verbose,
-                             console=not _is_a(err, _EVERY_RANK) or info.is_main or _shows_cause(info, 0))
+                             console=speaks or not _is_a(err, _EVERY_RANK))
+            if _is_a(err, _EVERY_RANK) and speaks:
+                said(info.rank - info.local_rank)
+            elif _is_a(err, _EVERY_RANK):
+                wait_for_the_speaker(info.rank - info.local_rank)
         return 1
     finally:
         shutdown()

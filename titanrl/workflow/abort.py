@@ -8,7 +8,9 @@ left), logs the cause to its own log only, and exits; one still busy after ``gra
 a data fetch that waits for nobody) is ended by the watcher. So every rank stops within seconds, one
 line names the cause, and nothing waits out ``job.collective_timeout_s``. When it sees the cause, the
 watcher writes every thread's Python stack into the rank's log: where a rank that hangs was stuck is what the
-failing rank's timeout cannot say.
+failing rank's timeout cannot say. An error every rank meets alike (a checkpoint that does not load, a check that
+needs the world size) is written once per host, by its first rank; the host's other ranks wait until it is written
+before they exit, since torchrun ends a host's workers as soon as one of them exits.
 
 **SIGTERM** (what a cluster scheduler sends before preemption, and torchrun forwards to its workers, killing them
 30 s later): the launcher's grace is ``job.preempt_grace_s``. A thread of every rank wakes on the signal at once
@@ -36,6 +38,7 @@ from typing import Callable
 
 KEY = "titanrl/abort"
 COUNT_KEY = "titanrl/abort_count"
+SAID_KEY = "titanrl/said"  # the console line of an error every rank met is written
 PREEMPT_KEY = "titanrl/preempt"
 PREEMPT_COUNT_KEY = "titanrl/preempt_count"
 ABANDON_EXIT = 143  # 128 + SIGTERM: what a process ended by the signal reports
@@ -259,13 +262,28 @@ def dump_stacks() -> None:
         pass
 
 
-def wait_for_peer_failure(control: RunControl, timeout_s: float = 3.0) -> str | None:
-    """After an error of this rank that may be a consequence (a collective's peer left): give the failing
-    rank a moment to announce itself, and return its cause if it did."""
-    deadline = time.monotonic() + timeout_s
+def said(host: int) -> None:
+    """This rank has written the console line of an error every rank met (a checkpoint that does not load): the
+    silent ranks of its host (``host``: the host's first rank) may exit now (``wait_for_the_speaker``)."""
+    store = _store()
+    if store is not None:
+        try:
+            store.set(f"{SAID_KEY}/{host}", "1")
+        except Exception:  # the store is gone with rank 0's agent: nobody waits
+            pass
+
+
+def wait_for_the_speaker(host: int, timeout_s: float = 60.0) -> None:
+    """A rank that leaves an error every rank met to its host's speaking rank (``host``: the host's first rank) waits
+    until that rank's console line is written: torchrun ends a host's workers once one of them exits, and would cut
+    the speaker off (it may still be closing its engine or the Ray daemons it started). Should the speaker exit
+    first, torchrun ends this rank; without a store, it waits a few seconds."""
+    store = _store()
+    deadline = time.monotonic() + (timeout_s if store is not None else 3.0)
     while time.monotonic() < deadline:
-        cause = control.cause_elsewhere()
-        if cause is not None:
-            return cause
+        try:
+            if store is not None and store.check([f"{SAID_KEY}/{host}"]):
+                return
+        except Exception:  # the store is gone: so is the speaker
+            return
         time.sleep(0.2)
-    return control.cause_elsewhere()

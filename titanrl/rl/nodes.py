@@ -268,7 +268,7 @@ def train_actor(batch, ctx):
                                            sums["behaviour_weight"], sums["behaviour_truncated"]],
                                           dtype=torch.float64), group=batch.group)
     ctx.model.eval()
-    steps = max(steps, 1)
+    trained, steps = steps > 0, max(steps, 1)
     batch.metrics.update({
         "loss": reduced[0].item() / steps, "kl": reduced[1].item() / steps,
         "clip_fraction": reduced[2].item() / steps, "entropy": reduced[3].item() / steps,
@@ -276,7 +276,8 @@ def train_actor(batch, ctx):
     })
     if rl.mask_truncated:
         batch.metrics["train/masked_truncated"] = float(sum(m.truncated for m in ctx.stages.metas))
-    if ctx.behaviour_weighted:  # the truncated importance weights' mean, and the share at the cap (gspo: responses)
+    if ctx.behaviour_weighted and trained:  # the truncated importance weights' mean, the share at the cap (gspo:
+        # responses); none where rl.mask_truncated left no minibatch to train
         batch.metrics["rl/behaviour_weight_mean"] = reduced[4].item() / steps
         batch.metrics["rl/behaviour_weight_truncated"] = reduced[5].item() / steps
 

@@ -111,8 +111,12 @@ def test_two_hosts_train_with_slice_loading(hosts, run_cache, tmp_path, flex):
     host builds the tiny checkpoint and the data its rank reads and its preprocessor reads its own host's copy. The
     second variant shares one cache and runs FlexUlysses with LoRA adapters (the merged push on each host: the probe
     checks its engine after every push) under odc, which spans the hosts by hybrid sharding (each host's rank holds
-    its replica; the adapters' gradients summed across the hosts once per minibatch)."""
-    extra = ["--parallelism.ulysses=flex", "--lora.rank=8", "--lora.alpha=16", "--balance.strategy=odc"] if flex else []
+    its replica; the adapters' gradients summed across the hosts once per minibatch), with SAPO weighted by the
+    engine's nucleus (rl.behaviour_weight = always, top_p 0.9). The default's vision tower is frozen (after the first
+    push only the language model goes to each host's engine; the probe checks it)."""
+    extra = (["--parallelism.ulysses=flex", "--lora.rank=8", "--lora.alpha=16", "--balance.strategy=odc",
+              "--rl.policy_loss=sapo", "--rl.behaviour_weight=always", "--rollout.top_p=0.9"] if flex
+             else ["--model.freeze_vision_tower"])
     caches = run_cache if flex else [hosts.local_dir / f"cache-h{i}" for i in range(len(hosts))]
     results = train_on_hosts(hosts, tmp_path / "out", caches, *extra, port=29555 + flex)
     for rank, proc in enumerate(results):
@@ -124,6 +128,7 @@ def test_two_hosts_train_with_slice_loading(hosts, run_cache, tmp_path, flex):
     assert all(m["probe/logprob_max_diff"] <= 1e-4 for m in steps), steps
     if flex:
         assert "LoRA rank 8, alpha 16" in results[0].stdout, results[0].stdout[-3000:]
+        assert all(0.5 < m["rl/behaviour_weight_mean"] < 1.0 for m in steps), steps  # the nucleus's mass, < 1
     else:
         assert "model.cache_dir" in results[0].stdout and "is not shared by every machine" in results[0].stdout
         for i, h in enumerate(hosts.hosts):

@@ -50,7 +50,8 @@ def test_stale_tensor_parallel_buffers_of_killed_engines_are_removed_and_live_on
     """vLLM-CPU's all-reduce files of an engine over several ranks carry a token per engine
     (``vllm_engine._cpu_shm_named``: under the external launcher vLLM would name them the same in every run, so a run
     after a killed one failed with errno 17); a killed run's files are removed at the next such engine's start: those
-    no process maps and over 10 s old, not a live engine's nor one just made."""
+    no process maps whose engine's first rank (the pid the token starts with) is gone, however recent (a run killed
+    just before), or over 10 s old; not a live engine's nor one just made."""
     import mmap
     import os
     import time
@@ -60,18 +61,23 @@ def test_stale_tensor_parallel_buffers_of_killed_engines_are_removed_and_live_on
 
     if not Path("/dev/shm").is_dir():
         pytest.skip("no /dev/shm")
+    import subprocess
+    import sys
+
     token = os.urandom(4).hex()
-    stale, live, young = (Path(f"/dev/shm/titanrl-{token}{k}-tp:0-[0-1]-cpushm_0") for k in ("s", "l", "y"))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale, live, young = (Path(f"/dev/shm/titanrl-{os.getpid()}p{token}{k}-tp:0-[0-1]-cpushm_0") for k in "sly")
+    killed = Path(f"/dev/shm/titanrl-{int(gone.stdout)}p{token}-tp:0-[0-1]-cpushm_0")  # its maker exited just now
     old = time.time() - 120
-    for f in (stale, live, young):
+    for f in (stale, live, young, killed):
         f.write_bytes(b"\0" * 4096)
     for f in (stale, live):
         os.utime(f, (old, old))
     with open(live, "r+b") as handle, mmap.mmap(handle.fileno(), 4096):
         try:
             removed = _remove_stale_cpu_shm()
-            assert stale.name in removed and not stale.exists()
-            assert live.exists() and young.exists() and live.name not in removed
+            assert stale.name in removed and not stale.exists() and killed.name in removed and not killed.exists()
+            assert live.exists() and young.exists() and live.name not in removed and young.name not in removed
         finally:
-            for f in (stale, live, young):
+            for f in (stale, live, young, killed):
                 f.unlink(missing_ok=True)

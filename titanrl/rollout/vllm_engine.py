@@ -288,14 +288,14 @@ def _cpu_shm_named(tp_group: Any, first_rank: int) -> Iterator[None]:
     ``/dev/shm/-tp:0-[0-1]-cpushm_<rank>``: two runs at once collide, and after a run killed with -9 (its files left
     behind) the next one stops with "create shm in SHMManager failed. errno: 17". While the engine starts, its
     workers get ``env://titanrl-<token>`` instead (one random token per engine, sent from its first rank over the
-    engine's ranks): the process group already exists, so vLLM only names the files with it. Files of such names
-    that a killed run left (no process maps them) are removed first."""
+    engine's ranks; it starts with the first rank's pid): the process group already exists, so vLLM only names the
+    files with it. Files of such names that a killed run left (no process maps them) are removed first."""
     import torch.distributed as dist
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     if dist.get_rank() == first_rank:
         _remove_stale_cpu_shm()
-    token = [os.urandom(6).hex()]
+    token = [f"{os.getpid()}p{os.urandom(6).hex()}"]
     dist.broadcast_object_list(token, src=first_rank, group=tp_group)
     original = CPUWorker.init_device
 
@@ -327,14 +327,20 @@ def mapped_shm_files(contains: str, pids: Iterable[int] | None = None) -> set[st
 
 
 def _remove_stale_cpu_shm(min_age_s: float = 10.0) -> list[str]:
-    """Remove ``/dev/shm/titanrl-*cpushm_*`` files (``_cpu_shm_named``) that no process maps and that are older than
-    ``min_age_s`` (not one an engine starting now has made and not yet mapped): those of engines whose processes were
-    killed. Returns their names."""
+    """Remove ``/dev/shm/titanrl-*cpushm_*`` files (``_cpu_shm_named``) that no process maps and whose engine's first
+    rank (the pid their name starts with) is gone, or that are older than ``min_age_s`` (not one an engine starting
+    now has made and not yet mapped): those of engines whose processes were killed, also just before this start
+    (their last all-reduce wrote them seconds ago). Returns their names."""
     shm = Path("/dev/shm")
     if not shm.is_dir():
         return []
     now = time.time()
-    candidates = [f for f in shm.glob("titanrl-*cpushm_*") if now - f.stat().st_mtime > min_age_s]
+
+    def maker_gone(name: str) -> bool:
+        pid = name.removeprefix("titanrl-").split("p", 1)[0]
+        return pid.isdigit() and not Path(f"/proc/{pid}").exists()
+
+    candidates = [f for f in shm.glob("titanrl-*cpushm_*") if maker_gone(f.name) or now - f.stat().st_mtime > min_age_s]
     if not candidates:
         return []
     mapped = mapped_shm_files("cpushm_")

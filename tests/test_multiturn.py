@@ -167,8 +167,11 @@ def turns(tiny_ckpt, tmp_path_factory):
     engine = HFGenerateEngine(tiny_ckpt)
     setup = TurnSetup(ScriptedEnv, settings, str(manifest.parent), max_turns=4, max_turn_images=1,
                       max_context_tokens=4096, strict=False)
-    groups, stats = rollout_turns(engine, enc, setup, prompts, requests, n=2, max_new_tokens=6,
-                                  sampling=dict(temperature=1.0, top_p=1.0, seed=3), version=0)
+    episodes, stats = rollout_turns(engine, enc, setup, prompts, requests, n=2, max_new_tokens=6,
+                                    sampling=dict(temperature=1.0, top_p=1.0, seed=3), version=0)
+    assert all(e.done for es in episodes.values() for e in es)
+    groups = {g: [e.traj for e in es] for g, es in episodes.items()}
+    stats.count([t for ts in groups.values() for t in ts])
     return engine, enc, groups, stats
 
 
@@ -207,12 +210,59 @@ def test_an_environment_that_hangs_is_abandoned_after_its_timeout_and_counted(tu
     out, stats = rollout_turns(engine, enc, setup, [(0, prompt)], [RolloutRequest.from_prepared(prompt, enc, key="s")],
                                n=2, max_new_tokens=4, sampling=dict(temperature=1.0, top_p=1.0, seed=1), version=0)
     assert time.monotonic() - t0 < 10  # not the 30 s each step sleeps
-    assert stats.env_errors == 2 and all(t.turns == 1 for t in out[0])
-    assert all("step did not return within rl.env_timeout_s = 0.3 s" in t.extras["env_error"] for t in out[0])
+    assert stats.env_errors == 2 and all(e.traj.turns == 1 and e.done for e in out[0])
+    assert all("step did not return within rl.env_timeout_s = 0.3 s" in e.traj.extras["env_error"] for e in out[0])
     with pytest.raises(EnvError, match="did not return within"):
         rollout_turns(engine, enc, replace(setup, strict=True), [(0, prompt)],
                       [RolloutRequest.from_prepared(prompt, enc, key="s")], n=1, max_new_tokens=4,
                       sampling=dict(temperature=1.0, top_p=1.0, seed=1), version=0)
+
+
+def test_partial_rollouts_stop_each_trajectory_at_the_budget_and_go_on_where_it_stood(turns, tiny_ckpt):
+    """rollout.tokens_per_update = 4 with 3 turns of up to 6 tokens: each call samples at most 4 tokens per
+    trajectory over its turns; an unfinished one goes on in the next call where it stood, mid-turn or at its next
+    turn, with its environment (pickled and restored between the calls, as a checkpoint holds them). Turns keep
+    rollout.max_new_tokens, observations come where the environment's turns end, and every token records its call."""
+    import pickle
+
+    from titanrl.data.preprocess import MediaSettings
+    from titanrl.rl.turns import TurnSetup, rollout_turns
+    from titanrl.rollout import RolloutRequest
+
+    engine, enc, groups, _ = turns
+    settings = MediaSettings.from_checkpoint(tiny_ckpt, fps=2.0, max_frames=8)
+    setup = TurnSetup(ScriptedEnv, settings, None, max_turns=4, max_turn_images=1, max_context_tokens=4096,
+                      strict=False)
+    prompts = [(g, groups[g][0].prompt) for g in sorted(groups)]
+    requests = [RolloutRequest.from_prepared(p, enc, key=f"{g}:{p.record.id}") for g, p in prompts]
+    sampling = dict(temperature=1.0, top_p=1.0)
+    episodes, _ = rollout_turns(engine, enc, setup, prompts, requests, n=2, max_new_tokens=6, version=0, budget=4,
+                                sampling={**sampling, "seed": 3})
+    every = [e for g in sorted(episodes) for e in episodes[g]]
+    version, calls = 0, []
+    while not all(e.done for e in every):
+        version += 1
+        every = pickle.loads(pickle.dumps(every))  # between steps, in a checkpoint
+        _, stats = rollout_turns(engine, enc, setup, [], [], n=2, max_new_tokens=6, version=version, budget=4,
+                                 sampling={**sampling, "seed": 3 + version}, carried=[e for e in every if not e.done])
+        calls.append(len(stats.turn_seconds))
+        assert version < 10
+    assert version >= 4 and all(c == 4 for c in calls)  # each step: max_turns rounds, as without a budget
+    spans_steps = spans_turns = 0
+    for e in every:
+        t = e.traj
+        assert t.turns == 3 and e.env.turn == 3 and len(t.turn_grids) == 1  # the environment's state came along
+        versions = t.token_versions[t.generated]
+        assert np.bincount(versions).max() <= 4  # the budget, over the turns
+        observed = np.flatnonzero(~t.generated)
+        turns_of = np.cumsum(np.diff(np.concatenate([[0], t.generated.astype(int)])) == 1)[t.generated]
+        assert np.bincount(turns_of).max() <= 6 and len(set(turns_of.tolist())) == 3  # each turn <= max_new_tokens
+        spans_steps += any(len(set(versions[turns_of == k].tolist())) > 1 for k in (1, 2, 3))  # a turn cut mid-way
+        spans_turns += any(len(set(turns_of[versions == v].tolist())) > 1 for v in set(versions.tolist()))
+        # an observation is appended in the call where its turn ended, after that turn's last token
+        assert all(t.token_versions[i] >= t.token_versions[i - 1] for i in observed)
+        assert (t.token_versions[1:] >= t.token_versions[:-1]).all()
+    assert spans_steps == spans_turns == len(every)
 
 
 def test_the_engine_scores_every_generated_token_of_three_turns_as_the_trainer_does(turns, tiny_ckpt):
@@ -336,16 +386,19 @@ def test_accuracy_with_and_without_the_tool_is_split_by_turns():
                                                          "reward/accuracy_without_tool": 0.0}
 
 
-def test_multi_turn_keys_are_refused_where_they_do_not_work_yet():
+def test_multi_turn_keys_are_refused_where_they_do_not_work():
     from titanrl.config.loader import load_config
     from titanrl.config.errors import ConfigError
 
     env = f"--rl.env={HERE / 'scripted_env.py'}:ScriptedEnv"
     base = ["--rollout.max_turns=3", env]
     load_config(Path("configs/tiny_cpu.toml"), base)  # accepted
+    partial = [*base, "--rollout.tokens_per_update=1", "--data.slice_loading=false"]
+    cfg = load_config(Path("configs/tiny_cpu.toml"), [*partial, "--workflow.max_staleness=5"])  # 3 turns x 2 tokens
+    assert cfg.update_spans() == 6
     for extra, why in ((["--rollout.max_turns=3"], "needs an environment"),
                        ([env], "rollout.max_turns = 1"),
-                       ([*base, "--rollout.tokens_per_update=1", "--data.slice_loading=false"], "partial rollouts"),
+                       (partial, "rollout.max_new_tokens = 2 x rollout.max_turns = 3 span 6 steps"),
                        (["--rl.env=not a spec", "--rollout.max_turns=2"], "rl.env must be")):
         with pytest.raises(ConfigError, match=why.replace("(", r"\(").replace(")", r"\)")):
             load_config(Path("configs/tiny_cpu.toml"), extra)
@@ -419,6 +472,40 @@ def test_multi_turn_on_two_ranks_killed_and_resumed_and_async_equals_one_process
     for step, m in metrics(split / "tiny_cpu").items():
         assert m["rollout/turns_mean"] == 3.0 and m["probe/logprob_max_diff"] <= 1e-4, (step, m)
         assert m["workflow/bytes_redistributed"] > 0 and m["async/staleness_max"] == 0
+
+
+@pytest.mark.slow
+def test_partial_multi_turn_rollouts_on_two_ranks_stopped_and_resumed_equal_one_process(run_cache, tmp_path):
+    """Partial rollouts of 3-turn trajectories: rollout.tokens_per_update = 6 of the 12 tokens a trajectory samples
+    (3 turns of 4), so each one samples its first turn and half its second in one step and the rest in the next,
+    with the weights of the update between, and is trained then (step 1 trains nothing). Two ranks (FlexUlysses,
+    vision balancing, lb_mini), stopped after step 2 (its checkpoint holds the unfinished trajectories with their
+    environments, pickled) and resumed to step 4, equal one process on per-token log-probs and parameter updates;
+    the resumed environments went on from their turn (one image per trajectory, as the script gives at turn 1)."""
+    from train_runs import SIGNAL, assert_same_computation, metrics, run, train_cmd
+
+    from titanrl.rl.dump import load_dumps
+
+    partial = [*MULTITURN, *SIGNAL, "--rollout.tokens_per_update=6", "--data.slice_loading=false"]
+    run(train_cmd(tmp_path / "one", run_cache, *partial, "--job.steps=4", "--checkpoint.enable=false"))
+    two = [*partial, "--parallelism.ulysses=flex", "--parallelism.vision_balance=true", "--balance.strategy=lb_mini"]
+    run(train_cmd(tmp_path / "two", run_cache, *two, "--job.steps=2", nproc=2))
+    resumed = run(train_cmd(tmp_path / "two", run_cache, *two, "--job.steps=4", nproc=2))
+    assert "[titanrl] resumed from step 2" in resumed.stdout + resumed.stderr
+    one, two = tmp_path / "one" / "tiny_cpu", tmp_path / "two" / "tiny_cpu"
+    seen = assert_same_computation(one, two, steps=4)
+    assert {"rollout_logprobs", "old_logprobs", "update/policy", "evaluations"} <= set(seen), seen
+    m = metrics(two)
+    assert m[1]["rollout/unfinished_groups"] == 4 and "rollout/turns_mean" in m[1] and m[1]["rollout/tokens"] == 0
+    for step in (2, 3, 4):  # each trains the groups the step before began, the checkpoint's at step 3
+        assert m[step]["rollout/continued_responses"] == 16 and m[step]["rollout/unfinished_groups"] == 4, m[step]
+        assert m[step]["rollout/turns_mean"] == 3.0 and m[step]["rollout/images_per_trajectory"] == 1.0, m[step]
+        assert m[step]["probe/logprob_max_diff"] <= 1e-4
+        for t in load_dumps(two)[step]["trajectories"].values():
+            versions = t["token_versions"][t["generated"]]
+            assert t["generated"].sum() == 12 and len(set(versions.tolist())) == 2, versions
+            turn2 = versions[4:8]  # the second turn's sampled tokens, from both steps' weights
+            assert turn2[0] < turn2[-1], versions
 
 
 @pytest.mark.slow

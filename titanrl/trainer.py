@@ -36,7 +36,7 @@ from titanrl.parallel.odc_comm import odc_comm
 from titanrl.parallel.parallelize import CompileOptions, build_parallel_model
 from titanrl.parallel.ulysses import resolve_ulysses
 from titanrl.rl.dump import dump_step
-from titanrl.envs import load_env
+from titanrl.envs import EnvError, load_env
 from titanrl.rl.error_watch import ErrorWatch
 from titanrl.rl.turns import TurnSetup
 from titanrl.rl.evaluation import Evaluator
@@ -411,8 +411,19 @@ class Trainer:
     def _in_flight_state(self) -> dict:
         """This rank's batches in flight (asynchronous) and unfinished responses (partial rollouts)."""
         state = {"batches": self.executor.in_flight_state(), "partial": self.partial_rollouts}
-        any_ = state["batches"] or state["partial"]
-        return {f"rank{self.info.rank}": pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL) if any_ else b""}
+        if not (state["batches"] or state["partial"]):
+            return {f"rank{self.info.rank}": b""}
+        try:
+            blob = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError) as err:
+            # multi-turn partial rollouts hold unfinished trajectories with their environments between steps
+            envs = sorted({type(e.env).__qualname__ for es in self.partial_rollouts.values() for e in es
+                           if getattr(e, "env", None) is not None})
+            raise EnvError(f"the unfinished trajectories of partial rollouts (rollout.tokens_per_update) cannot be "
+                           f"saved in the checkpoint with their environments ({', '.join(envs) or 'rl.env'}): "
+                           f"{type(err).__name__}: {err}. Make rl.env's class picklable, or set checkpoint.enable = "
+                           "false or rollout.tokens_per_update = 0") from err
+        return {f"rank{self.info.rank}": blob}
 
     def _load_in_flight(self, state: dict) -> None:
         blob = state.get(f"rank{self.info.rank}", b"")

@@ -105,10 +105,11 @@ def cross_section_problems(cfg: "JobConfig") -> list[str]:
         found.append(f"rollout.tokens_per_update must be >= 0 (0 = the whole response at once), got "
                      f"{cfg.rollout.tokens_per_update}")
     elif spans - 1 > k:
+        turns = f" x rollout.max_turns = {cfg.rollout.max_turns}" if cfg.rollout.max_turns > 1 else ""
         found.append(f"rollout.tokens_per_update = {cfg.rollout.tokens_per_update} lets a response of "
-                     f"rollout.max_new_tokens = {cfg.rollout.max_new_tokens} span {spans} steps, so its first tokens "
-                     f"would lag {spans - 1} policy versions, more than workflow.max_staleness = {k}: raise one of "
-                     "them")
+                     f"rollout.max_new_tokens = {cfg.rollout.max_new_tokens}{turns} span {spans} steps, so its first "
+                     f"tokens would lag {spans - 1} policy versions, more than workflow.max_staleness = {k}: raise "
+                     "one of them")
     elif cfg.rollout.tokens_per_update and cfg.data.slice_loading:
         found.append("rollout.tokens_per_update (partial rollouts) carries unfinished prompt groups into later "
                      "steps, whose frames slice-aware loading cannot fetch (it fetches from the current step's "
@@ -142,15 +143,6 @@ def _multiturn_problems(cfg: "JobConfig") -> list[str]:
     if cfg.rl.env and turns == 1:
         found.append(f"rl.env = {cfg.rl.env!r} answers turns after the first, but rollout.max_turns = 1: set "
                      "rollout.max_turns > 1, or leave rl.env empty")
-    if turns == 1:
-        return found
-    not_yet = {
-        "partial rollouts (rollout.tokens_per_update)": bool(cfg.rollout.tokens_per_update),
-    }
-    for what, on in not_yet.items():
-        if on:
-            found.append(f"rollout.max_turns = {turns} (multi-turn rollouts) does not run with {what} yet: set "
-                         "rollout.max_turns = 1, or turn that off (docs/multiturn.md)")
     return found
 
 

@@ -379,7 +379,10 @@ class RolloutConfig:
     response still unfinished is continued in the next step's generation with the weights of the update between
     (its prompt group waits: it is trained when all its responses have finished), instead of being cut or thrown
     away; every token records the policy version that sampled it. A response then spans up to
-    ceil(max_new_tokens / tokens_per_update) steps, whose extra steps count against workflow.max_staleness."""
+    ceil(max_new_tokens / tokens_per_update) steps, whose extra steps count against workflow.max_staleness.
+    Multi-turn (rollout.max_turns > 1): the most tokens a trajectory samples per step over its turns; one that runs
+    out waits where it stands (mid-turn, or before its next turn, its environment with it) and spans up to
+    ceil(max_turns x max_new_tokens / tokens_per_update) steps."""
     max_turns: int = 1
     """Turns per trajectory (1 = one response per sample). Above 1, after each turn the environment rl.env reads the
     response and may answer with text and images, appended as a user message; the policy continues from the whole
@@ -1073,9 +1076,10 @@ class JobConfig:
         return self.model.dtype != "float32" or self.rl.ref_offload
 
     def update_spans(self) -> int:
-        """The most steps one response's generation spans (partial rollouts: rollout.tokens_per_update)."""
+        """The most steps one response's generation spans (partial rollouts: rollout.tokens_per_update; multi-turn:
+        over every turn's tokens)."""
         per = self.rollout.tokens_per_update
-        return -(-self.rollout.max_new_tokens // per) if per > 0 else 1
+        return -(-self.rollout.max_new_tokens * self.rollout.max_turns // per) if per > 0 else 1
 
     def async_lead(self) -> int:
         """How many batches the rollout ranks generate ahead (0: synchronous): workflow.max_staleness less the

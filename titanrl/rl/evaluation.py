@@ -180,7 +180,7 @@ class Evaluator:
             groups, _ = rollout_turns(self.engine, self.encoder, self.turns, list(enumerate(p for _, p in prepared)),
                                       requests, n=self.n, max_new_tokens=self.max_new_tokens, sampling=sampling,
                                       version=0)
-            samples_of = [[(t.response_text, t.num_generated_tokens, t.extras) for t in groups[i]]
+            samples_of = [[(e.traj.response_text, e.traj.num_generated_tokens, e.traj.extras) for e in groups[i]]
                           for i in range(len(prepared))]
         else:
             results = self.engine.generate(requests, n=self.n, max_new_tokens=self.max_new_tokens, **sampling)

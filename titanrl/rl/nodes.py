@@ -65,12 +65,19 @@ def generate(batch, ctx):
                     seed=(r.seed if r.seed is not None else ctx.cfg.job.seed) * 1_000_003 + batch.step)
     budget = min(r.tokens_per_update or r.max_new_tokens, r.max_new_tokens)
     if ctx.turns is not None:  # multi-turn: the environment answers each turn (titanrl.rl.turns)
-        groups, stats = rollout_turns(ctx.engine, ctx.encoder, ctx.turns, batch.prompts, requests, n=r.n,
-                                      max_new_tokens=r.max_new_tokens, sampling=sampling, version=ctx.step)
+        carried = _carried(ctx) if r.tokens_per_update else {}
+        episodes, stats = rollout_turns(ctx.engine, ctx.encoder, ctx.turns, batch.prompts, requests, n=r.n,
+                                        max_new_tokens=r.max_new_tokens, sampling=sampling, version=ctx.step,
+                                        budget=r.tokens_per_update or None,
+                                        carried=[e for es in carried.values() for e in es if not e.done])
         if ctx.engine is not None:
             ctx.engine.sleep()
+        if r.tokens_per_update:  # the groups whose episodes have all ended are trained; the others wait
+            episodes = _keep_unfinished({**carried, **episodes}, carried, batch, ctx, lambda e: e.done)
+        trajs = [e.traj for es in episodes.values() for e in es]  # texts: each one's last turn
+        stats.count(trajs)
         _turn_metrics(batch, stats)
-        batch.trajectories += [t for trajs in groups.values() for t in trajs]  # texts: each one's last turn
+        batch.trajectories += trajs
         return
     # (an engine over several ranks runs their prompts together: every rank of it calls, with prompts or none)
     results = ctx.engine.generate(requests, n=r.n, max_new_tokens=budget, **sampling) if ctx.engine is not None else []
@@ -114,16 +121,10 @@ def _finished(t, max_new_tokens: int) -> bool:
 def continue_partial(fresh: dict, batch, ctx, sampling: dict, budget: int) -> dict:
     """Partial rollouts: the unfinished responses of the groups earlier steps left (``ctx.state.partial_rollouts``)
     continue with the engine's current weights, up to ``budget`` more tokens each; returns the groups whose
-    responses have all finished (trained this step) and keeps the others for the next step. A carried group
-    takes a new id in this step's batch (its id plus the global batch size: the same minibatch, since the batch
-    size is a multiple of the minibatch count)."""
+    responses have all finished (trained this step) and keeps the others for the next step (``_carried``: under
+    new ids). Multi-turn: ``titanrl.rl.turns.rollout_turns`` continues them."""
     max_new = ctx.cfg.rollout.max_new_tokens
-    size = ctx.cfg.rl.global_batch_size
-    carried = {}
-    for group, trajs in sorted(ctx.state.partial_rollouts.items()):
-        for t in trajs:
-            t.group = group + size
-        carried[group + size] = trajs
+    carried = _carried(ctx)
     todo: dict[int, list] = {}
     for trajs in carried.values():
         for t in trajs:
@@ -138,10 +139,28 @@ def continue_partial(fresh: dict, batch, ctx, sampling: dict, budget: int) -> di
             t.rollout_logprobs = np.concatenate([t.rollout_logprobs, np.asarray(s.logprobs, dtype=np.float32)])
             t.token_versions = np.concatenate([t.token_versions, np.full(len(s.token_ids), ctx.step, dtype=np.int32)])
             t.finish_reason = s.finish_reason
-    groups = {**carried, **fresh}
-    ready = {g: ts for g, ts in groups.items() if all(_finished(t, max_new) for t in ts)}
-    ctx.state.partial_rollouts = {g: ts for g, ts in groups.items() if g not in ready}
-    continued = sum(len(ts) for g, ts in ready.items() if g in carried)
+    return _keep_unfinished({**carried, **fresh}, carried, batch, ctx, lambda t: _finished(t, max_new))
+
+
+def _carried(ctx) -> dict:
+    """The groups earlier steps left unfinished (``ctx.state.partial_rollouts``: trajectories, or multi-turn
+    episodes), each under a new id in this step's batch (its id plus the global batch size: the same minibatch,
+    since the batch size is a multiple of the minibatch count)."""
+    size = ctx.cfg.rl.global_batch_size
+    carried = {}
+    for group, items in sorted(ctx.state.partial_rollouts.items()):
+        for item in items:
+            getattr(item, "traj", item).group = group + size
+        carried[group + size] = items
+    return carried
+
+
+def _keep_unfinished(groups: dict, carried: dict, batch, ctx, finished) -> dict:
+    """The groups whose items have all ``finished`` (trained this step); the others stay in
+    ``ctx.state.partial_rollouts`` for the next step."""
+    ready = {g: items for g, items in groups.items() if all(finished(i) for i in items)}
+    ctx.state.partial_rollouts = {g: items for g, items in groups.items() if g not in ready}
+    continued = sum(len(items) for g, items in ready.items() if g in carried)
     totals = all_reduce_sum(torch.tensor([continued, len(ctx.state.partial_rollouts)], dtype=torch.float64),
                             group=batch.group)
     batch.metrics["rollout/continued_responses"] = totals[0].item()  # trained responses begun in earlier steps

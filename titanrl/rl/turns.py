@@ -13,6 +13,10 @@ observation after them) and handed to the environment like any other. A trajecto
 environment fails (reward 0, counted).
 Every rank calls its engine once per turn, with its unfinished trajectories or none (an engine over several ranks
 needs every rank's call), so the number of engine calls does not depend on the data.
+
+Partial rollouts (``rollout.tokens_per_update``): a trajectory samples at most that many tokens per step, over its
+turns; one that runs out waits for the next step where it stands (mid-turn, or before its next turn), its
+environment with it (``Episode``, pickled into checkpoints), and goes on with the weights of the update between.
 """
 
 from __future__ import annotations
@@ -35,17 +39,24 @@ from titanrl.rollout import RolloutRequest
 class TurnStats:
     """This rank's counts of one step's multi-turn rollouts (summed over ranks for the metrics)."""
 
-    trajectories: int = 0
+    trajectories: int = 0  # these four: of the trajectories counted (``count``)
     turns: int = 0  # turns sampled, over every trajectory
-    tool_calls: int = 0  # observations given back (turns continued)
     images: int = 0  # observation images
-    env_errors: int = 0
     context_tokens_max: int = 0
+    tool_calls: int = 0  # observations given back in this step (turns continued)
+    env_errors: int = 0
     turn_seconds: list = field(default_factory=list)  # the engine's seconds for each turn (every rank calls each)
     # the turns after the first: their contexts' tokens, and those the engine read from its prefix cache (engines
     # that report it: vLLM)
     continued_tokens: int = 0
     continued_cached: int = 0
+
+    def count(self, trajs: Sequence[Trajectory]) -> None:
+        """Add the trajectories' own counts: the step's trajectories (those it trains, with partial rollouts)."""
+        self.trajectories += len(trajs)
+        self.turns += sum(t.turns for t in trajs)
+        self.images += sum(len(t.turn_media) for t in trajs)
+        self.context_tokens_max = max([self.context_tokens_max, *(t.num_tokens for t in trajs)])
 
     def metrics(self) -> list[float]:
         return [self.trajectories, self.turns, self.tool_calls, self.images, self.env_errors, self.continued_tokens,
@@ -67,11 +78,17 @@ class TurnSetup:
 
 
 @dataclass
-class _Episode:
+class Episode:
+    """A trajectory being rolled out: its environment and where its current turn stands (partial rollouts carry
+    unfinished ones from step to step, and checkpoints hold them: the environment is pickled with them)."""
+
     traj: Trajectory
     env: Any
     request: RolloutRequest  # the prompt's request (its media, its key)
     done: bool = False
+    left: int = 0  # tokens it may still sample in this step (rollout.tokens_per_update)
+    turn_start: int = 0  # where the current turn's sampled tokens start in the response
+    turn_tokens: int = 0  # tokens the current turn has sampled so far
 
 
 def observation_tokens(encoder: PromptEncoder, settings: MediaSettings, step: EnvStep, last_token: str
@@ -126,34 +143,30 @@ def _append(t: Trajectory, ids: Sequence[int], logprobs: Sequence[float], genera
     t.generated = np.concatenate([t.generated, np.full(len(ids), generated, dtype=bool)])
 
 
-def rollout_turns(engine, encoder: PromptEncoder, setup: TurnSetup, prompts: Sequence[tuple[int, PreparedSample]],
-                  requests: Sequence[RolloutRequest], *, n: int, max_new_tokens: int, sampling: dict, version: int
-                  ) -> tuple[dict[int, list[Trajectory]], TurnStats]:
-    """``n`` multi-turn trajectories per prompt (``prompts[i]`` = (global position, sample), ``requests[i]`` its
-    request); returns them by group, and the step's counts."""
-    settings, max_turns, strict = setup.settings, setup.max_turns, setup.strict
-    stats = TurnStats()
-    episodes: list[_Episode] = []
-    t0 = time.perf_counter()
-    results = engine.generate(list(requests), n=n, max_new_tokens=max_new_tokens, **sampling) \
-        if engine is not None else []
-    stats.turn_seconds.append(time.perf_counter() - t0)
-    groups: dict[int, list[Trajectory]] = {}
-    for (group, prompt), request, samples in zip(prompts, requests, results):
-        groups[group] = []
-        for k, s in enumerate(samples):
-            t = Trajectory(prompt=prompt, group=group, response_index=k,
-                           response_ids=np.asarray(s.token_ids, dtype=np.int64),
-                           rollout_logprobs=np.asarray(s.logprobs, dtype=np.float32), finish_reason=s.finish_reason,
-                           response_text=_text(encoder, s.token_ids), version=version,
-                           token_versions=np.full(len(s.token_ids), version, dtype=np.int32),
-                           generated=np.ones(len(s.token_ids), dtype=bool))
-            groups[group].append(t)
-            episodes.append(_Episode(t, None, request))
-    stats.trajectories = len(episodes)
-    stats.turns = len(episodes)
+def _request(e: Episode, key: str) -> RolloutRequest:
+    """The request that continues ``e``'s context: the prompt's media and its observations' images, the response so
+    far as the prefix."""
+    t = e.traj
+    return replace(e.request, media=list(e.request.media) + list(t.turn_media), grids=t.grids,
+                   pixel_values=t.pixel_values, key=key, response_prefix=tuple(int(x) for x in t.response_ids))
 
-    def fail(e: _Episode, message: str) -> None:
+
+def rollout_turns(engine, encoder: PromptEncoder, setup: TurnSetup, prompts: Sequence[tuple[int, PreparedSample]],
+                  requests: Sequence[RolloutRequest], *, n: int, max_new_tokens: int, sampling: dict, version: int,
+                  budget: int | None = None, carried: Sequence[Episode] = ()
+                  ) -> tuple[dict[int, list[Episode]], TurnStats]:
+    """``n`` multi-turn episodes per prompt (``prompts[i]`` = (global position, sample), ``requests[i]`` its
+    request); returns them by group, and the step's counts (``TurnStats.count`` adds the trajectories' own).
+
+    Partial rollouts (``budget``: rollout.tokens_per_update): each episode samples at most ``budget`` tokens in this
+    call, over its turns; one that runs out is left unfinished (``Episode.done`` false) where it stands, mid-turn or
+    before its next turn, and ``carried`` episodes (unfinished ones of earlier calls, advanced in place) go on from
+    there with the engine's current weights. A turn still ends at ``max_new_tokens`` sampled tokens."""
+    strict = setup.strict
+    stats = TurnStats()
+    groups: dict[int, list[Episode]] = {}
+
+    def fail(e: Episode, message: str) -> None:
         e.done = True
         where = f"sample {e.traj.prompt.record.id!r} (response {e.traj.response_index}, turn {e.traj.turns})"
         e.traj.extras["env_error"] = f"{where}: {message}"
@@ -161,67 +174,103 @@ def rollout_turns(engine, encoder: PromptEncoder, setup: TurnSetup, prompts: Seq
         if strict:
             raise EnvError(f"rl.env failed on {where}: {message} (rl.on_reward_error = 'error')")
 
-    for turn in range(1, max_turns + 1):
-        todo: list[tuple[_Episode, RolloutRequest]] = []
-        for e in episodes:
-            if e.done:
-                continue
-            t = e.traj
-            try:
-                if e.env is None:
-                    record = env_record(t.prompt.record, setup.manifest_dir)
-                    e.env = _within(lambda: setup.make_env(record), setup.timeout_s, "the environment's constructor")
-                env, text = e.env, t.response_text
-                step = check_step(_within(lambda: env.step(text), setup.timeout_s, "step"),
-                                  max_images=setup.max_turn_images)
-            except Exception as error:  # the user's code: any failure ends this trajectory, counted
-                fail(e, f"{type(error).__name__}: {error}")
-                continue
-            if step.reward is not None:
-                t.extras["env_reward"] = step.reward
-            if step.done or turn == max_turns:
-                e.done = True
-                continue
-            try:
-                last = encoder.tokenizer.decode([int(t.response_ids[-1])], skip_special_tokens=False)
-                ids, media, grids, pixels = observation_tokens(encoder, settings, step, last)
-            except Exception as error:  # an image the processor cannot take, a template without turns
-                fail(e, f"observation: {type(error).__name__}: {error}")
-                continue
-            if t.num_tokens + len(ids) + max_new_tokens > setup.max_context_tokens:
-                e.done = True  # the next turn could pass model.max_seq_len: this response is the answer
-                continue
-            _append(t, ids, [], False, version)
-            t.turn_media += media
-            t.turn_grids += grids
-            if pixels is not None:
-                t.turn_pixels = pixels if t.turn_pixels is None else np.concatenate([t.turn_pixels, pixels])
-            stats.tool_calls += 1
-            stats.images += len(media)
-            request = replace(e.request, media=list(e.request.media) + list(t.turn_media), grids=t.grids,
-                              pixel_values=t.pixel_values, key=f"{e.request.key}:{t.response_index}:t{turn + 1}",
-                              response_prefix=tuple(int(x) for x in t.response_ids))
-            todo.append((e, request))
-        if turn == max_turns:
-            break
-        # every rank calls, with its unfinished trajectories or none (an engine over several ranks needs them all)
+    def sampled(e: Episode, s) -> RolloutRequest | None:
+        """``s`` (an engine sample) appended to ``e``; then, where the turn is over, its environment's answer. Returns
+        the request of the episode's next engine call in this step, or None (done, or out of budget)."""
+        t = e.traj
+        _append(t, s.token_ids, s.logprobs, True, version)
+        t.finish_reason = s.finish_reason
+        e.turn_tokens += len(s.token_ids)
+        e.left -= len(s.token_ids)
+        if s.finish_reason != "stop" and e.turn_tokens < max_new_tokens:  # cut by the budget, mid-turn
+            return None
+        t.response_text = _text(encoder, t.response_ids[e.turn_start:])  # the turn's: rl.reward scores the last
+        return answered(e)
+
+    def answered(e: Episode) -> RolloutRequest | None:
+        t = e.traj
+        try:
+            if e.env is None:
+                record = env_record(t.prompt.record, setup.manifest_dir)
+                e.env = _within(lambda: setup.make_env(record), setup.timeout_s, "the environment's constructor")
+            env, text = e.env, t.response_text
+            step = check_step(_within(lambda: env.step(text), setup.timeout_s, "step"),
+                              max_images=setup.max_turn_images)
+        except Exception as error:  # the user's code: any failure ends this trajectory, counted
+            fail(e, f"{type(error).__name__}: {error}")
+            return None
+        if step.reward is not None:
+            t.extras["env_reward"] = step.reward
+        if step.done or t.turns == setup.max_turns:
+            e.done = True
+            return None
+        try:
+            last = encoder.tokenizer.decode([int(t.response_ids[-1])], skip_special_tokens=False)
+            ids, media, grids, pixels = observation_tokens(encoder, setup.settings, step, last)
+        except Exception as error:  # an image the processor cannot take, a template without turns
+            fail(e, f"observation: {type(error).__name__}: {error}")
+            return None
+        if t.num_tokens + len(ids) + max_new_tokens > setup.max_context_tokens:
+            e.done = True  # the next turn could pass model.max_seq_len: this response is the answer
+            return None
+        _append(t, ids, [], False, version)
+        t.turn_media += media
+        t.turn_grids += grids
+        if pixels is not None:
+            t.turn_pixels = pixels if t.turn_pixels is None else np.concatenate([t.turn_pixels, pixels])
+        stats.tool_calls += 1
+        t.turns += 1
+        e.turn_start, e.turn_tokens = len(t.response_ids), 0
+        return _request(e, f"{e.request.key}:{t.response_index}:t{t.turns}") if e.left > 0 else None
+
+    def call(todo: list[tuple[Episode, RolloutRequest]], seconds: float = 0.0) -> list[tuple[Episode, RolloutRequest]]:
+        """The engine calls of one round: each episode of ``todo`` samples up to the rest of its turn or of its
+        budget (one call per such length: without partial rollouts, one call; every rank calls, with its episodes or
+        none: an engine over several ranks needs them all); returns the episodes' next requests."""
         t0 = time.perf_counter()
-        outs = engine.generate([r for _, r in todo], n=1, max_new_tokens=max_new_tokens, **sampling) \
-            if engine is not None else []
+        by_length: dict[int, list[tuple[Episode, RolloutRequest]]] = {}
+        for e, r in todo:
+            by_length.setdefault(min(e.left, max_new_tokens - e.turn_tokens), []).append((e, r))
+        following = []
+        for tokens, part in sorted(by_length.items()) or [(max_new_tokens, [])]:
+            outs = engine.generate([r for _, r in part], n=1, max_new_tokens=tokens, **sampling) \
+                if engine is not None else []
+            for (e, _), (s,) in zip(part, outs):
+                if s.cached_tokens is not None:
+                    stats.continued_tokens += s.prompt_tokens
+                    stats.continued_cached += s.cached_tokens
+                if (request := sampled(e, s)) is not None:
+                    following.append((e, request))
+        stats.turn_seconds.append(seconds + time.perf_counter() - t0)
+        return following
+
+    # no partial rollouts: no budget within the step (every turn may sample max_new_tokens)
+    limit = budget if budget is not None else setup.max_turns * max_new_tokens
+    for e in carried:
+        e.left = limit
+    # the first call: the prompts' n first turns
+    t0 = time.perf_counter()
+    results = engine.generate(list(requests), n=n, max_new_tokens=min(limit, max_new_tokens), **sampling) \
+        if engine is not None else []
+    todo = []
+    for (group, prompt), request, samples in zip(prompts, requests, results):
+        groups[group] = []
+        for k, s in enumerate(samples):
+            t = Trajectory(prompt=prompt, group=group, response_index=k, response_ids=np.zeros(0, dtype=np.int64),
+                           rollout_logprobs=np.zeros(0, dtype=np.float32), version=version,
+                           token_versions=np.zeros(0, dtype=np.int32), generated=np.zeros(0, dtype=bool))
+            e = Episode(t, None, request, left=limit)
+            groups[group].append(e)
+            if (following := sampled(e, s)) is not None:
+                todo.append((e, following))
+    if budget is None:
         stats.turn_seconds.append(time.perf_counter() - t0)
-        for (e, _), (s,) in zip(todo, outs):
-            t = e.traj
-            if s.cached_tokens is not None:
-                stats.continued_tokens += s.prompt_tokens
-                stats.continued_cached += s.cached_tokens
-            _append(t, s.token_ids, s.logprobs, True, version)
-            t.finish_reason = s.finish_reason
-            t.response_text = _text(encoder, s.token_ids)  # the turn's: the answer rl.reward scores is the last
-            t.turns += 1
-            stats.turns += 1
-    for e in episodes:
-        stats.context_tokens_max = max(stats.context_tokens_max, e.traj.num_tokens)
+    else:  # partial rollouts: the carried episodes go on, mid-turn or at their next turn, in the same round
+        todo += call([(e, _request(e, f"{e.request.key}:{e.traj.response_index}:t{e.traj.turns}"
+                                      f":{len(e.traj.response_ids)}")) for e in carried], time.perf_counter() - t0)
+    for _ in range(setup.max_turns - 1):  # a turn ends, or the budget, in each round: max_turns rounds in all
+        todo = call(todo)
     return groups, stats
 
 
-__all__ = ["TurnSetup", "TurnStats", "observation_tokens", "rollout_turns", "trajectory_score"]
+__all__ = ["Episode", "TurnSetup", "TurnStats", "observation_tokens", "rollout_turns", "trajectory_score"]

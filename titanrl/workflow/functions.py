@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +24,8 @@ def load_function(spec: str, what: str) -> Callable:
         path = Path(target).expanduser()
         if not path.is_file():
             raise ConfigError(f"{what}: {spec!r}: no file {path.resolve()}")
-        module_name = f"titanrl_user_{path.stem}_{abs(hash(str(path.resolve()))) % 10**8}"
+        # the same name in every process and run (checkpoints pickle rl.env's environments by it)
+        module_name = f"titanrl_user_{path.stem}_{zlib.crc32(str(path.resolve()).encode()):08x}"
         module = sys.modules.get(module_name)
         if module is None:
             loader_spec = importlib.util.spec_from_file_location(module_name, path)

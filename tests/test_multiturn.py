@@ -265,6 +265,39 @@ def test_partial_rollouts_stop_each_trajectory_at_the_budget_and_go_on_where_it_
     assert spans_steps == spans_turns == len(every)
 
 
+def test_a_checkpoint_of_other_partial_rollout_settings_is_refused_with_the_reason():
+    """Unfinished partial rollouts in a checkpoint resumed with other settings: episodes whose environment class this
+    run does not load, and single-turn responses where the run is multi-turn, each stop the start with the reason."""
+    import pickle
+    import sys
+    import types
+    from types import SimpleNamespace
+
+    from titanrl.config.errors import ConfigError
+    from titanrl.config.loader import load_config
+    from titanrl.rl.batch import Trajectory
+    from titanrl.rl.turns import Episode
+    from titanrl.trainer import Trainer
+
+    module = types.ModuleType("titanrl_user_gone_env")
+    gone = type("Gone", (), {"__module__": module.__name__})
+    module.Gone = gone
+    sys.modules[module.__name__] = module
+    try:
+        episode = pickle.dumps({"batches": {}, "partial": {0: [Episode(Trajectory(None, 0), gone(), None)]}})
+    finally:
+        del sys.modules[module.__name__]
+    single = pickle.dumps({"batches": {}, "partial": {0: [Trajectory(None, 0)]}})
+    cfg = load_config(Path("configs/tiny_cpu.toml"), [f"--rl.env={HERE / 'scripted_env.py'}:ScriptedEnv",
+                                                      "--rollout.max_turns=3", "--rollout.tokens_per_update=6",
+                                                      "--data.slice_loading=false", "--workflow.max_staleness=1"])
+    trainer = SimpleNamespace(info=SimpleNamespace(rank=0), cfg=cfg)
+    with pytest.raises(ConfigError, match="No module named 'titanrl_user_gone_env'. It was saved with other settings"):
+        Trainer._load_in_flight(trainer, {"rank0": episode})
+    with pytest.raises(ConfigError, match="are single-turn responses, but this run has rollout.max_turns = 3"):
+        Trainer._load_in_flight(trainer, {"rank0": single})
+
+
 def test_the_engine_scores_every_generated_token_of_three_turns_as_the_trainer_does(turns, tiny_ckpt):
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel, load_hf_weights
     from titanrl.rl.batch import pack_trajectories

@@ -427,9 +427,21 @@ class Trainer:
 
     def _load_in_flight(self, state: dict) -> None:
         blob = state.get(f"rank{self.info.rank}", b"")
-        saved = pickle.loads(blob) if blob else {}
+        try:
+            saved = pickle.loads(blob) if blob else {}
+        except (ImportError, AttributeError) as err:  # an environment class (rl.env) this run does not load
+            raise ConfigError(f"the checkpoint's batches in flight and unfinished partial rollouts cannot be read: "
+                              f"{type(err).__name__}: {err}. It was saved with other settings (rl.env, "
+                              "rollout.max_turns): resume with those, or start afresh (checkpoint.resume = false, or "
+                              "another job.dump_folder)") from err
         self._saved_in_flight = saved.get("batches", {})
         self.partial_rollouts = saved.get("partial", {}) if self.cfg.rollout.tokens_per_update else {}
+        items = [i for group in self.partial_rollouts.values() for i in group]
+        if items and hasattr(items[0], "env") != (self.cfg.rollout.max_turns > 1):
+            saved_as = "multi-turn trajectories" if hasattr(items[0], "env") else "single-turn responses"
+            raise ConfigError(f"the checkpoint's unfinished partial rollouts are {saved_as}, but this run has "
+                              f"rollout.max_turns = {self.cfg.rollout.max_turns}: resume with the settings it was "
+                              "saved with, or start afresh (checkpoint.resume = false, or another job.dump_folder)")
 
     def _restore_in_flight(self) -> None:
         """After a checkpoint is loaded: the batches that were in flight (the loader hands each out again, for

@@ -419,8 +419,10 @@ class Trainer:
             # multi-turn partial rollouts hold unfinished trajectories with their environments between steps
             envs = sorted({type(e.env).__qualname__ for es in self.partial_rollouts.values() for e in es
                            if getattr(e, "env", None) is not None})
+            if not envs:
+                raise
             raise EnvError(f"the unfinished trajectories of partial rollouts (rollout.tokens_per_update) cannot be "
-                           f"saved in the checkpoint with their environments ({', '.join(envs) or 'rl.env'}): "
+                           f"saved in the checkpoint with their environments ({', '.join(envs)}): "
                            f"{type(err).__name__}: {err}. Make rl.env's class picklable, or set checkpoint.enable = "
                            "false or rollout.tokens_per_update = 0") from err
         return {f"rank{self.info.rank}": blob}

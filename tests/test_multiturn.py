@@ -267,7 +267,8 @@ def test_partial_rollouts_stop_each_trajectory_at_the_budget_and_go_on_where_it_
 
 def test_a_checkpoint_of_other_partial_rollout_settings_is_refused_with_the_reason():
     """Unfinished partial rollouts in a checkpoint resumed with other settings: episodes whose environment class this
-    run does not load, and single-turn responses where the run is multi-turn, each stop the start with the reason."""
+    run does not load, and single-turn responses where the run is multi-turn, each stop the start with the reason;
+    an environment that cannot be pickled stops the save with its class's name."""
     import pickle
     import sys
     import types
@@ -296,6 +297,17 @@ def test_a_checkpoint_of_other_partial_rollout_settings_is_refused_with_the_reas
         Trainer._load_in_flight(trainer, {"rank0": episode})
     with pytest.raises(ConfigError, match="are single-turn responses, but this run has rollout.max_turns = 3"):
         Trainer._load_in_flight(trainer, {"rank0": single})
+    # and an environment that cannot be pickled stops the save, naming its class
+    import threading
+
+    from titanrl.envs import EnvError
+
+    locked = ScriptedEnv(SimpleNamespace(id="x"))
+    locked.lock = threading.Lock()  # what a user's environment may hold
+    saving = SimpleNamespace(info=SimpleNamespace(rank=0), executor=SimpleNamespace(in_flight_state=dict),
+                             partial_rollouts={0: [Episode(Trajectory(None, 0), locked, None)]})
+    with pytest.raises(EnvError, match=r"with their environments \(ScriptedEnv\): TypeError: cannot pickle"):
+        Trainer._in_flight_state(saving)
 
 
 def test_the_engine_scores_every_generated_token_of_three_turns_as_the_trainer_does(turns, tiny_ckpt):

@@ -129,6 +129,7 @@ def test_counted_errors_reach_the_step_line_and_the_summary():
     # the decoupled objective's mean weight and the responses rl.mask_truncated left out, where those are on
     assert format_step_line(1, 3, {"grad_norm": 0.5, "rl/behaviour_weight_mean": 0.9812,
                                    "train/masked_truncated": 7.0}) == "step 1/3 | gnorm 0.500 | iw 0.981 | masked 7"
+    assert format_step_line(2, 3, {"loss": 0.0, "rollout/unfinished_groups": 4.0}) == "step 2/3 | loss 0.0000 | carried 4"
     watch.observe(1, {"reward/errors": 3.0, "reward/calls": 8.0}, {"reward": "rank 1: sample 'a': boom"})
     watch.observe(2, {"reward/errors": 1.0, "reward/calls": 8.0}, {"reward": "rank 0: sample 'b': bang"})
     assert len(said) == 1 and "rank 1: sample 'a': boom" in said[0]  # the first, once

@@ -29,6 +29,7 @@ def format_step_line(step: int, total: int, metrics: dict[str, float]) -> str:
         ("grad_norm", "gnorm {:.3f}"),
         ("rl/behaviour_weight_mean", "iw {:.3f}"),  # the truncated importance weight's mean (rl.behaviour_weight)
         ("train/masked_truncated", "masked {:.0f}"),  # cut responses out of the update (rl.mask_truncated)
+        ("rollout/unfinished_groups", "carried {:.0f}"),  # groups left for the next step (rollout.tokens_per_update)
         ("throughput/tokens_per_s", "{:.0f} tok/s"),
     ):
         if key in metrics:

@@ -523,7 +523,8 @@ def test_multi_turn_on_two_ranks_killed_and_resumed_and_async_equals_one_process
 def test_partial_multi_turn_rollouts_on_two_ranks_stopped_and_resumed_equal_one_process(run_cache, tmp_path):
     """Partial rollouts of 3-turn trajectories: rollout.tokens_per_update = 6 of the 12 tokens a trajectory samples
     (3 turns of 4), so each one samples its first turn and half its second in one step and the rest in the next,
-    with the weights of the update between, and is trained then (step 1 trains nothing). Two ranks (FlexUlysses,
+    with the weights of the update between, and is trained then (step 1 trains nothing). Two ranks over one
+    tensor-parallel engine (each request with its own token limit, so both ranks make the same calls; FlexUlysses,
     vision balancing, lb_mini), stopped after step 2 (its checkpoint holds the unfinished trajectories with their
     environments, pickled) and resumed to step 4, equal one process on per-token log-probs and parameter updates;
     the resumed environments went on from their turn (one image per trajectory, as the script gives at turn 1)."""
@@ -533,7 +534,8 @@ def test_partial_multi_turn_rollouts_on_two_ranks_stopped_and_resumed_equal_one_
 
     partial = [*MULTITURN, *SIGNAL, "--rollout.tokens_per_update=6", "--data.slice_loading=false"]
     run(train_cmd(tmp_path / "one", run_cache, *partial, "--job.steps=4", "--checkpoint.enable=false"))
-    two = [*partial, "--parallelism.ulysses=flex", "--parallelism.vision_balance=true", "--balance.strategy=lb_mini"]
+    two = [*partial, "--parallelism.ulysses=flex", "--parallelism.vision_balance=true", "--balance.strategy=lb_mini",
+           "--rollout.tensor_parallel_size=2"]
     run(train_cmd(tmp_path / "two", run_cache, *two, "--job.steps=2", nproc=2))
     resumed = run(train_cmd(tmp_path / "two", run_cache, *two, "--job.steps=4", nproc=2))
     assert "[titanrl] resumed from step 2" in resumed.stdout + resumed.stderr

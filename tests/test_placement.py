@@ -53,8 +53,9 @@ def test_the_config_refuses_placements_that_name_no_ranks():
     assert cfg.workflow.training_ranks(4) == 2
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=2 runs one vLLM engine over several ranks"):
         load_config(TINY, ["--rollout.tensor_parallel_size=2", "--rollout.engine=hf"])
-    with pytest.raises(ConfigError, match="partial rollouts"):  # colocated T > 1 runs the ranks' prompts together
-        load_config(TINY, ["--rollout.tensor_parallel_size=2", "--rollout.tokens_per_update=1"])
+    # colocated T > 1 runs the ranks' prompts together, partial rollouts too (each request with its own limit)
+    load_config(TINY, ["--rollout.tensor_parallel_size=2", "--rollout.tokens_per_update=1",
+                       "--data.slice_loading=false"])
     colocated_tp = load_config(TINY, ["--rollout.tensor_parallel_size=2"])
     colocated_tp.validate_world_size(4)
     with pytest.raises(ConfigError, match="must divide the 3 ranks"):

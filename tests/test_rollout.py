@@ -533,6 +533,30 @@ def test_a_response_continued_from_its_prefix_equals_the_whole_generation(vllm_e
 
 
 @pytest.mark.slow
+def test_one_call_with_a_token_limit_per_request_equals_a_call_per_limit(vllm_engine, tiny_ckpt, requests_):
+    """Partial rollouts continue responses by what each has left in one engine call (so every rank of an engine over
+    several ranks makes the same calls): sampled with per-request limits, the same tokens and log-probs as one call
+    per limit (vLLM and the HF engine)."""
+    from titanrl.rollout.hf_engine import HFGenerateEngine
+
+    reqs = list(requests_.values())
+    limits = [2, 5, 3, 5, 1, 4][:len(reqs)]
+    sampled = dict(n=2, temperature=1.0, top_p=1.0, seed=7)
+    for engine in (vllm_engine, HFGenerateEngine(tiny_ckpt, fps=FPS, max_frames=MAX_FRAMES)):
+        together = engine.generate(reqs, max_new_tokens=limits, **sampled)
+        for limit in set(limits):
+            which = [i for i, m in enumerate(limits) if m == limit]
+            alone = engine.generate([reqs[i] for i in which], max_new_tokens=limit, **sampled)
+            for i, group in zip(which, alone):
+                assert [s.token_ids for s in together[i]] == [s.token_ids for s in group], (type(engine), i)
+                assert all(len(s.token_ids) <= limit for s in group)
+                assert np.allclose([x for s in together[i] for x in s.logprobs],
+                                   [x for s in group for x in s.logprobs], atol=TOL)
+        with pytest.raises(ValueError, match="gives 1 limits for"):
+            engine.generate(reqs, max_new_tokens=[3], **sampled)
+
+
+@pytest.mark.slow
 def test_vllm_engine_with_sleep_asks_vllm_for_its_sleep_mode(tiny_ckpt):
     """rollout.sleep reaches vLLM as enable_sleep_mode (what its sleep() / wake_up() need): vLLM's CPU build has
     no sleep mode and refuses it by name, before anything is loaded (the trainer never asks for it on a CPU:

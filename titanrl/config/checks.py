@@ -79,11 +79,6 @@ def cross_section_problems(cfg: "JobConfig") -> list[str]:
     if tp > 1 and cfg.rollout.engine != "vllm":
         found.append(f"rollout.tensor_parallel_size={tp} runs one vLLM engine over several ranks: set "
                      "rollout.engine = 'vllm', or rollout.tensor_parallel_size = 1")
-    elif tp > 1 and cfg.workflow.placement == "colocated" and cfg.rollout.tokens_per_update:
-        found.append(f"rollout.tensor_parallel_size={tp} colocated runs the prompts of {tp} ranks in one engine "
-                     "call, but partial rollouts (rollout.tokens_per_update) continue each rank's unfinished "
-                     "responses in calls of their own: set rollout.tokens_per_update = 0, or use "
-                     "workflow.placement = 'disaggregated'")
     elif tp > 1 and cfg.workflow.placement == "disaggregated" and cfg.workflow.rollout_ranks % tp:
         found.append(f"rollout.tensor_parallel_size={tp} must divide workflow.rollout_ranks="
                      f"{cfg.workflow.rollout_ranks} (each engine spans that many rollout ranks)")

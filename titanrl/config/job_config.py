@@ -423,7 +423,7 @@ class RolloutConfig:
     launcher, a worker on each rank's device); each rank still generates its own prompts, the block's prompts in one
     engine call. Disaggregated: the engine's workers are vLLM's own processes on the devices of that many rollout
     ranks, and the block's first rank generates for them (workflow.rollout_ranks / tensor_parallel_size engines).
-    Needs rollout.engine = 'vllm'; colocated, not with partial rollouts (rollout.tokens_per_update)."""
+    Needs rollout.engine = 'vllm'."""
 
     def problems(self) -> list[str]:
         found = []

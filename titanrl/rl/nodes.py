@@ -125,16 +125,15 @@ def continue_partial(fresh: dict, batch, ctx, sampling: dict, budget: int) -> di
     new ids). Multi-turn: ``titanrl.rl.turns.rollout_turns`` continues them."""
     max_new = ctx.cfg.rollout.max_new_tokens
     carried = _carried(ctx)
-    todo: dict[int, list] = {}
-    for trajs in carried.values():
-        for t in trajs:
-            if not _finished(t, max_new):
-                todo.setdefault(min(budget, max_new - len(t.response_ids)), []).append(t)
-    for tokens, trajs in sorted(todo.items()):
-        requests = [replace(RolloutRequest.from_prepared(t.prompt, ctx.encoder,
-                                                         key=f"c{t.group}:{t.prompt.record.id}:{t.response_index}"),
-                            response_prefix=tuple(int(x) for x in t.response_ids)) for t in trajs]
-        for t, (s,) in zip(trajs, ctx.engine.generate(requests, n=1, max_new_tokens=tokens, **sampling)):
+    todo = [t for trajs in carried.values() for t in trajs if not _finished(t, max_new)]
+    requests = [replace(RolloutRequest.from_prepared(t.prompt, ctx.encoder,
+                                                     key=f"c{t.group}:{t.prompt.record.id}:{t.response_index}"),
+                        response_prefix=tuple(int(x) for x in t.response_ids)) for t in todo]
+    # one call, each response up to what it has left (every rank of an engine over several ranks calls, with its own
+    # or none)
+    limits = [min(budget, max_new - len(t.response_ids)) for t in todo]
+    if ctx.engine is not None:
+        for t, (s,) in zip(todo, ctx.engine.generate(requests, n=1, max_new_tokens=limits, **sampling)):
             t.response_ids = np.concatenate([t.response_ids, np.asarray(s.token_ids, dtype=np.int64)])
             t.rollout_logprobs = np.concatenate([t.rollout_logprobs, np.asarray(s.logprobs, dtype=np.float32)])
             t.token_versions = np.concatenate([t.token_versions, np.full(len(s.token_ids), ctx.step, dtype=np.int32)])

@@ -12,7 +12,8 @@ observation after them) and handed to the environment like any other. A trajecto
 ``done``, after ``rollout.max_turns`` turns, when the next turn could pass ``model.max_seq_len``, or when its
 environment fails (reward 0, counted).
 Every rank calls its engine once per turn, with its unfinished trajectories or none (an engine over several ranks
-needs every rank's call), so the number of engine calls does not depend on the data.
+needs every rank's call), so the number of engine calls does not depend on the data (with partial rollouts too:
+each request carries its own token limit).
 
 Partial rollouts (``rollout.tokens_per_update``): a trajectory samples at most that many tokens per step, over its
 turns; one that runs out waits for the next step where it stands (mid-turn, or before its next turn), its
@@ -224,23 +225,20 @@ def rollout_turns(engine, encoder: PromptEncoder, setup: TurnSetup, prompts: Seq
         return _request(e, f"{e.request.key}:{t.response_index}:t{t.turns}") if e.left > 0 else None
 
     def call(todo: list[tuple[Episode, RolloutRequest]], seconds: float = 0.0) -> list[tuple[Episode, RolloutRequest]]:
-        """The engine calls of one round: each episode of ``todo`` samples up to the rest of its turn or of its
-        budget (one call per such length: without partial rollouts, one call; every rank calls, with its episodes or
-        none: an engine over several ranks needs them all); returns the episodes' next requests."""
+        """The engine call of one round: each episode of ``todo`` samples up to the rest of its turn or of its budget
+        (every rank calls, with its episodes or none: an engine over several ranks needs them all); returns the
+        episodes' next requests."""
         t0 = time.perf_counter()
-        by_length: dict[int, list[tuple[Episode, RolloutRequest]]] = {}
-        for e, r in todo:
-            by_length.setdefault(min(e.left, max_new_tokens - e.turn_tokens), []).append((e, r))
+        limits = [min(e.left, max_new_tokens - e.turn_tokens) for e, _ in todo]
+        outs = engine.generate([r for _, r in todo], n=1, max_new_tokens=limits, **sampling) \
+            if engine is not None else []
         following = []
-        for tokens, part in sorted(by_length.items()) or [(max_new_tokens, [])]:
-            outs = engine.generate([r for _, r in part], n=1, max_new_tokens=tokens, **sampling) \
-                if engine is not None else []
-            for (e, _), (s,) in zip(part, outs):
-                if s.cached_tokens is not None:
-                    stats.continued_tokens += s.prompt_tokens
-                    stats.continued_cached += s.cached_tokens
-                if (request := sampled(e, s)) is not None:
-                    following.append((e, request))
+        for (e, _), (s,) in zip(todo, outs):
+            if s.cached_tokens is not None:
+                stats.continued_tokens += s.prompt_tokens
+                stats.continued_cached += s.cached_tokens
+            if (request := sampled(e, s)) is not None:
+                following.append((e, request))
         stats.turn_seconds.append(seconds + time.perf_counter() - t0)
         return following
 

@@ -27,7 +27,7 @@ import torch
 
 from titanrl.data.preprocess import MediaSettings, media_to_patches
 from titanrl.models.qwen2_5_vl.state_dict_adapter import canonical_hf_name
-from titanrl.rollout.types import RolloutRequest, RolloutSample, request_seed, torch_threads
+from titanrl.rollout.types import RolloutRequest, RolloutSample, request_seed, token_limits, torch_threads
 from titanrl.rollout.weights import (TensorInfo, check_update, checked_stream, file_tensors, read_headers,
                                      weight_files)
 
@@ -175,16 +175,23 @@ class HFGenerateEngine:
         n: int,
         temperature: float,
         top_p: float,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         seed: int,
     ) -> list[list[RolloutSample]]:
-        out = []
+        limits = token_limits(max_new_tokens, len(requests))
+        by_limit: dict[int, list[int]] = {}  # one generate call per limit, the requests in their order
+        for i, m in enumerate(limits):
+            by_limit.setdefault(m, []).append(i)
+        out: list = [None] * len(requests)
         self._wake()
         with self._threads(), torch.no_grad():
-            for start in range(0, len(requests), self.batch_prompts):
-                batch = requests[start:start + self.batch_prompts]
-                out += self._generate_batch(batch, n=n, temperature=temperature, top_p=top_p,
-                                            max_new_tokens=max_new_tokens, seed=seed)
+            for limit, which in sorted(by_limit.items()):
+                for start in range(0, len(which), self.batch_prompts):
+                    rows = which[start:start + self.batch_prompts]
+                    samples = self._generate_batch([requests[i] for i in rows], n=n, temperature=temperature,
+                                                   top_p=top_p, max_new_tokens=limit, seed=seed)
+                    for i, sample in zip(rows, samples):
+                        out[i] = sample
         return out
 
     def _generate_batch(self, requests: Sequence[RolloutRequest], *, n: int, temperature: float, top_p: float,

@@ -70,6 +70,16 @@ class RolloutRequest:
         return h.digest()
 
 
+def token_limits(max_new_tokens: int | Sequence[int], count: int) -> list[int]:
+    """``RolloutEngine.generate``'s ``max_new_tokens`` as one limit per request."""
+    if isinstance(max_new_tokens, int):
+        return [max_new_tokens] * count
+    limits = [int(m) for m in max_new_tokens]
+    if len(limits) != count:
+        raise ValueError(f"max_new_tokens gives {len(limits)} limits for {count} requests")
+    return limits
+
+
 def request_seed(seed: int, request: RolloutRequest) -> int:
     """Per-request sampling seed: a function of the call seed and the request only (not of its
     position in the batch or the other requests). 62 bits, so ``seed + i`` for the ``n`` samples
@@ -113,10 +123,11 @@ class RolloutEngine(Protocol):
         n: int,
         temperature: float,
         top_p: float,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         seed: int,
     ) -> list[list[RolloutSample]]:
-        """``n`` samples per request, as ``[request][sample]``."""
+        """``n`` samples per request, as ``[request][sample]``; ``max_new_tokens``: one limit for all, or one per
+        request (partial rollouts continue responses by what each has left, in one call)."""
         ...
 
     def score(self, request: RolloutRequest, completion_ids: Sequence[int]) -> list[float]:

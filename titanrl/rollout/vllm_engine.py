@@ -58,6 +58,7 @@ from titanrl.rollout.types import (
     WeightsMismatchError,
     check_prompt_ids,
     request_seed,
+    token_limits,
     torch_threads,
 )
 from titanrl.models.qwen2_5_vl.state_dict_adapter import canonical_hf_name
@@ -593,13 +594,13 @@ class VLLMEngine:
         n: int,
         temperature: float,
         top_p: float,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         seed: int,
     ) -> list[list[RolloutSample]]:
         if not requests and self.tp_group is None:
             return []
-        sampling = (n, temperature, top_p, max_new_tokens, seed)
-        every, start = self._lockstep([(r, sampling) for r in requests])
+        limits = token_limits(max_new_tokens, len(requests))
+        every, start = self._lockstep([(r, (n, temperature, top_p, m, seed)) for r, m in zip(requests, limits)])
         self._wake()
         prompts = [self._prompt(r, r.response_prefix or None) for r, _ in every]
         params = [

@@ -58,9 +58,8 @@ def titanrl_space(cfg, cluster: Cluster) -> SearchSpace:
         or _differ([d.gen_tokens_per_s or 1.0 for d in devs]))
     ulysses_ok = not speeds_differ and cfg.balance.strategy != "native"
     tp = (1, 2, 4, 8) if cfg.rollout.engine == "vllm" else (1,)
-    # colocated engines span tp ranks too (rollout.tensor_parallel_size), except with partial rollouts
-    return SearchSpace(groupings="titanrl", tp_choices=tp, max_ulysses=8 if ulysses_ok else 1, fsdp="full",
-                       tp_with_models=not cfg.rollout.tokens_per_update)
+    # colocated engines span tp ranks too (rollout.tensor_parallel_size)
+    return SearchSpace(groupings="titanrl", tp_choices=tp, max_ulysses=8 if ulysses_ok else 1, fsdp="full")
 
 
 def rank_order(plan: Plan) -> list[int]:

@@ -76,7 +76,6 @@ class SearchSpace:
     tp_choices: tuple[int, ...] = (1, 2, 4, 8)
     max_ulysses: int = 8
     fsdp: str = "any"  # "any": powers of two dividing the group, and the group | "full": the whole group
-    tp_with_models: bool = True  # generation TP > 1 in a group that also holds models
     count_step: int = 0  # device-count granularity at level 2 (0: max(1, devices // 16))
     population: int = 8
     speed_aware: bool = True  # plans split work by device speed (False: evenly, HetRL's load-balancing ablation)
@@ -473,8 +472,7 @@ def parallel_options(tasks: tuple[str, ...], devices: int, space: SearchSpace, h
                      ) -> tuple[list[int], list[int], list[int]]:
     """Level 4: the TP, Ulysses and FSDP degrees ``space`` allows a group of ``tasks`` on ``devices`` devices."""
     models = any(t in MODEL_TASKS for t in tasks)
-    tp = ([t for t in space.tp_choices if devices % t == 0]
-          if "rollout" in tasks and (space.tp_with_models or not models) else [1])
+    tp = [t for t in space.tp_choices if devices % t == 0] if "rollout" in tasks else [1]
     if not models:
         return tp, [1], [1]
     ulysses = [p for p in _powers_of_two(space.max_ulysses) if devices % p == 0 and heads % p == 0]

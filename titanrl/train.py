@@ -53,6 +53,24 @@ def _shows_cause(info, failing: int) -> bool:
     return info.local_rank == 0 and not first <= failing < first + local_world
 
 
+def _speaks_for_host(info) -> bool:
+    """Whether this rank writes the console line of an error every rank met: rank 0, and the first rank of each
+    other host."""
+    return info.is_main or _shows_cause(info, 0)
+
+
+def _end_together(info) -> None:
+    """After an error every rank met: the host's speaker says its line is written; the host's other ranks wait for
+    it (``titanrl.workflow.abort.wait_for_the_speaker``)."""
+    from titanrl.workflow.abort import said, wait_for_the_speaker
+
+    host = info.rank - info.local_rank
+    if _speaks_for_host(info):
+        said(host)
+    else:
+        wait_for_the_speaker(host)
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.time()
     from titanrl.config import parse_args_or_exit
@@ -85,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
                 "--metrics.verbose=true shows it here")
 
     from titanrl.distributed import init_distributed, shutdown
-    from titanrl.workflow.abort import said, wait_for_the_speaker
 
     # one process in bfloat16 (or offloading the reference): a one-rank group, so FSDP2 and its mixed-precision
     # policy apply as on many ranks
@@ -97,11 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             trainer = Trainer(cfg, info)
         except ConfigError as err:  # a check that needs the world size or the model's shape (every rank raises it)
-            if info.is_main or _shows_cause(info, 0):
+            if _speaks_for_host(info):
                 say(str(err), error=True)
-                said(info.rank - info.local_rank)
-            else:
-                wait_for_the_speaker(info.rank - info.local_rank)
+            _end_together(info)
             return 2
         if info.is_main:
             dtype = str(trainer.param_dtype).removeprefix('torch.')
@@ -126,13 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             say(f"[titanrl] rank {info.rank} stopped: {elsewhere}", error=True,
                 log_only=not _shows_cause(info, trainer.control.failed_rank))
         else:
-            speaks = info.is_main or _shows_cause(info, 0)
+            every = _is_a(err, _EVERY_RANK)
             report_exception(err, rank=info.rank, expected=_is_user_error(err), verbose=cfg.metrics.verbose,
-                             console=speaks or not _is_a(err, _EVERY_RANK))
-            if _is_a(err, _EVERY_RANK) and speaks:
-                said(info.rank - info.local_rank)
-            elif _is_a(err, _EVERY_RANK):
-                wait_for_the_speaker(info.rank - info.local_rank)
+                             console=_speaks_for_host(info) or not every)
+            if every:
+                _end_together(info)
         return 1
     finally:
         shutdown()

@@ -313,6 +313,58 @@ def test_decoupled_cispo_and_gspo_hand_computed():
     assert logp.grad.tolist() == pytest.approx([0.0, 0.0, 0.0, w1 * s1 / 4, w1 * s1 / 4])
 
 
+@pytest.mark.parametrize("clip", [(0.2, 0.1), (0.5, 0.5)], ids=["one_clipped", "none_clipped"])
+def test_gspo_over_split_responses_equals_whole_responses(clip):
+    """GSPO with responses split between two ranks (Ulysses slices): each rank holds some tokens of each response
+    and its call sums the response's parts with the other's (two threads here, exchanging what each rank's
+    all-reduce would). The two ranks' losses, clip fractions and behaviour weights add up to the whole responses'
+    in one call, and their gradients are the whole call's on the tokens each holds."""
+    import threading
+
+    from titanrl.rl.grpo import gspo_loss
+
+    kw = dict(clip_low=clip[0], clip_high=clip[1], mode="seq-mean-token-mean", global_tokens=5, global_seqs=2,
+              behaviour_cap=1.4, kl_coef=0.1)
+    shift = torch.tensor([0.0, 0.5, 1.0, 0.2, 0.2], dtype=torch.float64)
+    logp, old, adv, seq, lengths = _two_responses()
+    ref = old - 0.3
+    whole = gspo_loss(logp, old, adv, seq, lengths, behaviour_logp=old - shift, ref_logp=ref, **kw)
+    whole.loss.backward()
+    assert logp.grad.abs().max() > 0.05  # a learning signal in both variants
+
+    holds = ([0, 1, 3], [2, 4])  # response 0's tokens 0, 1 and response 1's token 3 on the first rank
+    meeting, posted, out = threading.Barrier(2), {}, {}
+
+    def rank(r):
+        idx = torch.tensor(holds[r])
+        mine = logp.detach()[idx].clone().requires_grad_(True)
+
+        def response_sums(values):  # the other rank's parts, as the group's all-reduce adds them
+            posted[r] = values.clone()
+            meeting.wait()
+            return values + posted[1 - r]
+
+        res = gspo_loss(mine, old[idx], adv[idx], seq[idx], lengths, behaviour_logp=(old - shift)[idx],
+                        ref_logp=ref[idx], response_sums=response_sums, **kw)
+        res.loss.backward()
+        out[r] = (res, mine.grad)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for field in ("loss", "pg_loss", "kl", "clip_fraction", "behaviour_weight", "behaviour_truncated"):
+        total = sum(float(getattr(out[r][0], field).detach()) for r in (0, 1))
+        assert total == pytest.approx(float(getattr(whole, field).detach()), rel=1e-12, abs=1e-15), field
+    grad = torch.zeros(5, dtype=torch.float64)
+    for r in (0, 1):
+        grad[torch.tensor(holds[r])] = out[r][1]
+    assert torch.allclose(grad, logp.grad, rtol=1e-12, atol=1e-15)
+    with pytest.raises(RuntimeError, match="parts were not summed"):
+        gspo_loss(logp[:4], old[:4], adv[:4], seq[:4], lengths, response_sums=lambda v: v, **kw)
+
+
 def test_objective_choices_are_checked_against_the_rest_of_the_config():
     from titanrl.config import JobConfig
 
@@ -327,7 +379,7 @@ def test_objective_choices_are_checked_against_the_rest_of_the_config():
     assert "per token" in problems(algorithm="ppo", policy_loss="gspo")
     cfg = JobConfig()
     cfg.rl.policy_loss, cfg.parallelism.ulysses = "gspo", "flex"
-    assert any("every response whole on one rank" in p for p in cfg.problems())
+    assert not cfg.problems()  # responses split by Ulysses have their parts summed (one all-reduce per group)
     assert not problems(advantage="rloo", policy_loss="cispo") and not problems(policy_loss="gspo")
     assert "rl.behaviour_weight_cap >= 1" in problems(behaviour_weight="always", behaviour_weight_cap=0.0)
     cfg = JobConfig()
@@ -345,7 +397,9 @@ _WEIGHTED = ("--rl.behaviour_weight=always", "--rollout.top_p=0.9")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", [("--rl.advantage=rloo", "--rl.policy_loss=gspo", "--rl.clip_low=3e-4",
-                                        "--rl.clip_high=4e-4", *_WEIGHTED),
+                                        "--rl.clip_high=4e-4", "--rollout.max_new_tokens=8", "--rl.minibatches=1",
+                                        "--rl.ppo_epochs=2",
+                                        *_WEIGHTED),
                                        ("--rl.policy_loss=cispo", "--rl.clip_high=0.3", "--model.freeze_vision_tower",
                                         *_WEIGHTED),
                                        ("--rl.advantage=reinforce++", "--rl.kl_coef=0.05", "--rl.policy_loss=sapo")],
@@ -356,19 +410,26 @@ def test_objectives_on_two_ranks_equal_one(objective, tmp_path, run_cache):
     2 ranks equal 1 rank on per-token log-probs (and REINFORCE++'s per-token advantages) and parameter updates, with
     a learning signal. GSPO and CISPO run decoupled (rl.behaviour_weight = always, top_p 0.9): each response's
     (GSPO) or token's (CISPO) term weighted by its behaviour weight, the engine's log-probs routed with the
-    trajectories. CISPO's runs also freeze the vision tower (model.freeze_vision_tower), on 4 ranks with
-    FlexUlysses and vision balancing (the tower's rows routed between ranks, no gradient back): the tower keeps the
-    checkpoint's weights bit for bit while the language model trains."""
+    trajectories. GSPO's 2 ranks run Ulysses (degree 2, every unit sharded; responses of 8 tokens, one minibatch
+    trained twice, the second time with ratios off 1), so some responses' tokens lie on both ranks and their ratios
+    come from the parts' sums. CISPO's runs also freeze
+    the vision tower (model.freeze_vision_tower), on 4 ranks with FlexUlysses and vision balancing (the tower's
+    rows routed between ranks, no gradient back): the tower keeps the checkpoint's weights bit for bit while the
+    language model trains."""
     from titanrl.rl.dump import load_dumps
     from train_runs import assert_same_computation, train_tiny
 
     frozen = "--model.freeze_vision_tower" in objective
     parallel = ("--parallelism.ulysses=flex", "--parallelism.vision_balance=true") if frozen else ()
+    if "--rl.policy_loss=gspo" in objective:
+        parallel = ("--parallelism.ulysses=fixed", "--parallelism.ulysses_degree=2")
     one_dir, one = train_tiny(tmp_path, run_cache, "one", 1, *objective)
     two_dir, two = train_tiny(tmp_path, run_cache, "two", 4 if frozen else 2, *objective, *parallel)
     seen = assert_same_computation(one_dir, two_dir)
     assert {"old_logprobs", "update/policy"} <= set(seen), seen
     assert all(r["clip_fraction"] >= 0 for r in two)
+    if "--rl.policy_loss=gspo" in objective:  # the update's plan is the step's (one minibatch)
+        assert all(r["parallel/split_responses"] > 0 for r in two), [r["parallel/split_responses"] for r in two]
     if "--rl.behaviour_weight=always" in objective:
         weights = [(a["rl/behaviour_weight_mean"], b["rl/behaviour_weight_mean"]) for a, b in zip(one, two)]
         assert len(weights) == 2 and all(0.5 < a < 0.97 and abs(a - b) <= 1e-5 for a, b in weights), weights

@@ -38,10 +38,6 @@ def cross_section_problems(cfg: "JobConfig") -> list[str]:
             "rollout.temperature must be > 0 for rl.algorithm='grpo': greedy decoding gives "
             "identical responses, so every advantage is 0"
         )
-    if cfg.rl.policy_loss == "gspo" and cfg.parallelism.ulysses != "none":
-        found.append(f"rl.policy_loss = 'gspo' takes one ratio per response (the mean of its tokens' log-ratios), "
-                     f"which needs every response whole on one rank, but parallelism.ulysses = "
-                     f"{cfg.parallelism.ulysses!r} shards responses: use parallelism.ulysses = 'none'")
     if cfg.rl.overlong_buffer and cfg.rl.overlong_buffer >= cfg.rollout.max_new_tokens:
         found.append(f"rl.overlong_buffer = {cfg.rl.overlong_buffer} must be below rollout.max_new_tokens = "
                      f"{cfg.rollout.max_new_tokens}: the punishment starts that many tokens before the limit")

@@ -473,8 +473,8 @@ class RLConfig:
     policy_loss: Literal["ppo_clip", "gspo", "cispo", "sapo"] = "ppo_clip"
     """The policy objective. ppo_clip = the per-token clipped ratio (Schulman et al. 2017; clip_low / clip_high);
     gspo = a sequence-level ratio, the geometric mean of the response's token ratios, clipped per response (Zheng
-    et al. 2025, eq. 5-7; the paper's clip range is 3e-4 / 4e-4, set with rl.clip_low / rl.clip_high; needs each
-    response whole on a rank: parallelism.ulysses = none); cispo = the clipped ratio as a detached weight on each
+    et al. 2025, eq. 5-7; the paper's clip range is 3e-4 / 4e-4, set with rl.clip_low / rl.clip_high; a response
+    Ulysses splits over ranks has its parts' sums added up by one all-reduce per sharded group); cispo = the clipped ratio as a detached weight on each
     token's log-prob gradient, so no token's gradient is dropped (MiniMax-M1, Chen et al. 2025, eq. 4); sapo = a
     smooth gate in place of the clip, per token (4 / tau) sigmoid(tau (r - 1)) A with tau = rl.sapo_tau_pos for
     positive advantages and rl.sapo_tau_neg for negative ones (Gao et al. 2025, Soft Adaptive Policy Optimization;

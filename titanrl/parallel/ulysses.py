@@ -245,6 +245,18 @@ def build_layout(
                          local_meta=local_meta, overlap=overlap)
 
 
+def sum_over_members(values: torch.Tensor, spans: Sequence[tuple[ProcessGroup, int, int]]) -> torch.Tensor:
+    """``values`` [responses, k] (this rank's per-response sums of a wave) with the rows of each sharded group's
+    responses (``spans``: its process group and row range, ``WaveInputs.sharded_responses``) summed over the group's
+    members: each response's sums over all of its tokens. One all-reduce per group, in the stream's order (the
+    order of the groups' attention all-to-alls, deadlock-free for the same reason)."""
+    out = values.detach().clone()
+    for group, lo, hi in spans:
+        if hi > lo:
+            torch.distributed.all_reduce(out[lo:hi], group=group)
+    return out
+
+
 def _bytes(t: torch.Tensor, rows: int) -> int:
     return rows * (t.numel() // max(t.shape[0], 1)) * t.element_size()
 

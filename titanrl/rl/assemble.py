@@ -52,6 +52,10 @@ class WaveInputs:
     # set when vision balancing routes embeddings in this wave: every rank's forward (a dummy's
     # too) must call it, since it is a collective
     vision_route: VisionRoute | None = None
+    # per sharded group of the wave (Ulysses), in the stream's order: its process group and the range [lo, hi) of
+    # local responses (``seq_lengths``' indices) whose tokens its members hold between them, the same responses
+    # in the same order on every member (``titanrl.parallel.ulysses.sum_over_members``)
+    sharded_responses: tuple[tuple[object, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -161,7 +165,13 @@ def assemble_wave(asm: Assembly, plan: StagePlan, wave: int, units: Sequence[Sta
         offset += p.num_tokens
     dev = asm.device
     lengths = [p.num_tokens for p in mine]
-    layout = layout_builder(plan.waves[wave].ranks[asm.rank]) if layout_builder is not None else None
+    rank_wave = plan.waves[wave].ranks[asm.rank]
+    layout = layout_builder(rank_wave) if layout_builder is not None else None
+    sharded_responses, first = [], 0
+    for step, group in zip(rank_wave.sharded, layout.sharded if layout is not None else ()):
+        n = sum(len(metas[s].scored_lens) for s in step.seqs)  # its pieces come first, in its order
+        sharded_responses.append((group.group, first, first + n))
+        first += n
     batch = PackedBatch(
         input_ids=torch.from_numpy(np.concatenate(ids)).to(dev),
         position_ids=torch.from_numpy(np.concatenate(pos, axis=1)).to(dev),
@@ -188,4 +198,5 @@ def assemble_wave(asm: Assembly, plan: StagePlan, wave: int, units: Sequence[Sta
         seq_lengths=torch.tensor(seq_lengths, device=dev),
         advantages=torch.from_numpy(np.concatenate(adv)).to(dev),
         fields={f: torch.from_numpy(np.concatenate(v)).to(dev) for f, v in extra.items()},
+        sharded_responses=tuple(sharded_responses),
     )

@@ -223,12 +223,19 @@ def gspo_loss(
     entropy_coef: float = 0.0,
     behaviour_logp: torch.Tensor | None = None,
     behaviour_cap: float = 0.0,
+    response_sums: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> PolicyLossOutput:
     """Group Sequence Policy Optimization (Zheng et al. 2025, eq. 5-7): one importance ratio per response,
     s_i = (pi(y_i) / pi_old(y_i)) ^ (1 / |y_i|) = exp(mean_t log(pi / pi_old)), and per response
     max(-A_i s_i, -A_i clip(s_i, 1 - clip_low, 1 + clip_high)), averaged over the minibatch's responses
-    (``global_seqs``). Every response's tokens must be in this call (the caller keeps responses whole); KL and
-    entropy stay per-token terms under ``mode``.
+    (``global_seqs``); KL and entropy stay per-token terms under ``mode``.
+
+    A response split over ranks (Ulysses slices): ``response_sums`` takes this call's per-response sums [S, k] and
+    returns them summed over every rank holding a part of each response (``WaveInputs.response_sums``: one
+    all-reduce per sharded group). The ratio's value is then the whole response's, its gradient flows into this
+    rank's tokens only (the others' sum is a constant here, as this rank's is on theirs), and each response's
+    terms count here in the share of its tokens this rank holds, so the ranks' losses add up to the whole
+    response's once. Without it every token of each response must be in this call.
 
     Decoupled (``behaviour_logp``, ``behaviour_cap`` > 0): s_i is taken against the proximal policy (``old_logp``)
     and each response's term is weighted by w_i = min(exp(mean_t log(pi_old / pi_behaviour)), cap), the same
@@ -237,33 +244,53 @@ def gspo_loss(
     agg = dict(seq_index=seq_index, seq_lengths=seq_lengths, mode=mode, global_tokens=global_tokens,
                global_seqs=global_seqs)
     num = seq_lengths.numel()
+    weighted = behaviour_logp is not None and behaviour_cap > 0
+    zeros = torch.zeros(num, dtype=logp.dtype, device=logp.device)
     counts = torch.zeros(num, dtype=torch.float64, device=logp.device).index_add_(
         0, seq_index, torch.ones_like(logp, dtype=torch.float64))
+    log_ratio = zeros.index_add(0, seq_index, logp - old_logp)  # summed here, then over the response
+    adv = zeros.index_add(0, seq_index, advantages.to(logp.dtype))  # each of its tokens carries the response's
+    behaviour = zeros.index_add(0, seq_index, old_logp.detach() - behaviour_logp) if weighted else None
+    share = None
+    if response_sums is not None:
+        parts = [counts, log_ratio.detach().double(), adv.double()] + ([behaviour.double()] if weighted else [])
+        whole = response_sums(torch.stack(parts, 1))
+        share = (counts / whole[:, 0].clamp(min=1)).to(logp.dtype)
+        counts = whole[:, 0]
+        log_ratio = log_ratio + (whole[:, 1].to(logp.dtype) - log_ratio).detach()
+        adv = whole[:, 2].to(logp.dtype)
+        if weighted:
+            behaviour = whole[:, 3].to(logp.dtype)
     if not torch.equal(counts, seq_lengths.to(counts)):
-        raise RuntimeError("gspo needs every token of each response in one call (a response was split: "
-                           "parallelism.ulysses must be 'none')")
-    zeros = torch.zeros(num, dtype=logp.dtype, device=logp.device)
-    log_ratio = zeros.index_add(0, seq_index, logp - old_logp) / seq_lengths.clamp(min=1).to(logp.dtype)
-    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
-    # the response's advantage (each of its tokens carries it)
-    adv = zeros.index_add(0, seq_index, advantages.to(logp.dtype)) / seq_lengths.clamp(min=1).to(logp.dtype)
+        raise RuntimeError("gspo needs every token of each response in one call, or the ranks holding its parts "
+                           "(response_sums: a response was split and its parts were not summed)")
+    length = seq_lengths.clamp(min=1).to(logp.dtype)
+    ratio = torch.exp((log_ratio / length).clamp(-20.0, 20.0))
+    adv = adv / length
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_response = torch.maximum(unclipped, clipped)
+    per_response = _own_share(torch.maximum(unclipped, clipped), share)
     weight_mean = truncated = None
-    if behaviour_logp is not None and behaviour_cap > 0:
-        behaviour = zeros.index_add(0, seq_index, old_logp.detach() - behaviour_logp) / \
-            seq_lengths.clamp(min=1).to(logp.dtype)
-        raw, weight = _truncated_weight(behaviour, behaviour_cap)
+    if weighted:
+        raw, weight = _truncated_weight(behaviour / length, behaviour_cap)
         per_response = per_response * weight
-        weight_mean = (weight.sum() / global_seqs).detach()
-        truncated = ((raw > behaviour_cap).to(logp.dtype).sum() / global_seqs).detach()
+        weight_mean = (_own_share(weight, share).sum() / global_seqs).detach()
+        truncated = (_own_share((raw > behaviour_cap).to(logp.dtype), share).sum() / global_seqs).detach()
     pg_loss = per_response.sum() / global_seqs
     loss, kl_value, ent_value = _regularised(pg_loss, logp, agg, ref_logp=ref_logp, kl_coef=kl_coef,
                                              kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef)
-    clip_frac = ((clipped > unclipped).to(logp.dtype).sum() / global_seqs).detach()  # share of responses clipped
+    # share of responses clipped
+    clip_frac = (_own_share((clipped > unclipped).to(logp.dtype), share).sum() / global_seqs).detach()
     return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl_value, clip_fraction=clip_frac,
                             entropy=ent_value, behaviour_weight=weight_mean, behaviour_truncated=truncated)
+
+
+def _own_share(per_response: torch.Tensor, share: torch.Tensor | None) -> torch.Tensor:
+    """Per-response terms counted in this rank's ``share`` of each response's tokens (their gradient unchanged:
+    it reaches only this rank's tokens already); ``share`` None: every response is whole here."""
+    if share is None:
+        return per_response
+    return per_response.detach() * share + (per_response - per_response.detach())
 
 
 def cispo_loss(

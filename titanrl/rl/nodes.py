@@ -18,6 +18,7 @@ the rollout engine, the loader, the stage runner, and ``ctx.state``, what they c
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import numpy as np
@@ -28,6 +29,7 @@ from titanrl.data.shadow import BadSample, Materialized
 from titanrl.distributed import all_gather_objects, all_reduce_max, all_reduce_sum
 from titanrl.models.lora import adapters_disabled
 from titanrl.parallel.odc import forward_scope
+from titanrl.parallel.ulysses import sum_over_members
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
 from titanrl.rl.grpo import ValueLossOutput, aggregate
 from titanrl.rl.grpo import group_advantages as grpo_advantages
@@ -238,15 +240,20 @@ def ref_logprobs(batch, ctx):
 
 
 def _loss(ctx):
+    per_response = ctx.cfg.rl.policy_loss == "gspo"  # one ratio per response: split ones need their parts' sums
+
     def loss(out, inputs, global_tokens: float, global_seqs: float):
         ref = inputs.fields.get("ref_logprobs")
         # no old log-probs moved: this forward is the old policy's (old_from_first_forward), ratio 1
         old = inputs.fields["old_logprobs"] if "old_logprobs" in inputs.fields else out.logprobs.detach()
         # PPO: per-token GAE advantages; GRPO: the response's advantage on each of its tokens
         adv = inputs.fields["advantages"] if "advantages" in inputs.fields else inputs.advantages
+        split = {}
+        if per_response and inputs.sharded_responses:
+            split["response_sums"] = functools.partial(sum_over_members, spans=inputs.sharded_responses)
         return ctx.policy_loss(out.logprobs, old, adv, inputs.seq_index, inputs.seq_lengths,
                                global_tokens=global_tokens, global_seqs=global_seqs, ref_logp=ref,
-                               entropy=out.entropy, behaviour_logp=inputs.fields.get("rollout_logprobs"))
+                               entropy=out.entropy, behaviour_logp=inputs.fields.get("rollout_logprobs"), **split)
     return loss
 
 

@@ -48,7 +48,8 @@ from titanrl.parallel.vision_plan import (VisionBalancing, frame_runs, item_shap
 from titanrl.parallel.vision_route import RouteCounter
 from titanrl.rl.assemble import Assembly, VisionPass, WaveInputs, assemble_wave, vision_pass
 from titanrl.rl.exchange import TrajectoryExchange
-from titanrl.rl.units import StageUnit, TrajectoryMeta, gather_metadata, media_owners, stage_units
+from titanrl.rl.units import (StageUnit, TrajectoryMeta, gather_metadata, media_owners, responses_split,
+                             stage_units)
 
 
 _ATTENTION = CostModel.attention_only()  # attention_coef 1, no linear term: a unit's attention feature
@@ -73,6 +74,7 @@ class StepStats:
     plan_seconds: float = 0.0
     degree_max: int = 1
     sharded_sequences: int = 0
+    split_responses: int = 0
     over_budget: int = 0
     planned_peak: float = 0.0
     planned_mean: float = 0.0
@@ -241,6 +243,7 @@ class StageRunner:
             if len(ids) == len(self.metas):  # the whole step's plan (the log-prob stages)
                 s.over_budget = len(plan.over_budget)
                 s.sharded_sequences = plan.sharded_sequences
+                s.split_responses = responses_split(plan, units) if plan.sharded_sequences else 0
         return self._plans[key]
 
     # ------------------------------------------------------------------ waves
@@ -534,6 +537,7 @@ class StageRunner:
             **calibration,
             "parallel/degree_max": float(s.degree_max),
             "parallel/sharded_sequences": float(s.sharded_sequences),
+            "parallel/split_responses": float(s.split_responses),
             "parallel/a2a_bytes": float(sum(e[1] for e in every)),
             "parallel/exchange_bytes": float(sum(e[2] for e in every)),
             "parallel/plan_ms": 1000.0 * s.plan_seconds,

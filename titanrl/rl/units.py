@@ -155,6 +155,24 @@ class StageUnit:
         return _scored(self.prompt_len, self.response_lens, start, end, self.generated)
 
 
+def responses_split(plan, units: Sequence["StageUnit"]) -> int:
+    """Responses whose scored tokens a stage plan (``StagePlan``) spreads over more than one rank (Ulysses slices
+    of their unit; with a shared prefix a response's first token is scored at the prompt's end)."""
+    count, seen = 0, set()
+    for w, wave in enumerate(plan.waves):
+        for rank_wave in wave.ranks:
+            for step in rank_wave.sharded:
+                if (w, step.ranks, step.seqs) in seen:  # every member lists its group
+                    continue
+                seen.add((w, step.ranks, step.seqs))
+                for seq, per_member in zip(step.seqs, step.slices):
+                    holders = np.zeros(len(units[seq].trajs), dtype=np.int64)
+                    for a, b in per_member:
+                        holders[np.unique(units[seq].scored(a, b).response)] += 1
+                    count += int((holders > 1).sum())
+    return count
+
+
 def split_responses(prompt_len: int, response_lens: Sequence[int], max_tokens: int | None) -> list[list[int]]:
     """Responses of one prompt in consecutive sub-groups, each with the prompt within ``max_tokens``
     (a response that cannot fit even alone is a sub-group of its own): as few as possible, and of

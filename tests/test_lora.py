@@ -154,6 +154,10 @@ def test_memory_plan_counts_the_adapters_and_7b_rank_64_fits_one_80gb_gpu():
         + 3 * (t.hidden_size + t.intermediate_size)
     assert memory.lora_params(args, cfg.lora) == 64 * per_layer * t.num_hidden_layers
     assert lora.term("reference_model") == 0 and lora.term("optimizer") < full.term("optimizer") / 40
+    # lora.modules_to_save: the policy with adapters off is not the base, the reference is a frozen copy as without
+    saved = memory.predict(parse_args(argv + ["--lora.rank=64", "--lora.modules_to_save=lm_head"]), args, 1,
+                           device="cuda")
+    assert saved.term("reference_model") == full.term("reference_model") > 0
     capacity = memory.parse_bytes("80GB")
     memory.check_fits(lora, int(capacity * 0.93), cfg)
     with pytest.raises(Exception, match="does not fit"):
@@ -168,7 +172,6 @@ def test_config_refusals():
            "--lora.targets=q_proj,wq": "unknown module names ['wq']",
            "--lora.modules_to_save=lm_head,head": "unknown modules ['head']",
            "--lora.rank=8 --lora.targets=qkv": "adapts nothing",
-           "--lora.rank=8 --lora.modules_to_save=lm_head --rl.kl_coef=0.01": "set rl.kl_coef = 0",
            # a second copy of the base to offload does not exist: refused with the reason
            "--lora.rank=8 --rl.kl_coef=0.01 --rl.ref_offload=true": "with LoRA (lora.rank > 0) the reference is "
                                                                     "the policy with its adapters off",
@@ -178,6 +181,8 @@ def test_config_refusals():
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_args(flags.split())
     assert not JobConfig().lora.enabled and parse_args(["--lora.rank=8"]).lora.enabled
+    # modules trained in full with the KL term: the reference is a frozen copy of the base (which may be offloaded)
+    parse_args("--lora.rank=8 --lora.modules_to_save=lm_head --rl.kl_coef=0.01 --rl.ref_offload=true".split())
 
 
 # LoRA on the language model and the vision blocks, with the reference (rl.kl_coef > 0) as the policy with its
@@ -331,16 +336,26 @@ def test_lora_ppo_compiled_on_the_hf_engine_with_evaluation_on_two_ranks_equals_
     their size with a learning signal (the shared equality check at ``test_compile``'s update tolerance: inductor's
     fused kernels round differently from eager); the LoRA blocks compiled once (``compile/recompiles`` 0 after step
     1); the same evaluations (before training and after step 2: responses, rewards, ``eval/*``); and the hf
-    engine's log-probs after every push equal the trainer's."""
+    engine's log-probs after every push equal the trainer's. The final norm trains in full (lora.modules_to_save)
+    with the KL term on: the reference is then a frozen copy of the base (the policy with adapters off is not the
+    base once the norm moved), equal to the policy before its first update and apart from it after."""
+    from titanrl.rl.dump import load_dumps
     from train_runs import EVAL, SIGNAL, assert_same_computation, metric_records, metrics, run_tiny, same_evaluations
 
     common = ["--rollout.engine=hf", "--rl.algorithm=ppo", "--lora.rank=8", "--lora.alpha=16", "--job.steps=2",
+              "--lora.modules_to_save=norm", "--rl.kl_coef=0.01",
               "--checkpoint.enable=false", "--metrics.dump_tensors", "--rl.old_logprobs=recompute",
               "--rl.minibatches=2", "--rl.global_batch_size=4", *EVAL, *SIGNAL]
     one = run_tiny(tmp_path / "one", run_cache, 1, *common)
     two = run_tiny(tmp_path / "two", run_cache, 2, *common, "--compile.enable=true")
     seen = assert_same_computation(one, two, steps=2, update_rtol=1e-3)
-    assert {"rollout_logprobs", "old_logprobs", "update/policy", "update/critic"} <= set(seen), seen
+    assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "update/policy", "update/critic"} <= set(seen), seen
+    dumps = load_dumps(one)
+    gaps = {step: max(float(np.abs(t["ref_logprobs"] - t["old_logprobs"]).max())
+                      for t in dumps[step]["trajectories"].values()) for step in (1, 2)}
+    assert gaps[1] <= 1e-5 and gaps[2] > 1e-4, gaps  # old log-probs are the policy's before each step's update
+    assert float((dumps[2]["params"]["policy"]["norm.weight"] - dumps[1]["params"]["policy"]["norm.weight"])
+                 .abs().max()) > 1e-4
     compiled = metrics(two)
     assert compiled[1]["compile/recompiles"] > 0 and compiled[2]["compile/recompiles"] == 0, compiled
     assert same_evaluations(one, two) == [0, 2]

@@ -544,7 +544,7 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
     # a sleeping engine holds its weights (and vLLM its KV cache) on the device only around its calls
     if cfg.workflow.placement == "colocated":
         terms += engine_terms(cfg, args, world, device=device, data=data, n=n)
-    if cfg.rl.kl_coef > 0 and lora:
+    if cfg.rl.kl_coef > 0 and lora and not cfg.lora.modules_to_save:
         terms.append(Term("reference_model", 0, "LoRA: the reference is the policy with its adapters off"))
     elif cfg.rl.kl_coef > 0 and cfg.rl.ref_offload and device == "cuda":
         terms.append(Term("reference_model", 0, f"rl.ref_offload: its fp32 shards (4 N / {dp}) are in host memory"))

@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{' and the vision blocks' if lora.vision else ''}: adapters float32"
                       f"{''.join(', ' + m for m in lora.modules_to_save)}{' in full, float32' if lora.modules_to_save else ''}"
                       f"; base frozen in {dtype}"
+                      + ("" if trainer.ref_model is None else "; reference: the policy with its adapters off"
+                         if trainer.ref_model is trainer.model else "; reference: a frozen copy of the base")
                       if lora.enabled else "float32 parameters")
             say(f"[titanrl] {info.world_size} rank(s) on {info.device.type}; model {trainer.model_dir} (compute "
                 f"{dtype}, {params}); "

@@ -192,8 +192,10 @@ class Trainer:
         self.model = self.ref_model = self.critic = self.stages = None
         if self.trains:
             self.model = self._build_model(mesh, trainable=True, lora=cfg.lora if cfg.lora.enabled else None)
-            # the reference: with LoRA, the policy itself run with its adapters off (rl.nodes.ref_logprobs)
-            self.ref_model = (None if cfg.rl.kl_coef == 0 else self.model if cfg.lora.enabled else
+            # the reference: with LoRA, the policy itself run with its adapters off (rl.nodes.ref_logprobs), unless
+            # lora.modules_to_save train some of the base in full: then, as without LoRA, a frozen copy of the base
+            self.ref_model = (None if cfg.rl.kl_coef == 0 else
+                              self.model if cfg.lora.enabled and not cfg.lora.modules_to_save else
                               self._build_model(mesh, trainable=False, offload=cfg.rl.ref_offload))
             # PPO's critic: the policy's network with a value head, sharded and compiled like it
             self.critic = (self._build_model(mesh, trainable=True, value_head=True, path=cfg.critic.path or None)

@@ -18,13 +18,9 @@ def cross_section_problems(cfg: "JobConfig") -> list[str]:
         found.append("evaluation (eval.every / eval.before_train) needs eval.path with data.path set: a held-out "
                      "set is made only for synthesized data (titanrl cannot tell which of your rows were not "
                      "trained on)")
-    if cfg.lora.enabled and cfg.rl.ref_offload:
+    if cfg.lora.enabled and not cfg.lora.modules_to_save and cfg.rl.ref_offload:
         found.append("rl.ref_offload offloads a second copy of the base model, but with LoRA (lora.rank > 0) the "
                      "reference is the policy with its adapters off, with no copy to offload: drop rl.ref_offload")
-    if cfg.lora.enabled and cfg.lora.modules_to_save and cfg.rl.kl_coef > 0:
-        found.append(f"lora.modules_to_save = {cfg.lora.modules_to_save} trains those modules in full, so the policy "
-                     "with its adapters off is no longer the base, and a reference holding the base's copy of them "
-                     "(PEFT's disable_adapter) is not built: set rl.kl_coef = 0, or lora.modules_to_save = []")
     if cfg.model.freeze_vision_tower and cfg.lora.enabled and cfg.lora.vision:
         found.append("model.freeze_vision_tower = true keeps the vision tower as the checkpoint has it, but "
                      "lora.vision = true trains adapters on its blocks: drop one of them")

@@ -55,7 +55,7 @@ def test_the_config_refuses_async_without_disaggregation_and_bad_values():
 
 
 def test_partial_rollouts_count_against_the_staleness_bound():
-    partial = ["--rollout.tokens_per_update=1", "--data.slice_loading=false"]  # max_new_tokens = 2: 2 steps
+    partial = ["--rollout.tokens_per_update=1"]  # max_new_tokens = 2: 2 steps
     cfg = load_config(TINY, partial)  # synchronous: the first token lags 1 <= max_staleness = 1
     assert (cfg.update_spans(), cfg.async_lead()) == (2, 0)
     with pytest.raises(ConfigError, match="would lag 1 policy versions, more than workflow.max_staleness = 0"):
@@ -64,8 +64,8 @@ def test_partial_rollouts_count_against_the_staleness_bound():
         load_config(TINY, [*SPLIT, *partial, "--workflow.mode=async"])
     cfg = load_config(TINY, [*SPLIT, *partial, "--workflow.mode=async", "--workflow.max_staleness=3"])
     assert cfg.async_lead() == 2
-    with pytest.raises(ConfigError, match="set data.slice_loading=false"):
-        load_config(TINY, ["--rollout.tokens_per_update=1"])
+    # with slice-aware loading (the default) too: a carried prompt's rows travel from its home
+    assert load_config(TINY, [*partial, "--data.slice_loading=false"]).data.slice_loading is False
 
 
 def test_the_nodes_that_run_ahead_are_those_before_the_models():
@@ -221,7 +221,8 @@ def test_async_without_lag_equals_the_synchronous_disaggregated_run(run_cache, t
 def test_partial_rollouts_span_updates_and_ranks_killed_after_a_checkpoint_resume_exactly(run_cache, tmp_path):
     """A disaggregated asynchronous run (1 rollout rank with its vLLM engine, 1 training rank) with partial rollouts:
     rollout.tokens_per_update = 1 of max_new_tokens = 2 (the tiny answer is a word and EOS), max_staleness = 2
-    (lead 1), so most responses get their second token from the next step's weights.
+    (lead 1), so most responses get their second token from the next step's weights. Slice-aware loading (the
+    default): the training rank fetches the frames of this step's prompts, a carried prompt's rows come with it.
 
     Then kill -9 of both ranks (rank 0's own Ray) as soon as the step-2 checkpoint is written, with batches and
     unfinished responses in flight: every process the ranks started (engine, reward workers, Ray daemons) ends by
@@ -230,7 +231,7 @@ def test_partial_rollouts_span_updates_and_ranks_killed_after_a_checkpoint_resum
     flight), and the next one resumes from it: together they take what was in flight from the checkpoints and
     equal the uninterrupted run exactly."""
     common = ["--job.steps=5", "--checkpoint.interval=2", "--metrics.dump_tensors", *SPLIT, "--workflow.mode=async",
-              "--workflow.max_staleness=2", "--rollout.tokens_per_update=1", "--data.slice_loading=false"]
+              "--workflow.max_staleness=2", "--rollout.tokens_per_update=1"]
     run(train_cmd(tmp_path / "straight", run_cache, *common, nproc=2))
     dumps, m = load_dumps(tmp_path / "straight" / "tiny_cpu"), metrics(tmp_path / "straight" / "tiny_cpu")
     spanning = 0

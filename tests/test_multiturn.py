@@ -527,12 +527,13 @@ def test_partial_multi_turn_rollouts_on_two_ranks_stopped_and_resumed_equal_one_
     tensor-parallel engine (each request with its own token limit, so both ranks make the same calls; FlexUlysses,
     vision balancing, lb_mini), stopped after step 2 (its checkpoint holds the unfinished trajectories with their
     environments, pickled) and resumed to step 4, equal one process on per-token log-probs and parameter updates;
-    the resumed environments went on from their turn (one image per trajectory, as the script gives at turn 1)."""
+    the resumed environments went on from their turn (one image per trajectory, as the script gives at turn 1).
+    Slice-aware loading (the default): the carried prompts' rows travel from their homes to their encoders."""
     from train_runs import SIGNAL, assert_same_computation, metrics, run, train_cmd
 
     from titanrl.rl.dump import load_dumps
 
-    partial = [*MULTITURN, *SIGNAL, "--rollout.tokens_per_update=6", "--data.slice_loading=false"]
+    partial = [*MULTITURN, *SIGNAL, "--rollout.tokens_per_update=6"]
     run(train_cmd(tmp_path / "one", run_cache, *partial, "--job.steps=4", "--checkpoint.enable=false"))
     two = [*partial, "--parallelism.ulysses=flex", "--parallelism.vision_balance=true", "--balance.strategy=lb_mini",
            "--rollout.tensor_parallel_size=2"]

@@ -501,7 +501,8 @@ class Trainer:
         every = self.cfg.rollout.probe_every
         return redistribute(batch, senders, receivers, rank=self.info.rank, step=buffer.step, media=buffer.media,
                             device=self.info.device, pixels=not self.cfg.data.slice_loading,
-                            probe=bool(every) and (self.step + 1) % every == 0, speeds=self.rank_speeds)
+                            probe=bool(every) and (self.step + 1) % every == 0, speeds=self.rank_speeds,
+                            carried_from=self.cfg.rl.global_batch_size)  # partial rollouts' ids (rl.nodes._carried)
 
     # ------------------------------------------------------------------ step
 

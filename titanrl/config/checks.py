@@ -97,11 +97,6 @@ def cross_section_problems(cfg: "JobConfig") -> list[str]:
                      f"rollout.max_new_tokens = {cfg.rollout.max_new_tokens}{turns} span {spans} steps, so its first "
                      f"tokens would lag {spans - 1} policy versions, more than workflow.max_staleness = {k}: raise "
                      "one of them")
-    elif cfg.rollout.tokens_per_update and cfg.data.slice_loading:
-        found.append("rollout.tokens_per_update (partial rollouts) carries unfinished prompt groups into later "
-                     "steps, whose frames slice-aware loading cannot fetch (it fetches from the current step's "
-                     "loader plan only): set data.slice_loading=false (the prompts' patch rows then travel from "
-                     "the rank that generated them) or rollout.tokens_per_update=0")
     elif (cfg.rollout.tokens_per_update and cfg.workflow.mode == "async"
           and cfg.workflow.placement == "disaggregated" and cfg.async_lead() < 1):
         found.append(f"workflow.mode = 'async' generates ahead, but workflow.max_staleness = {k} is used up by "

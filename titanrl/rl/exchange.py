@@ -155,8 +155,9 @@ class TrajectoryExchange:
         me, patch_dim = self.rank, self.args.vision.patch_dim
         home = lambda run: self.home_of_owner[run.group]  # noqa: E731
         # with slice-aware loading the encoder fetches a prompt's frames itself; a multi-turn observation's image
-        # (owner < 0) exists only where it was rolled out, and is sent
-        sent_here = lambda run: self.slices is None or run.group < 0  # noqa: E731
+        # (owner < 0) exists only where it was rolled out, and a prompt carried from an earlier step (partial
+        # rollouts) is not in this step's loader: those are sent
+        sent_here = lambda run: self.slices is None or not self.slices.fetches(run.group)  # noqa: E731
         send: list[list[np.ndarray]] = [[] for _ in range(self.world)]
         specs: list[list] = [[] for _ in range(self.world)]
         pixel_bytes = 0
@@ -198,7 +199,8 @@ class TrajectoryExchange:
                     out.pieces[key] = received[src][cursor:cursor + count]
                     cursor += count
         if self.slices is not None:
-            enc = [(g, run) for g in range(len(vision.groups)) for run in vision.encode[g][me] if run.group >= 0]
+            enc = [(g, run) for g in range(len(vision.groups)) for run in vision.encode[g][me]
+                   if self.slices.fetches(run.group)]
             local = lambda run: self.home.run_pixels(run) if home(run) == me else None  # noqa: E731
             fetched = dict(zip([run for _, run in enc], self.slices.rows([run for _, run in enc], local)))
             out.pixels.update({(g, run): fetched[run] for g, run in enc})

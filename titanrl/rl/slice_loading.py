@@ -47,6 +47,12 @@ class StepSlices:
         self._rows: dict[FrameRun, np.ndarray] = {}
         self._local: set[FrameRun] = set()
 
+    def fetches(self, group: int) -> bool:
+        """Whether the frames of prompt ``group`` come from this step's loader: its own prompts do; a multi-turn
+        observation (group < 0) and a prompt group carried from an earlier step (partial rollouts: ids past the
+        step's prompts) do not, and their rows travel from their home instead."""
+        return 0 <= group < len(self.step.metas)
+
     def _frames(self, run: FrameRun) -> int:
         """Sampled frames behind a run (an image is one; a clip's last pair may be padded)."""
         media = self.step.metas[run.group].media[run.item]

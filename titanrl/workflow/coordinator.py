@@ -51,12 +51,15 @@ def _without_pixels(trajs: Sequence) -> list:
 
 def redistribute(batch: StepBatch | None, senders: frozenset[int], receivers: frozenset[int], *, rank: int,
                  step: int, media=None, device: torch.device = torch.device("cpu"), pixels: bool = True,
-                 probe: bool = True, speeds: Sequence[float] | None = None) -> tuple[StepBatch | None, int]:
+                 probe: bool = True, speeds: Sequence[float] | None = None,
+                 carried_from: int | None = None) -> tuple[StepBatch | None, int]:
     """Collective over every rank (messages on ``device``: NCCL moves device tensors only). ``batch``: this rank's
     output of the producing node (None where it did not run it). Returns (the batch this rank receives - None
     outside ``receivers`` -, bytes this rank sent). Two small all-gathers: the groups' costs (where each goes), then
     their pickled sizes (which depend on where they go: pixels ride with a receiver's first group only).
-    ``speeds``: every rank's relative speed (None: equal)."""
+    ``speeds``: every rank's relative speed (None: equal). ``pixels`` False (slice-aware loading: the receivers
+    fetch the frames they encode): the prompts' patch rows stay home, except for the probe's group and the groups
+    from ``carried_from`` on (carried from earlier steps by partial rollouts: not in this step's loader)."""
     senders_, receivers_ = sorted(senders), sorted(receivers)
     groups = batch.groups() if rank in senders and batch is not None else {}
     costs = {g: group_cost(ts) for g, ts in groups.items()}
@@ -64,7 +67,8 @@ def redistribute(batch: StepBatch | None, senders: frozenset[int], receivers: fr
     units = [u for part in all_gather_objects([(g, rank, c) for g, c in sorted(costs.items())]) for u in part]
     dest = assign_groups(units, receivers_, [speeds[r] for r in receivers_] if speeds else None)
     first = {min(g for g, d in dest.items() if d == r) for r in set(dest.values())} if probe else set()
-    payload = {g: pickle.dumps(trajs if pixels or g in first else _without_pixels(trajs),
+    carried = (lambda g: g >= carried_from) if carried_from is not None else (lambda g: False)
+    payload = {g: pickle.dumps(trajs if pixels or g in first or carried(g) else _without_pixels(trajs),
                                protocol=pickle.HIGHEST_PROTOCOL) for g, trajs in sorted(groups.items())}
     sizes = {g: n for part in all_gather_objects({g: len(b) for g, b in payload.items()}) for g, n in part.items()}
     sent, requests, keep = 0, [], []

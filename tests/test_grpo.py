@@ -407,28 +407,28 @@ _WEIGHTED = ("--rl.behaviour_weight=always", "--rollout.top_p=0.9")
 def test_objectives_on_two_ranks_equal_one(objective, tmp_path, run_cache):
     """RLOO advantages with GSPO (the paper's clip range), CISPO, and REINFORCE++ (the KL in each token's reward)
     with SAPO's soft gate:
-    2 ranks equal 1 rank on per-token log-probs (and REINFORCE++'s per-token advantages) and parameter updates, with
-    a learning signal. GSPO and CISPO run decoupled (rl.behaviour_weight = always, top_p 0.9): each response's
+    several ranks equal 1 rank on per-token log-probs (and REINFORCE++'s per-token advantages) and parameter
+    updates, with a learning signal. GSPO and CISPO run decoupled (rl.behaviour_weight = always, top_p 0.9): each response's
     (GSPO) or token's (CISPO) term weighted by its behaviour weight, the engine's log-probs routed with the
-    trajectories. GSPO's 2 ranks run Ulysses (degree 2, every unit sharded; responses of 8 tokens, one minibatch
-    trained twice, the second time with ratios off 1), so some responses' tokens lie on both ranks and their ratios
-    come from the parts' sums. CISPO's runs also freeze
-    the vision tower (model.freeze_vision_tower), on 4 ranks with FlexUlysses and vision balancing (the tower's
-    rows routed between ranks, no gradient back): the tower keeps the checkpoint's weights bit for bit while the
-    language model trains."""
+    trajectories. GSPO runs on 4 ranks with FlexUlysses and vision balancing (responses of 8 tokens, one minibatch
+    trained twice, the second time with ratios off 1), so some responses' tokens lie on several ranks and their
+    ratios come from the parts' sums. CISPO's runs also freeze the vision tower (model.freeze_vision_tower), on 4
+    ranks with FlexUlysses and vision balancing (the tower's rows routed between ranks, no gradient back): the tower
+    keeps the checkpoint's weights bit for bit while the language model trains."""
     from titanrl.rl.dump import load_dumps
     from train_runs import assert_same_computation, train_tiny
 
     frozen = "--model.freeze_vision_tower" in objective
     parallel = ("--parallelism.ulysses=flex", "--parallelism.vision_balance=true") if frozen else ()
-    if "--rl.policy_loss=gspo" in objective:
-        parallel = ("--parallelism.ulysses=fixed", "--parallelism.ulysses_degree=2")
+    gspo = "--rl.policy_loss=gspo" in objective
+    if gspo:
+        parallel = ("--parallelism.ulysses=flex", "--parallelism.vision_balance=true")
     one_dir, one = train_tiny(tmp_path, run_cache, "one", 1, *objective)
-    two_dir, two = train_tiny(tmp_path, run_cache, "two", 4 if frozen else 2, *objective, *parallel)
+    two_dir, two = train_tiny(tmp_path, run_cache, "two", 4 if frozen or gspo else 2, *objective, *parallel)
     seen = assert_same_computation(one_dir, two_dir)
     assert {"old_logprobs", "update/policy"} <= set(seen), seen
     assert all(r["clip_fraction"] >= 0 for r in two)
-    if "--rl.policy_loss=gspo" in objective:  # the update's plan is the step's (one minibatch)
+    if gspo:  # the update's plan is the step's (one minibatch)
         assert all(r["parallel/split_responses"] > 0 for r in two), [r["parallel/split_responses"] for r in two]
     if "--rl.behaviour_weight=always" in objective:
         weights = [(a["rl/behaviour_weight_mean"], b["rl/behaviour_weight_mean"]) for a, b in zip(one, two)]

@@ -126,6 +126,7 @@ def changing_units(model: torch.nn.Module) -> Callable[[str], bool] | None:
     return lambda name: push_unit(name) in trained
 
 
+@torch.no_grad()  # (DTensor.to_local without autograd's function per tensor: a push's Python cost halves)
 def gather_full_state(model: torch.nn.Module, dtype: torch.dtype | None, *, keep: bool = True,
                       bucket_bytes: int = BUCKET_BYTES, only: Callable[[str], bool] | None = None
                       ) -> Iterator[tuple[str, torch.Tensor | None]]:

@@ -487,6 +487,25 @@ def test_overlong_penalty_hand_computed():
     assert overlong_penalty(10, 10, 0, 1.0) == 0.0
 
 
+def test_a_multi_turn_trajectory_is_punished_as_its_longest_turn():
+    """Multi-turn (rollout.max_turns > 1): rollout.max_new_tokens bounds each turn, so DAPO's punishment takes the
+    trajectory's longest turn (a run of generated tokens between observations); single-turn: the response."""
+    import numpy as np
+
+    from titanrl.rl.batch import Trajectory
+
+    def traj(generated, length=None):
+        mask = None if generated is None else np.asarray(generated, dtype=bool)
+        return Trajectory(prompt=None, group=0, response_ids=np.arange(length or len(mask)), generated=mask)
+
+    turns = [1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 0, 1, 1]  # turns of 3, 5 and 2 generated tokens between observations
+    assert traj(turns).longest_turn == 5 and traj(turns).num_generated_tokens == 10
+    assert traj(None, 13).longest_turn == 13 and traj([0, 0]).longest_turn == 0 and traj([1, 1]).longest_turn == 2
+    from titanrl.rl.rewards import overlong_penalty
+
+    assert overlong_penalty(traj(turns).longest_turn, 6, 2, 1.0) == pytest.approx(-0.5)  # not 10 of 6: the limit
+
+
 def test_overlong_settings_are_checked():
     from titanrl.config import JobConfig
 
@@ -494,7 +513,7 @@ def test_overlong_settings_are_checked():
     cfg.rollout.max_new_tokens, cfg.rl.overlong_buffer = 4, 4
     assert any("must be below rollout.max_new_tokens = 4" in p for p in cfg.problems())
     cfg.rl.overlong_buffer, cfg.rollout.max_turns, cfg.rl.env = 2, 3, "titanrl.envs.zoom:ZoomEnv"
-    assert any("per turn" in p for p in cfg.problems())
+    assert not cfg.problems()  # multi-turn: each turn ends at max_new_tokens, the longest one is punished
     cfg.rl.overlong_buffer, cfg.rl.mask_truncated = 0, True
     assert not cfg.problems()
     cfg.rl.overlong_buffer, cfg.rl.overlong_penalty = -1, -0.5

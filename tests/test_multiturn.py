@@ -528,12 +528,13 @@ def test_partial_multi_turn_rollouts_on_two_ranks_stopped_and_resumed_equal_one_
     vision balancing, lb_mini), stopped after step 2 (its checkpoint holds the unfinished trajectories with their
     environments, pickled) and resumed to step 4, equal one process on per-token log-probs and parameter updates;
     the resumed environments went on from their turn (one image per trajectory, as the script gives at turn 1).
+    DAPO's overlong punishment (rl.overlong_buffer) of each trajectory's longest turn, across the steps it spans.
     Slice-aware loading (the default): the carried prompts' rows travel from their homes to their encoders."""
     from train_runs import SIGNAL, assert_same_computation, metrics, run, train_cmd
 
     from titanrl.rl.dump import load_dumps
 
-    partial = [*MULTITURN, *SIGNAL, "--rollout.tokens_per_update=6"]
+    partial = [*MULTITURN, *SIGNAL, "--rollout.tokens_per_update=6", "--rl.overlong_buffer=2"]
     run(train_cmd(tmp_path / "one", run_cache, *partial, "--job.steps=4", "--checkpoint.enable=false"))
     two = [*partial, "--parallelism.ulysses=flex", "--parallelism.vision_balance=true", "--balance.strategy=lb_mini",
            "--rollout.tensor_parallel_size=2"]
@@ -549,6 +550,8 @@ def test_partial_multi_turn_rollouts_on_two_ranks_stopped_and_resumed_equal_one_
         assert m[step]["rollout/continued_responses"] == 16 and m[step]["rollout/unfinished_groups"] == 4, m[step]
         assert m[step]["rollout/turns_mean"] == 3.0 and m[step]["rollout/images_per_trajectory"] == 1.0, m[step]
         assert m[step]["probe/logprob_max_diff"] <= 1e-4
+        # DAPO's punishment of the longest turn: 4 tokens, rollout.max_new_tokens, 2 past 4 - overlong_buffer
+        assert m[step]["reward/overlong_penalty"] == -1.0, m[step]
         for t in load_dumps(two)[step]["trajectories"].values():
             versions = t["token_versions"][t["generated"]]
             assert t["generated"].sum() == 12 and len(set(versions.tolist())) == 2, versions

@@ -37,10 +37,6 @@ def cross_section_problems(cfg: "JobConfig") -> list[str]:
     if cfg.rl.overlong_buffer and cfg.rl.overlong_buffer >= cfg.rollout.max_new_tokens:
         found.append(f"rl.overlong_buffer = {cfg.rl.overlong_buffer} must be below rollout.max_new_tokens = "
                      f"{cfg.rollout.max_new_tokens}: the punishment starts that many tokens before the limit")
-    if cfg.rl.overlong_buffer and cfg.rollout.max_turns > 1:
-        found.append("rl.overlong_buffer punishes a response's length against rollout.max_new_tokens, which a "
-                     "multi-turn trajectory (rollout.max_turns > 1) has per turn: set rl.overlong_buffer = 0 "
-                     "(rl.mask_truncated works with turns)")
     if cfg.balance.strategy == "bucketing" and cfg.parallelism.ulysses != "none":
         found.append(f"balance.strategy='bucketing' deals whole trajectories to ranks (verl's way), but "
                      f"parallelism.ulysses={cfg.parallelism.ulysses!r} shards them: use parallelism.ulysses='none' "

@@ -565,9 +565,9 @@ class RLConfig:
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), in tokens: a response of L generated tokens, L past
     rollout.max_new_tokens - overlong_buffer, loses rl.overlong_penalty x (L - (max_new_tokens - overlong_buffer)) /
-    overlong_buffer of its reward, the whole rl.overlong_penalty at rollout.max_new_tokens. 0 = off. Single-turn
-    runs (a multi-turn budget is per turn). The step's mean is reward/overlong_penalty (reward/mean includes it;
-    reward/accuracy does not)."""
+    overlong_buffer of its reward, the whole rl.overlong_penalty at rollout.max_new_tokens. 0 = off. Multi-turn
+    (rollout.max_turns > 1: max_new_tokens bounds each turn): L is the trajectory's longest turn. The step's mean is
+    reward/overlong_penalty (reward/mean includes it; reward/accuracy does not)."""
     overlong_penalty: float = 1.0
     """The reward a response of rollout.max_new_tokens tokens loses under rl.overlong_buffer."""
     mask_truncated: bool = False

@@ -58,6 +58,15 @@ class Trajectory:
         return len(self.response_ids) if self.generated is None else int(self.generated.sum())
 
     @property
+    def longest_turn(self) -> int:
+        """The most tokens the policy generated in one turn (a run of ``generated``; single-turn: the response)."""
+        if self.generated is None:
+            return len(self.response_ids)
+        edges = np.diff(np.concatenate([[0], np.asarray(self.generated, dtype=np.int8), [0]]))
+        runs = np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)
+        return int(runs.max()) if runs.size else 0
+
+    @property
     def grids(self) -> list:
         """Every media item's grid in token order: the prompt's, then the observations'."""
         return list(self.prompt.grids) + list(self.turn_grids)

@@ -180,7 +180,8 @@ def score(batch, ctx):
         t.reward = trajectory_score(t.extras, result.score)  # multi-turn: the environment's reward, or 0 if it failed
         t.extras["reward"] = result
         if rl.overlong_buffer:
-            t.extras["overlong_penalty"] = overlong_penalty(t.num_generated_tokens, budget, rl.overlong_buffer,
+            # multi-turn: each turn ends at max_new_tokens; the trajectory is punished as its longest turn
+            t.extras["overlong_penalty"] = overlong_penalty(t.longest_turn, budget, rl.overlong_buffer,
                                                             rl.overlong_penalty)
             t.reward += t.extras["overlong_penalty"]
 

@@ -86,6 +86,37 @@ def test_adapters_start_as_the_base_run_as_it_when_off_and_equal_their_merged_we
     assert (got - adapted).abs().max() <= 1e-4 * max(1.0, float(adapted.abs().max())), (got - adapted).abs().max()
 
 
+def test_with_modules_trained_in_full_adapters_off_is_the_base_whole(tiny_ckpt, one_rank_mesh):
+    """lora.modules_to_save with the KL term: ``keep_base`` keeps the head's and final norm's base values, and
+    ``adapters_disabled`` is then the base model exactly, however far the adapters, head and norm trained (FSDP2 on a
+    one-rank mesh, the root gathered by a forward before, as the probe leaves it); afterwards the trained values are
+    back bit for bit and the model gives the adapted log-probs again."""
+    from titanrl.models.lora import adapters_disabled, keep_base, lora_layers
+
+    args, base = _build(tiny_ckpt, None)
+    ref = _logprobs(base, args)
+    lora = LoRAConfig(rank=4, alpha=8.0, modules_to_save=["lm_head", "norm"])
+    _, model = _build(tiny_ckpt, lora, mesh=one_rank_mesh)
+    keep_base(model, lora.modules_to_save)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, layer in lora_layers(model):  # trained adapters
+            w = layer.lora_b.weight.to_local()
+            w.copy_(torch.randn(w.shape, generator=gen) * 0.05)
+        for name in ("output.weight", "norm.weight"):
+            p = model.get_parameter(name)
+            p.to_local().mul_(1.5).add_(0.01)  # trained in full
+    trained = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    adapted = _logprobs(model, args)  # (FSDP2 keeps the root gathered after a forward without backward)
+    assert (adapted - ref).abs().max() > 1e-2
+    calls = []
+    with adapters_disabled(model, quiesce=lambda: calls.append(1)):
+        assert torch.allclose(_logprobs(model, args), ref, rtol=0, atol=1e-6)
+    assert len(calls) == 2
+    assert all(torch.equal(p.to_local(), trained[n]) for n, p in model.named_parameters())
+    assert torch.equal(_logprobs(model, args), adapted)
+
+
 def test_adapter_init_is_the_same_for_any_seed_name_and_sharding(tiny_ckpt, one_rank_mesh):
     """A's initial value is PEFT's (uniform within 1 / sqrt(in_features)), drawn from the run's seed and the
     layer's name, so a model sharded by FSDP2 (DTensor adapters) starts with the same adapters as a plain one; a
@@ -154,10 +185,10 @@ def test_memory_plan_counts_the_adapters_and_7b_rank_64_fits_one_80gb_gpu():
         + 3 * (t.hidden_size + t.intermediate_size)
     assert memory.lora_params(args, cfg.lora) == 64 * per_layer * t.num_hidden_layers
     assert lora.term("reference_model") == 0 and lora.term("optimizer") < full.term("optimizer") / 40
-    # lora.modules_to_save: the policy with adapters off is not the base, the reference is a frozen copy as without
+    # lora.modules_to_save with the KL term: the head's base values kept, and its trained ones while swapped out
     saved = memory.predict(parse_args(argv + ["--lora.rank=64", "--lora.modules_to_save=lm_head"]), args, 1,
                            device="cuda")
-    assert saved.term("reference_model") == full.term("reference_model") > 0
+    assert saved.term("reference_model") == 8 * t.vocab_size * t.hidden_size < full.term("reference_model") / 5
     capacity = memory.parse_bytes("80GB")
     memory.check_fits(lora, int(capacity * 0.93), cfg)
     with pytest.raises(Exception, match="does not fit"):
@@ -181,20 +212,24 @@ def test_config_refusals():
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_args(flags.split())
     assert not JobConfig().lora.enabled and parse_args(["--lora.rank=8"]).lora.enabled
-    # modules trained in full with the KL term: the reference is a frozen copy of the base (which may be offloaded)
-    parse_args("--lora.rank=8 --lora.modules_to_save=lm_head --rl.kl_coef=0.01 --rl.ref_offload=true".split())
+    # modules trained in full with the KL term: the reference swaps their base values in (no copy to offload)
+    parse_args("--lora.rank=8 --lora.modules_to_save=lm_head --rl.kl_coef=0.01".split())
+    with pytest.raises(ConfigError, match="no copy to offload"):
+        parse_args("--lora.rank=8 --lora.modules_to_save=lm_head --rl.kl_coef=0.01 --rl.ref_offload=true".split())
 
 
-# LoRA on the language model and the vision blocks, with the reference (rl.kl_coef > 0) as the policy with its
-# adapters off, the HF export (merged weights + PEFT adapters), 3 steps with a learning signal (tests/train_runs.py)
-LORA = ("--lora.rank=8", "--lora.alpha=16", "--lora.vision", "--job.steps=3", "--checkpoint.export_hf")
+# LoRA on the language model and the vision blocks, the final norm trained in full (lora.modules_to_save), with the
+# reference (rl.kl_coef > 0) as the policy with its adapters off and the norm's base values swapped in, the HF export
+# (merged weights + PEFT adapters), 3 steps with a learning signal (tests/train_runs.py)
+LORA = ("--lora.rank=8", "--lora.alpha=16", "--lora.vision", "--lora.modules_to_save=norm", "--job.steps=3",
+        "--checkpoint.export_hf")
 
 
 def test_two_ranks_with_every_parallel_mode_equal_one_process(tmp_path, run_cache):
     """2 ranks with FlexUlysses, vision balancing, lb_mini, shared-prefix packing and slice-aware loading against
     one process (lb_micro, no shared prefix): per-token log-probs (rollout, old, reference) within 1e-5 in the first
-    step and 1e-4 after, adapter updates within 1e-4 of their size over 3 steps with non-zero advantages; the base
-    never moves; the engines' log-probs after every push equal the trainer's (the weight-sync probe, merged
+    step and 1e-4 after, adapter (and norm) updates within 1e-4 of their size over 3 steps with non-zero
+    advantages; the rest of the base never moves; the engines' log-probs after every push equal the trainer's (the weight-sync probe, merged
     weights); the export's merged weights are W + alpha/r B A of the last step's adapters, and its adapters
     folder is PEFT's."""
     from safetensors import safe_open
@@ -218,8 +253,9 @@ def test_two_ranks_with_every_parallel_mode_equal_one_process(tmp_path, run_cach
 
     dumps = load_dumps(two_dir)
     first, last = dumps[1]["params"]["policy"], dumps[3]["params"]["policy"]
-    base = [k for k in first if ".lora_" not in k]
+    base = [k for k in first if ".lora_" not in k and k != "norm.weight"]
     assert all(torch.equal(first[k], last[k]) for k in base)  # frozen: bit for bit
+    assert float((last["norm.weight"] - first["norm.weight"]).abs().max()) > 1e-4  # trained in full
     adapters = [k for k in first if ".lora_" in k]
     assert any(k.startswith("vision.blocks.") for k in adapters)
     assert max(float((last[k] - first[k]).abs().max()) for k in adapters) > 1e-4
@@ -246,7 +282,7 @@ def test_two_ranks_with_every_parallel_mode_equal_one_process(tmp_path, run_cach
 
     saved = FileSystemReader(str(two_dir / "checkpoint" / "step-2")).read_metadata().state_dict_metadata
     weights = [k for k in saved if k.endswith(".weight") and not k.startswith("optimizer")]
-    assert weights and all(".lora_" in k for k in weights), weights[:4]
+    assert weights and all(".lora_" in k or k.removeprefix("model.") == "norm.weight" for k in weights), weights[:4]
     uninterrupted = dumps[3]
     shutil.rmtree(two_dir / "checkpoint" / "step-3")
     (two_dir / "tensors" / "step3.pt").unlink()
@@ -337,8 +373,8 @@ def test_lora_ppo_compiled_on_the_hf_engine_with_evaluation_on_two_ranks_equals_
     fused kernels round differently from eager); the LoRA blocks compiled once (``compile/recompiles`` 0 after step
     1); the same evaluations (before training and after step 2: responses, rewards, ``eval/*``); and the hf
     engine's log-probs after every push equal the trainer's. The final norm trains in full (lora.modules_to_save)
-    with the KL term on: the reference is then a frozen copy of the base (the policy with adapters off is not the
-    base once the norm moved), equal to the policy before its first update and apart from it after."""
+    with the KL term on: the reference is the policy with adapters off and the norm's base values swapped in,
+    equal to the policy before its first update and apart from it after."""
     from titanrl.rl.dump import load_dumps
     from train_runs import EVAL, SIGNAL, assert_same_computation, metric_records, metrics, run_tiny, same_evaluations
 

@@ -220,11 +220,19 @@ def lora_params(args: Qwen2_5_VLArgs, lora) -> int:
     per_layer = sum(size for name, size in text.items() if name in targets)
     per_block = (sum(size for name, size in tower.items() if name in targets | set(LORA_TOWER_ATTENTION))
                  if lora.vision else 0)
-    full = set(lora.modules_to_save)
+    return lora.rank * (per_layer * t.num_hidden_layers + per_block * v.depth) + \
+        full_module_params(args, lora.modules_to_save)
+
+
+def full_module_params(args: Qwen2_5_VLArgs, modules) -> int:
+    """Parameters of lora.modules_to_save's modules (HF names), a tied output head and embedding counted once."""
+    t = args.text
+    full = set(modules)
     if t.tie_word_embeddings and "lm_head" in full:  # one matrix for both
         full = (full - {"lm_head"}) | {"embed_tokens"}
-    sizes = {"lm_head": t.vocab_size * h, "embed_tokens": t.vocab_size * h, "norm": h}
-    return lora.rank * (per_layer * t.num_hidden_layers + per_block * v.depth) + sum(sizes[m] for m in full)
+    sizes = {"lm_head": t.vocab_size * t.hidden_size, "embed_tokens": t.vocab_size * t.hidden_size,
+             "norm": t.hidden_size}
+    return sum(sizes[m] for m in full)
 
 
 def param_counts(args: Qwen2_5_VLArgs) -> ParamCounts:
@@ -544,7 +552,12 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
     # a sleeping engine holds its weights (and vLLM its KV cache) on the device only around its calls
     if cfg.workflow.placement == "colocated":
         terms += engine_terms(cfg, args, world, device=device, data=data, n=n)
-    if cfg.rl.kl_coef > 0 and lora and not cfg.lora.modules_to_save:
+    if cfg.rl.kl_coef > 0 and lora and cfg.lora.modules_to_save:
+        saved = full_module_params(args, cfg.lora.modules_to_save)
+        terms.append(Term("reference_model", 2 * 4 * saved // dp,
+                          f"LoRA: the policy with adapters off and the base of lora.modules_to_save swapped in: its "
+                          f"fp32 copy 4 S / {dp} + the trained values meanwhile 4 S / {dp} (S = {saved:,})"))
+    elif cfg.rl.kl_coef > 0 and lora:
         terms.append(Term("reference_model", 0, "LoRA: the reference is the policy with its adapters off"))
     elif cfg.rl.kl_coef > 0 and cfg.rl.ref_offload and device == "cuda":
         terms.append(Term("reference_model", 0, f"rl.ref_offload: its fp32 shards (4 N / {dp}) are in host memory"))

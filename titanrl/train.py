@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{''.join(', ' + m for m in lora.modules_to_save)}{' in full, float32' if lora.modules_to_save else ''}"
                       f"; base frozen in {dtype}"
                       + ("" if trainer.ref_model is None else "; reference: the policy with its adapters off"
-                         if trainer.ref_model is trainer.model else "; reference: a frozen copy of the base")
+                         + (f" and the base's {', '.join(lora.modules_to_save)}" if lora.modules_to_save else ""))
                       if lora.enabled else "float32 parameters")
             say(f"[titanrl] {info.world_size} rank(s) on {info.device.type}; model {trainer.model_dir} (compute "
                 f"{dtype}, {params}); "

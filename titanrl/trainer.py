@@ -28,7 +28,7 @@ from titanrl.data.shadow import SampleMeta, build_loader
 from titanrl.distributed import (DistInfo, all_reduce_max, block_group, build_dp_mesh, build_ulysses_groups,
                                  machine_of_ranks, new_group)
 from titanrl.metrics import MetricsLogger, format_summary
-from titanrl.models.lora import AdapterCheckpoint
+from titanrl.models.lora import AdapterCheckpoint, keep_base
 from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs, Qwen2_5_VLModel
 from titanrl.optim import build_lr_scheduler, build_optimizer
 from titanrl.parallel.balance import balance_ranks
@@ -192,10 +192,12 @@ class Trainer:
         self.model = self.ref_model = self.critic = self.stages = None
         if self.trains:
             self.model = self._build_model(mesh, trainable=True, lora=cfg.lora if cfg.lora.enabled else None)
-            # the reference: with LoRA, the policy itself run with its adapters off (rl.nodes.ref_logprobs), unless
-            # lora.modules_to_save train some of the base in full: then, as without LoRA, a frozen copy of the base
-            self.ref_model = (None if cfg.rl.kl_coef == 0 else
-                              self.model if cfg.lora.enabled and not cfg.lora.modules_to_save else
+            # the reference: with LoRA, the policy itself run with its adapters off and the base values of what
+            # lora.modules_to_save trains in full (kept now, before any training or checkpoint load) swapped in
+            # (rl.nodes.ref_logprobs)
+            if cfg.rl.kl_coef > 0 and cfg.lora.enabled and cfg.lora.modules_to_save:
+                keep_base(self.model, cfg.lora.modules_to_save)
+            self.ref_model = (None if cfg.rl.kl_coef == 0 else self.model if cfg.lora.enabled else
                               self._build_model(mesh, trainable=False, offload=cfg.rl.ref_offload))
             # PPO's critic: the policy's network with a value head, sharded and compiled like it
             self.critic = (self._build_model(mesh, trainable=True, value_head=True, path=cfg.critic.path or None)

@@ -18,7 +18,7 @@ def cross_section_problems(cfg: "JobConfig") -> list[str]:
         found.append("evaluation (eval.every / eval.before_train) needs eval.path with data.path set: a held-out "
                      "set is made only for synthesized data (titanrl cannot tell which of your rows were not "
                      "trained on)")
-    if cfg.lora.enabled and not cfg.lora.modules_to_save and cfg.rl.ref_offload:
+    if cfg.lora.enabled and cfg.rl.ref_offload:
         found.append("rl.ref_offload offloads a second copy of the base model, but with LoRA (lora.rank > 0) the "
                      "reference is the policy with its adapters off, with no copy to offload: drop rl.ref_offload")
     if cfg.model.freeze_vision_tower and cfg.lora.enabled and cfg.lora.vision:

@@ -1007,8 +1007,8 @@ class LoRAConfig:
     """Modules trained in full beside the adapters, in float32 (PEFT's modules_to_save): lm_head, embed_tokens, norm
     (the final norm). A frozen output head and final norm bound every logit, so a base whose head was never trained
     (the random-init tiny model) needs ["lm_head", "norm"] to learn at all (benchmarks/learning_curve_lora.md). With
-    rl.kl_coef > 0 the reference is then a frozen copy of the base (4 N / dp, as without LoRA; rl.ref_offload may
-    hold it in host memory): the policy with its adapters off is no longer the base."""
+    rl.kl_coef > 0 the reference is the policy with its adapters off and these modules' base values (kept at start)
+    copied in for its forward, as PEFT's disable_adapter uses the original modules."""
 
     @property
     def enabled(self) -> bool:

@@ -23,7 +23,7 @@ import json
 import math
 import zlib
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -145,17 +145,70 @@ def init_adapters(model: nn.Module, seed: int) -> None:
             local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's storage on this rank: a DTensor's local shard (under no_grad: the tensor itself), else it."""
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+_BASE_KEY = "_titanrl_base_of_saved"
+
+
+@torch.no_grad()
+def keep_base(model: nn.Module, modules_to_save: Iterable[str]) -> None:
+    """Keep the base values of the parameters lora.modules_to_save trains in full (this rank's shards, float32), so
+    that ``adapters_disabled`` runs the base model whole (PEFT's modules_to_save keeps the original modules for
+    its ``disable_adapter`` likewise). Call it once the base weights are loaded, before any training or checkpoint
+    load. A tied output head and embedding are one parameter, kept once."""
+    params = {id(p): p for m in modules_to_save for p in model.get_submodule(FULL_MODULES[m]).parameters()}
+    model.__dict__[_BASE_KEY] = [(p, _local(p).clone()) for p in params.values()]
+
+
+def fsdp_reshard(model: nn.Module) -> None:
+    """Every FSDP unit of ``model`` back to its shards (a unit gathered by a forward without backward would
+    otherwise keep the values it gathered)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 @contextlib.contextmanager
-def adapters_disabled(model: nn.Module | None):
-    """``model`` as its base while inside (a model without adapters: as it is)."""
+def adapters_disabled(model: nn.Module | None, *, quiesce: Callable[[], None] | None = None):
+    """``model`` as its base while inside (a model without adapters: as it is): the adapters off and, where
+    ``keep_base`` kept them, the base values of lora.modules_to_save's parameters copied into their shards, the
+    trained ones copied back on exit (bit for bit; the FSDP units resharded both times, so forwards gather what the
+    shards hold). ``quiesce``: called before each of the two copies, where other ranks read this rank's shards
+    without its part (ODC's shared-memory gathers: a barrier); on an error inside, the copy back skips it."""
     layers = [m for _, m in lora_layers(model)] if model is not None else []
+    saved = model.__dict__.get(_BASE_KEY) if model is not None else None
+    trained = None
+    if saved:
+        if quiesce is not None:
+            quiesce()
+        fsdp_reshard(model)
+        with torch.no_grad():
+            trained = [_local(p).clone() for p, _ in saved]
+            for p, base in saved:
+                _local(p).copy_(base)
     for m in layers:
         m.adapters_on = False
+    finished = False
     try:
         yield model
+        finished = True
     finally:
         for m in layers:
             m.adapters_on = True
+        if trained is not None:
+            if finished and quiesce is not None:
+                quiesce()
+            fsdp_reshard(model)
+            with torch.no_grad():
+                for (p, _), value in zip(saved, trained):
+                    _local(p).copy_(value)
 
 
 def scales(model: nn.Module) -> dict[str, float]:

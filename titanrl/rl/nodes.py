@@ -29,6 +29,7 @@ from titanrl.data.shadow import BadSample, Materialized
 from titanrl.distributed import all_gather_objects, all_reduce_max, all_reduce_sum
 from titanrl.models.lora import adapters_disabled
 from titanrl.parallel.odc import forward_scope
+from titanrl.parallel.odc_comm import attached
 from titanrl.parallel.ulysses import sum_over_members
 from titanrl.rl.batch import Trajectory, dummy_pack, pack_trajectories
 from titanrl.rl.grpo import ValueLossOutput, aggregate
@@ -235,8 +236,11 @@ def old_logprobs(batch, ctx):
 
 def ref_logprobs(batch, ctx):
     stage_inputs(batch, ctx)
-    # LoRA: the reference is the policy with its adapters off (a model without adapters runs as it is)
-    with adapters_disabled(ctx.ref_model):
+    # LoRA: the reference is the policy with its adapters off, lora.modules_to_save's base values swapped in (a
+    # model without adapters runs as it is); under odc no rank may be reading another's shards meanwhile
+    comm = attached(ctx.ref_model) if ctx.ref_model is not None else None
+    quiesce = (lambda: torch.distributed.barrier(group=comm.pg)) if comm is not None else None
+    with adapters_disabled(ctx.ref_model, quiesce=quiesce):
         ctx.stages.logprobs(ctx.ref_model, "ref_logprobs", temperature=ctx.cfg.rollout.temperature)
 
 

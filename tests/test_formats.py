@@ -212,6 +212,84 @@ def test_chat_answer_from_a_final_assistant_message_and_llama_factory_placeholde
     assert [m.kind for m in record.media] == ["image"]
 
 
+def _png_of(size, colour) -> str:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _pil(uri: str):
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1]))).convert("RGB")
+
+
+def test_a_conversation_before_the_prompt_is_kept_and_rendered_whole(tmp_path, setup, tiny_ckpt):
+    """A prompt with earlier turns (few-shot examples, a conversation): verl's prompt list, the chat format with the
+    images inline, and a titanrl manifest with ``history`` import to the same record (the earlier user and
+    assistant messages, the last user message as the prompt, the images in the order the conversation shows them),
+    and it prepares to what transformers' processor gives for the whole conversation's chat template. Turns out of
+    order are named."""
+    from transformers import AutoProcessor
+
+    first, second = _png_of((32, 28), (200, 10, 10)), _png_of((56, 28), (10, 200, 10))
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "<image>What colour?"},
+             {"role": "assistant", "content": "red"}, {"role": "user", "content": "<image>And this one?"}]
+    inline = [turns[0], {"role": "user", "content": [{"type": "image", "image": first},
+                                                     {"type": "text", "text": "What colour?"}]},
+              turns[2], {"role": "user", "content": [{"type": "image", "image": second},
+                                                      {"type": "text", "text": "And this one?"}]},
+              {"role": "assistant", "content": "green"}]
+    rows = {"verl.jsonl": {"prompt": turns, "images": [first, second], "answer": "green"},
+            "chat.jsonl": {"messages": inline}}
+    records = {}
+    for name, row in rows.items():
+        (tmp_path / name).write_text(json.dumps(row) + "\n")
+        import_dataset(tmp_path / name, tmp_path / name.replace(".", "_"),
+                       ImportSettings(format="columns", columns=ColumnMap("prompt", "answer")) if name == "verl.jsonl"
+                       else ImportSettings())
+        [records[name]] = read_manifest(tmp_path / name.replace(".", "_") / "manifest.jsonl", check_files=True)
+    # the titanrl manifest names the images the other imports wrote
+    native = records["verl.jsonl"].to_json_dict()
+    native["media"] = [{"path": str(tmp_path / "verl_jsonl" / m["path"]), "kind": "image"} for m in native["media"]]
+    (tmp_path / "own.jsonl").write_text(json.dumps(native) + "\n")
+    import_dataset(tmp_path / "own.jsonl", tmp_path / "own", ImportSettings())
+    [records["own"]] = read_manifest(tmp_path / "own" / "manifest.jsonl", check_files=True)
+    for name, record in records.items():
+        assert record.history == [{"role": "user", "content": "<image>What colour?"},
+                                  {"role": "assistant", "content": "red"}], name
+        assert (record.prompt, record.system, record.answer) == ("<image>And this one?", "be brief", "green"), name
+    encoder, settings = setup
+    processor = AutoProcessor.from_pretrained(tiny_ckpt)
+    conversation = [turns[0]] + [{"role": t["role"], "content": [{"type": "image"}, {"type": "text",
+                                                                                      "text": t["content"][7:]}]}
+                                 if t["role"] == "user" else {"role": "assistant",
+                                                              "content": [{"type": "text", "text": t["content"]}]}
+                                 for t in turns[1:]]
+    text = processor.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert encoder.render(records["own"].prompt, records["own"].system, records["own"].history) == text
+    for name, record in records.items():
+        root = tmp_path / {"verl.jsonl": "verl_jsonl", "chat.jsonl": "chat_jsonl", "own": "own"}[name]
+        prepared = prepare_sample(record, root, encoder, settings)
+        ref = processor(text=[text], images=[_pil(first), _pil(second)], return_tensors="np")
+        np.testing.assert_array_equal(prepared.prompt_ids, ref["input_ids"][0], err_msg=name)
+        np.testing.assert_array_equal(prepared.pixel_values, ref["pixel_values"], err_msg=name)  # red, then green
+    bad = {"two users": [turns[1], turns[3]], "ends with the assistant": turns[:3]}
+    for why, messages in bad.items():
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": messages, "images": [first, second],
+                                                         "answer": "1"}) + "\n")
+        match = "'assistant' expected here" if why == "two users" else "ends with an assistant message"
+        with pytest.raises(BadRow, match=match):
+            import_dataset(tmp_path / "bad.jsonl", tmp_path / "bad", ImportSettings(
+                format="columns", columns=ColumnMap("prompt", "answer"), on_bad_sample="error"))
+
+
 def test_bad_rows_are_counted_skips(tmp_path):
     path = _write_rows(tmp_path / "easy.jsonl", [row for row, _ in BAD_ROWS.values()])
     report = import_dataset(path, tmp_path / "out", ImportSettings(on_bad_sample="skip"))

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from titanrl.data.manifest import PLACEHOLDER_BY_KIND, prompt_placeholders
+from titanrl.data.manifest import PLACEHOLDER_BY_KIND, history_problem, prompt_placeholders
 from titanrl.data.tables import DatasetError, Row
 
 FORMATS: tuple[str, ...] = ("titanrl", "verl", "easyr1", "columns", "chat")
@@ -70,6 +70,7 @@ class Draft:
     answer: str
     answer_choices: list[str] = field(default_factory=list)
     system: str | None = None
+    history: list[dict[str, str]] = field(default_factory=list)  # the conversation before the prompt
 
 
 def detect_format(row: Row) -> str:
@@ -147,18 +148,25 @@ def _titanrl(row: Row) -> Draft:
     if system is not None and not isinstance(system, str):
         raise BadRow(f"{row.where}key 'system' must be a str, got {type(system).__name__}")
     prompt = _get(row, "prompt", str)
+    history = row.data.get("history") or []
+    problem = history_problem(history)
+    if problem:
+        raise BadRow(f"{row.where}key 'history'{problem if problem.startswith('[') else ' ' + problem}")
     draft = Draft(_row_id(row), str(row.data.get("source") or row.file.stem), prompt, media, _get(row, "answer", str),
-                  list(choices), system)
-    _check_placeholders(row, "prompt", prompt, [m.kind for m in media])
+                  list(choices), system, [{"role": m["role"], "content": m["content"]} for m in history])
+    _check_placeholders(row, "history' and 'prompt" if history else "prompt",
+                        "".join(m["content"] for m in history if m["role"] == "user") + prompt,
+                        [m.kind for m in media])
     return draft
 
 
 def _assemble(row: Row, prompt_key: str, answer: str, image_key: str, video_key: str, source: str,
               default_system: str | None) -> Draft:
-    prompt, system = prompt_text(row, prompt_key, row.data.get(prompt_key, _MISSING))
+    prompt, system, history = prompt_text(row, prompt_key, row.data.get(prompt_key, _MISSING))
     images = [_image(row, f"{image_key}[{i}]", v) for i, v in enumerate(_media_list(row, image_key))]
     videos = [_video(row, f"{video_key}[{i}]", v) for i, v in enumerate(_media_list(row, video_key))]
-    kinds = [m[1:-1] for m in prompt_placeholders(prompt)]
+    earlier = "".join(m["content"] for m in history if m["role"] == "user")
+    kinds = [m[1:-1] for m in prompt_placeholders(earlier + prompt)]
     counts = {"image": kinds.count("image"), "video": kinds.count("video")}
     for kind, refs, key in (("image", images, image_key), ("video", videos, video_key)):
         if counts[kind] != len(refs):
@@ -168,7 +176,8 @@ def _assemble(row: Row, prompt_key: str, answer: str, image_key: str, video_key:
             )
     queues = {"image": iter(images), "video": iter(videos)}
     media = [next(queues[k]) for k in kinds]  # placeholder order
-    return Draft(_row_id(row), source, prompt, media, answer, [], system if system is not None else default_system)
+    return Draft(_row_id(row), source, prompt, media, answer, [], system if system is not None else default_system,
+                 history)
 
 
 def _check_placeholders(row: Row, key: str, prompt: str, kinds: list[str]) -> None:
@@ -178,31 +187,38 @@ def _check_placeholders(row: Row, key: str, prompt: str, kinds: list[str]) -> No
         raise BadRow(f"{row.where}key {key!r} has placeholders {found} but the media are {expected}")
 
 
-def prompt_text(row: Row, key: str, value: Any) -> tuple[str, str | None]:
-    """A string prompt as is; a chat list as (the user message with placeholders, the system message)."""
+def prompt_text(row: Row, key: str, value: Any) -> tuple[str, str | None, list[dict[str, str]]]:
+    """A string prompt as is; a chat list as (the last user message with placeholders, the system message, the
+    conversation before that message: user and assistant messages alternating)."""
     if value is _MISSING:
         raise BadRow(f"{row.where}missing key {key!r}")
     if isinstance(value, str):
-        return value, None
+        return value, None, []
     if not isinstance(value, list):
         raise BadRow(f"{row.where}key {key!r} must be a str or a list of chat messages, got {type(value).__name__}")
-    user: list[str] = []
+    turns: list[dict[str, str]] = []
     system: str | None = None
     for i, message in enumerate(value):
         where = f"{key}[{i}]"
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise BadRow(f"{row.where}key {where!r} must be a chat message {{'role': ..., 'content': ...}}")
         text = _content_text(row, f"{where}.content", message["content"])
-        if message["role"] == "system" and system is None and not user:
+        expected = "user" if len(turns) % 2 == 0 else "assistant"
+        if message["role"] == "system" and system is None and not turns:
             system = text
-        elif message["role"] == "user" and not user:
-            user.append(text)
+        elif message["role"] == expected:
+            if expected == "assistant" and prompt_placeholders(text):
+                raise BadRow(f"{row.where}key {where!r}: an assistant message holds no image or video")
+            turns.append({"role": expected, "content": text})
         else:
-            raise BadRow(f"{row.where}key {where!r}: role {message['role']!r} not supported here "
-                         "(a prompt is an optional system message, then one user message)")
-    if not user:
+            raise BadRow(f"{row.where}key {where!r}: role {message['role']!r} not supported here (a prompt is an "
+                         f"optional system message, then user and assistant messages in turn, ending with a user "
+                         f"one; {expected!r} expected here)")
+    if not turns:
         raise BadRow(f"{row.where}key {key!r} has no user message")
-    return user[0], system
+    if turns[-1]["role"] != "user":
+        raise BadRow(f"{row.where}key {key!r} ends with an assistant message: the prompt is the last user message")
+    return turns[-1]["content"], system, turns[:-1]
 
 
 def _content_text(row: Row, key: str, content: Any) -> str:
@@ -280,26 +296,40 @@ _ANSWER_KEYS = ("answer", "solution", "ground_truth")
 def _chat(row: Row) -> Draft:
     messages = _get(row, "messages", list)
     system: str | None = None
-    user: tuple[int, Any] | None = None
-    assistant: str | None = None
+    turns: list[tuple[int, str, Any]] = []  # (index, role, content): user and assistant alternating
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise BadRow(f"{row.where}key {where!r} must be a chat message {{'role': ..., 'content': ...}}")
         role = message["role"]
-        if role == "system" and system is None and user is None:
+        expected = "user" if len(turns) % 2 == 0 else "assistant"
+        if role == "system" and system is None and not turns:
             system = _content_text(row, f"{where}.content", message["content"])
-        elif role == "user" and user is None:
-            user = (i, message["content"])
-        elif role == "assistant" and user is not None and assistant is None and i == len(messages) - 1:
-            assistant = _content_text(row, f"{where}.content", message["content"])
+        elif role == expected:
+            turns.append((i, role, message["content"]))
         else:
             raise BadRow(f"{row.where}key {where!r}: role {role!r} not supported here (a prompt is an optional "
-                         "system message, one user message and, optionally, the answer as a final assistant message)")
-    if user is None:
+                         f"system message, then user and assistant messages in turn, ending with a user one, and "
+                         f"optionally the answer as a final assistant message; {expected!r} expected here)")
+    if not turns:
         raise BadRow(f"{row.where}key 'messages' has no user message")
-    key = f"messages[{user[0]}].content"
-    prompt, slots = _chat_content(row, key, user[1])
+    assistant = None
+    if turns[-1][1] == "assistant":  # the answer
+        assistant = _content_text(row, f"messages[{turns[-1][0]}].content", turns[-1][2])
+        turns = turns[:-1]
+    history, slots = [], []
+    for i, role, content in turns:
+        key = f"messages[{i}].content"
+        if role == "user":
+            text, found = _chat_content(row, key, content)
+            slots += found
+        else:
+            text = _content_text(row, key, content)
+            if prompt_placeholders(text):
+                raise BadRow(f"{row.where}key {key!r}: an assistant message holds no image or video")
+        history.append({"role": role, "content": text})
+    prompt = history.pop()["content"]
+    key = f"messages[{turns[-1][0]}].content" if not history else "messages"
     columns = {"image": [_image(row, f"images[{i}]", v) for i, v in enumerate(_media_list(row, "images"))],
                "video": [_video(row, f"videos[{i}]", v) for i, v in enumerate(_media_list(row, "videos"))]}
     for kind, refs in columns.items():
@@ -317,7 +347,7 @@ def _chat(row: Row) -> Draft:
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise BadRow(f"{row.where}the answer must be a string or a number, got {type(answer).__name__} {answer!r:.60}")
     source = row.data.get("source") or row.data.get("data_source") or row.file.stem
-    return Draft(_row_id(row), str(source), prompt, media, str(answer), [], system)
+    return Draft(_row_id(row), str(source), prompt, media, str(answer), [], system, history)
 
 
 def _chat_content(row: Row, key: str, content: Any) -> tuple[str, list[tuple[str, MediaRef | None]]]:

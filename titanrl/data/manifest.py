@@ -10,8 +10,11 @@ A line looks like::
 Media paths are relative to the manifest's directory so a dataset folder can be moved or copied to
 another machine as a whole; an absolute path is used as is (manifests that ``titanrl.data.sources``
 writes for other formats point at the user's files that way). An optional ``"system"`` key holds the
-sample's system message. ``source`` is any non-empty name (the synthetic sets use ``SOURCES``). The prompt holds one placeholder per media entry, in order: ``<image>``
-for an image and ``<video>`` for a video; the prompt builder expands them into Qwen's vision tokens.
+sample's system message, an optional ``"history"`` the conversation before the prompt (``[{"role": "user" |
+"assistant", "content": str}, ...]``, alternating, from a user message to an assistant one; the prompt is the user
+message after it; media placeholders in the users' messages count before the prompt's). ``source`` is any
+non-empty name (the synthetic sets use ``SOURCES``). The prompt holds one placeholder per media entry, in order:
+``<image>`` for an image and ``<video>`` for a video; the prompt builder expands them into Qwen's vision tokens.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class SampleRecord:
     answer: str
     answer_choices: list[str] = field(default_factory=list)
     system: str | None = None  # the sample's system message; None = the encoder's default
+    # the conversation before the prompt: {"role": "user" | "assistant", "content": text with placeholders}, ...
+    history: list[dict[str, str]] = field(default_factory=list)
 
     def to_json_dict(self) -> dict[str, Any]:
         out = {
@@ -63,7 +68,32 @@ class SampleRecord:
         }
         if self.system is not None:
             out["system"] = self.system
+        if self.history:
+            out["history"] = [{"role": m["role"], "content": m["content"]} for m in self.history]
         return out
+
+
+def record_placeholders(record: "SampleRecord") -> list[str]:
+    """The media placeholders of a sample in order: its history's user messages', then its prompt's."""
+    return [p for m in record.history if m["role"] == "user" for p in prompt_placeholders(m["content"])] + \
+        prompt_placeholders(record.prompt)
+
+
+def history_problem(history: Any) -> str | None:
+    """Why ``history`` is not a conversation before a prompt (None: it is): alternating user and assistant text
+    messages from a user one to an assistant one, images and videos only in the users'."""
+    if not isinstance(history, list):
+        return f"must be a list of chat messages, got {type(history).__name__}"
+    for i, m in enumerate(history):
+        role = "user" if i % 2 == 0 else "assistant"
+        if not (isinstance(m, dict) and m.get("role") == role and isinstance(m.get("content"), str)):
+            return (f"[{i}] must be {{'role': {role!r}, 'content': str}} (user and assistant turns alternate), "
+                    f"got {m!r:.80}")
+        if role == "assistant" and prompt_placeholders(m["content"]):
+            return f"[{i}]: an assistant message holds no media placeholder"
+    if len(history) % 2:
+        return "must end with an assistant message (the prompt is the user message after it)"
+    return None
 
 
 def prompt_placeholders(prompt: str) -> list[str]:
@@ -85,16 +115,20 @@ def validate_record(record: SampleRecord, *, where: str = "") -> None:
             )
         if not entry.path:
             raise ManifestError(f"{prefix}key 'media[{i}].path' is empty")
-    placeholders = prompt_placeholders(record.prompt)
+    problem = history_problem(record.history) if record.history else None
+    if problem:
+        raise ManifestError(f"{prefix}key 'history'{problem if problem.startswith('[') else ' ' + problem}")
+    placeholders = record_placeholders(record)
     expected = [PLACEHOLDER_BY_KIND[m.kind] for m in record.media]
+    keys = "'history' and 'prompt'" if record.history else "'prompt'"
     if len(placeholders) != len(expected):
         raise ManifestError(
-            f"{prefix}key 'prompt' has {len(placeholders)} media placeholder(s) but 'media' has "
-            f"{len(expected)} entr{'y' if len(expected) == 1 else 'ies'}"
+            f"{prefix}key {keys} {'have' if record.history else 'has'} {len(placeholders)} media placeholder(s) but "
+            f"'media' has {len(expected)} entr{'y' if len(expected) == 1 else 'ies'}"
         )
     if placeholders != expected:
         raise ManifestError(
-            f"{prefix}key 'prompt' placeholders {placeholders} do not match the media kinds {expected} in order"
+            f"{prefix}key {keys} placeholders {placeholders} do not match the media kinds {expected} in order"
         )
     if record.answer_choices and record.answer not in record.answer_choices:
         raise ManifestError(
@@ -158,9 +192,13 @@ def parse_record(obj: Any, *, where: str = "") -> SampleRecord:
     system = obj.get("system")
     if system is not None and not isinstance(system, str):
         raise ManifestError(f"{where}key 'system' must be a str, got {type(system).__name__}")
+    history = obj.get("history") or []
+    problem = history_problem(history)
+    if problem:
+        raise ManifestError(f"{where}key 'history'{problem if problem.startswith('[') else ' ' + problem}")
     return SampleRecord(
         id=obj["id"], source=source, prompt=prompt, media=media, answer=answer, answer_choices=list(raw_choices),
-        system=system,
+        system=system, history=[{"role": m["role"], "content": m["content"]} for m in history],
     )
 
 

@@ -142,4 +142,5 @@ def prepare_sample(
     patches = [media_to_patches(m, settings) for m in media]
     grids = [g for _, g in patches]
     pixel_values = np.concatenate([p for p, _ in patches]).astype(np.float32) if patches else None
-    return PreparedSample(record, encoder.encode(record.prompt, grids, record.system), grids, pixel_values, media)
+    ids = encoder.encode(record.prompt, grids, record.system, record.history)
+    return PreparedSample(record, ids, grids, pixel_values, media)

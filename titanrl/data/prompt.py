@@ -21,21 +21,31 @@ from titanrl.models.vision_grid import VisionGrid
 _PLACEHOLDER = re.compile(r"<(image|video)>")
 
 
-def chat_messages(prompt: str, system: str | None = None) -> list[dict[str, Any]]:
-    """Split a placeholder prompt into chat-template content parts, in order."""
+def _parts(text: str) -> list[dict[str, Any]]:
+    """A placeholder text as chat-template content parts, in order."""
     content: list[dict[str, Any]] = []
     pos = 0
-    for m in _PLACEHOLDER.finditer(prompt):
+    for m in _PLACEHOLDER.finditer(text):
         if m.start() > pos:
-            content.append({"type": "text", "text": prompt[pos : m.start()]})
+            content.append({"type": "text", "text": text[pos : m.start()]})
         content.append({"type": m.group(1)})
         pos = m.end()
-    if pos < len(prompt):
-        content.append({"type": "text", "text": prompt[pos:]})
+    if pos < len(text):
+        content.append({"type": "text", "text": text[pos:]})
+    return content
+
+
+def chat_messages(prompt: str, system: str | None = None,
+                  history: Sequence[dict[str, str]] = ()) -> list[dict[str, Any]]:
+    """The chat messages of a sample: its system message, the conversation before the prompt
+    (``SampleRecord.history``), then the prompt as a user message, placeholders split into content parts."""
     messages: list[dict[str, Any]] = []
     if system is not None:
         messages.append({"role": "system", "content": system})
-    messages.append({"role": "user", "content": content})
+    for m in history:
+        messages.append({"role": m["role"], "content": _parts(m["content"]) if m["role"] == "user"
+                         else [{"type": "text", "text": m["content"]}]})
+    messages.append({"role": "user", "content": _parts(prompt)})
     return messages
 
 
@@ -60,17 +70,19 @@ class PromptEncoder:
         tok = AutoTokenizer.from_pretrained(str(path))
         return cls(tok, cfg["image_token_id"], cfg["video_token_id"], merge, system)
 
-    def render(self, prompt: str, system: str | None = None) -> str:
+    def render(self, prompt: str, system: str | None = None, history: Sequence[dict[str, str]] = ()) -> str:
         """The chat-formatted text (one pad per media item) — what vLLM is given. ``system``: the
-        sample's system message (``SampleRecord.system``); None = the encoder's ``system``."""
+        sample's system message (``SampleRecord.system``); None = the encoder's ``system``. ``history``: the
+        conversation before the prompt (``SampleRecord.history``)."""
         return self.tokenizer.apply_chat_template(
-            chat_messages(prompt, self.system if system is None else system), tokenize=False,
+            chat_messages(prompt, self.system if system is None else system, history), tokenize=False,
             add_generation_prompt=True,
         )
 
-    def encode(self, prompt: str, grids: Sequence[VisionGrid], system: str | None = None) -> np.ndarray:
-        """Token ids with every image/video pad expanded to its grid's token count."""
-        ids = self.tokenizer(self.render(prompt, system), add_special_tokens=False)["input_ids"]
+    def encode(self, prompt: str, grids: Sequence[VisionGrid], system: str | None = None,
+               history: Sequence[dict[str, str]] = ()) -> np.ndarray:
+        """Token ids with every image/video pad expanded to its grid's token count (the history's media first)."""
+        ids = self.tokenizer(self.render(prompt, system, history), add_special_tokens=False)["input_ids"]
         return self.expand(ids, grids)
 
     def expand(self, token_ids: Sequence[int], grids: Sequence[VisionGrid]) -> np.ndarray:

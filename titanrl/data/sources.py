@@ -203,7 +203,7 @@ def _materialize(draft: Draft, target: Path, file_index: int, row: int, where: s
         else:
             media.append(MediaEntry(str(ref.path), ref.kind))
     return SampleRecord(draft.id, draft.source, draft.prompt, media, draft.answer, draft.answer_choices,
-                        draft.system)
+                        draft.system, draft.history)
 
 
 def _image_suffix(data: bytes, where: str) -> str:

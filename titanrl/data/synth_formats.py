@@ -113,6 +113,7 @@ def zoom_picture(rng: np.random.Generator) -> tuple[np.ndarray, str]:
 
 def _verl_row(record: SampleRecord, images: list[dict], videos: list[str]) -> dict[str, Any]:
     messages = ([{"role": "system", "content": record.system}] if record.system is not None else [])
+    messages += [{"role": m["role"], "content": m["content"]} for m in record.history]
     messages.append({"role": "user", "content": record.prompt})
     return {"data_source": record.source, "prompt": messages, "images": images, "videos": videos,
             "ability": "math", "reward_model": {"style": "rule", "ground_truth": record.answer},
@@ -120,6 +121,8 @@ def _verl_row(record: SampleRecord, images: list[dict], videos: list[str]) -> di
 
 
 def _easyr1_row(record: SampleRecord, images: list[dict], videos: list[str]) -> dict[str, Any]:
+    if record.history:
+        raise ValueError(f"sample {record.id!r}: EasyR1's problem column holds one user message, not a conversation")
     return {"id": record.id, "problem": record.prompt, "answer": record.answer, "images": images, "videos": videos}
 
 

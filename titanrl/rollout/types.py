@@ -48,7 +48,7 @@ class RolloutRequest:
     ) -> "RolloutRequest":
         """The request of a prepared manifest sample (``titanrl.data.preprocess.prepare_sample``)."""
         return cls(
-            prompt_text=encoder.render(sample.record.prompt, sample.record.system),
+            prompt_text=encoder.render(sample.record.prompt, sample.record.system, sample.record.history),
             prompt_ids=np.asarray(sample.prompt_ids, dtype=np.int64),
             media=list(sample.media),
             grids=list(sample.grids),

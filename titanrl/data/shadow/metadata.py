@@ -412,7 +412,7 @@ def build_sample_meta(
     cache: HeaderCache | None,
 ) -> SampleMeta:
     """Probe one sample's media headers and compute its grids, tokens and prompt ids."""
-    text = encoder.render(record.prompt, record.system)
+    text = encoder.render(record.prompt, record.system, record.history)
     text_ids = np.asarray(encoder.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
     pad_positions = np.flatnonzero((text_ids == encoder.image_token_id) | (text_ids == encoder.video_token_id))
     patch_dim = 3 * settings.temporal_patch_size * settings.patch_size**2

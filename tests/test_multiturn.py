@@ -136,10 +136,10 @@ def test_an_observation_closes_the_turn_and_opens_the_next_as_the_template_write
 
 
 def test_only_generated_tokens_are_scored():
-    from titanrl.rl.units import _scored, _spans
+    from titanrl.rl.units import _scored, generated_spans
     from titanrl.rollout.vllm_engine import collapse_placeholders
 
-    assert _spans(np.array([1, 1, 0, 0, 1, 0, 1], bool)) == ((0, 2), (4, 5), (6, 7))
+    assert generated_spans(np.array([1, 1, 0, 0, 1, 0, 1], bool)) == ((0, 2), (4, 5), (6, 7))
     plain = _scored(5, (3, 4), 0, 100)
     assert all((a == b).all() for a, b in zip(plain, _scored(5, (3, 4), 0, 100, (None, None))))
     sc = _scored(5, (3, 6), 0, 100, (None, ((0, 2), (4, 6))))

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from titanrl.data.manifest import PLACEHOLDER_BY_KIND, history_problem, prompt_placeholders
+from titanrl.data.manifest import (PLACEHOLDER_BY_KIND, conversation_placeholders, history_problem,
+                                   prompt_placeholders)
 from titanrl.data.tables import DatasetError, Row
 
 FORMATS: tuple[str, ...] = ("titanrl", "verl", "easyr1", "columns", "chat")
@@ -151,12 +152,12 @@ def _titanrl(row: Row) -> Draft:
     history = row.data.get("history") or []
     problem = history_problem(history)
     if problem:
-        raise BadRow(f"{row.where}key 'history'{problem if problem.startswith('[') else ' ' + problem}")
+        raise BadRow(f"{row.where}{problem}")
+    history = [{"role": m["role"], "content": m["content"]} for m in history]
     draft = Draft(_row_id(row), str(row.data.get("source") or row.file.stem), prompt, media, _get(row, "answer", str),
-                  list(choices), system, [{"role": m["role"], "content": m["content"]} for m in history])
+                  list(choices), system, history)
     _check_placeholders(row, "history' and 'prompt" if history else "prompt",
-                        "".join(m["content"] for m in history if m["role"] == "user") + prompt,
-                        [m.kind for m in media])
+                        conversation_placeholders(history, prompt), [m.kind for m in media])
     return draft
 
 
@@ -165,8 +166,7 @@ def _assemble(row: Row, prompt_key: str, answer: str, image_key: str, video_key:
     prompt, system, history = prompt_text(row, prompt_key, row.data.get(prompt_key, _MISSING))
     images = [_image(row, f"{image_key}[{i}]", v) for i, v in enumerate(_media_list(row, image_key))]
     videos = [_video(row, f"{video_key}[{i}]", v) for i, v in enumerate(_media_list(row, video_key))]
-    earlier = "".join(m["content"] for m in history if m["role"] == "user")
-    kinds = [m[1:-1] for m in prompt_placeholders(earlier + prompt)]
+    kinds = [m[1:-1] for m in conversation_placeholders(history, prompt)]
     counts = {"image": kinds.count("image"), "video": kinds.count("video")}
     for kind, refs, key in (("image", images, image_key), ("video", videos, video_key)):
         if counts[kind] != len(refs):
@@ -180,8 +180,7 @@ def _assemble(row: Row, prompt_key: str, answer: str, image_key: str, video_key:
                  history)
 
 
-def _check_placeholders(row: Row, key: str, prompt: str, kinds: list[str]) -> None:
-    found = prompt_placeholders(prompt)
+def _check_placeholders(row: Row, key: str, found: list[str], kinds: list[str]) -> None:
     expected = [PLACEHOLDER_BY_KIND[k] for k in kinds]
     if found != expected:
         raise BadRow(f"{row.where}key {key!r} has placeholders {found} but the media are {expected}")

@@ -73,26 +73,27 @@ class SampleRecord:
         return out
 
 
-def record_placeholders(record: "SampleRecord") -> list[str]:
-    """The media placeholders of a sample in order: its history's user messages', then its prompt's."""
-    return [p for m in record.history if m["role"] == "user" for p in prompt_placeholders(m["content"])] + \
-        prompt_placeholders(record.prompt)
+def conversation_placeholders(history: Iterable[dict[str, str]], prompt: str) -> list[str]:
+    """The media placeholders of a conversation in order: its earlier user messages', then the prompt's."""
+    return [p for m in history if m["role"] == "user" for p in prompt_placeholders(m["content"])] + \
+        prompt_placeholders(prompt)
 
 
 def history_problem(history: Any) -> str | None:
-    """Why ``history`` is not a conversation before a prompt (None: it is): alternating user and assistant text
-    messages from a user one to an assistant one, images and videos only in the users'."""
+    """Why ``history`` is not a conversation before a prompt, as a phrase about key 'history' (None: it is):
+    alternating user and assistant text messages from a user one to an assistant one, images and videos only in the
+    users'."""
     if not isinstance(history, list):
-        return f"must be a list of chat messages, got {type(history).__name__}"
+        return f"key 'history' must be a list of chat messages, got {type(history).__name__}"
     for i, m in enumerate(history):
         role = "user" if i % 2 == 0 else "assistant"
         if not (isinstance(m, dict) and m.get("role") == role and isinstance(m.get("content"), str)):
-            return (f"[{i}] must be {{'role': {role!r}, 'content': str}} (user and assistant turns alternate), "
-                    f"got {m!r:.80}")
+            return (f"key 'history[{i}]' must be {{'role': {role!r}, 'content': str}} (user and assistant turns "
+                    f"alternate), got {m!r:.80}")
         if role == "assistant" and prompt_placeholders(m["content"]):
-            return f"[{i}]: an assistant message holds no media placeholder"
+            return f"key 'history[{i}]': an assistant message holds no media placeholder"
     if len(history) % 2:
-        return "must end with an assistant message (the prompt is the user message after it)"
+        return "key 'history' must end with an assistant message (the prompt is the user message after it)"
     return None
 
 
@@ -117,8 +118,8 @@ def validate_record(record: SampleRecord, *, where: str = "") -> None:
             raise ManifestError(f"{prefix}key 'media[{i}].path' is empty")
     problem = history_problem(record.history) if record.history else None
     if problem:
-        raise ManifestError(f"{prefix}key 'history'{problem if problem.startswith('[') else ' ' + problem}")
-    placeholders = record_placeholders(record)
+        raise ManifestError(f"{prefix}{problem}")
+    placeholders = conversation_placeholders(record.history, record.prompt)
     expected = [PLACEHOLDER_BY_KIND[m.kind] for m in record.media]
     keys = "'history' and 'prompt'" if record.history else "'prompt'"
     if len(placeholders) != len(expected):
@@ -195,7 +196,7 @@ def parse_record(obj: Any, *, where: str = "") -> SampleRecord:
     history = obj.get("history") or []
     problem = history_problem(history)
     if problem:
-        raise ManifestError(f"{where}key 'history'{problem if problem.startswith('[') else ' ' + problem}")
+        raise ManifestError(f"{where}{problem}")
     return SampleRecord(
         id=obj["id"], source=source, prompt=prompt, media=media, answer=answer, answer_choices=list(raw_choices),
         system=system, history=[{"role": m["role"], "content": m["content"]} for m in history],

@@ -146,10 +146,10 @@ def init_adapters(model: nn.Module, seed: int) -> None:
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
-    """A parameter's storage on this rank: a DTensor's local shard (under no_grad: the tensor itself), else it."""
-    from torch.distributed.tensor import DTensor
+    """A parameter's storage on this rank (its shard when sharded; under no_grad the tensor itself)."""
+    from titanrl.models.qwen2_5_vl.state_dict_adapter import local_box
 
-    return p.to_local() if isinstance(p, DTensor) else p
+    return local_box(p)[2]
 
 
 _BASE_KEY = "_titanrl_base_of_saved"
@@ -168,11 +168,10 @@ def keep_base(model: nn.Module, modules_to_save: Iterable[str]) -> None:
 def fsdp_reshard(model: nn.Module) -> None:
     """Every FSDP unit of ``model`` back to its shards (a unit gathered by a forward without backward would
     otherwise keep the values it gathered)."""
-    from torch.distributed.fsdp import FSDPModule
+    from titanrl.parallel.odc import fsdp_modules
 
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
+    for m in fsdp_modules(model):
+        m.reshard()
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from titanrl.models.packed import PackedBatch, pack_sequences
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.models.qwen2_5_vl.inputs import make_sequence_input
 from titanrl.models.qwen2_5_vl.model import LogprobTargets
+from titanrl.rl.units import generated_spans
 
 
 @dataclass
@@ -62,9 +63,7 @@ class Trajectory:
         """The most tokens the policy generated in one turn (a run of ``generated``; single-turn: the response)."""
         if self.generated is None:
             return len(self.response_ids)
-        edges = np.diff(np.concatenate([[0], np.asarray(self.generated, dtype=np.int8), [0]]))
-        runs = np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)
-        return int(runs.max()) if runs.size else 0
+        return max((b - a for a, b in generated_spans(np.asarray(self.generated))), default=0)
 
     @property
     def grids(self) -> list:

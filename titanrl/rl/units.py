@@ -249,7 +249,8 @@ def turn_owner(group: int, response_index: int) -> int:
     return -(1 + group * 4096 + response_index)
 
 
-def _spans(mask: np.ndarray) -> tuple[tuple[int, int], ...]:
+def generated_spans(mask: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """The runs [a, b) of True in a response's ``generated`` mask: its turns' sampled tokens."""
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
     return tuple((int(a), int(b)) for a, b in zip(edges[::2], edges[1::2]))
 
@@ -273,7 +274,7 @@ def gather_metadata(trajs: Sequence, rank: int, args: Qwen2_5_VLArgs, group=None
                 items_of[key] = media_items(t.prompt.grids, t.prompt.prompt_ids, args,
                                             [(g, k) for k in range(len(t.prompt.grids))])
             items = items_of[key]
-        generated = None if t.generated is None or t.generated.all() else _spans(t.generated)
+        generated = None if t.generated is None or t.generated.all() else generated_spans(t.generated)
         mine.append(TrajectoryMeta(rank, i, g, len(t.prompt.prompt_ids), t.num_response_tokens,
                                    float(t.advantage), items, str(t.prompt.record.id), generated,
                                    t.finish_reason == "length"))

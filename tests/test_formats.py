@@ -393,3 +393,80 @@ def test_import_on_four_ranks_reads_own_row_groups_and_matches_one_process(synth
         # the pair's two ranks read the 8 row groups between them, each its own
         assert sorted(pair[0]["reads"] + pair[1]["reads"]) == list(range(8)) and pair[0]["reads"] and pair[1]["reads"]
         assert not list(root.glob(".titanrl-ranks-*"))  # the probe leaves nothing behind
+
+
+def _noise_png(path: Path, seed: int, size=(56, 42)) -> Path:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def test_a_video_given_as_its_frames_imports_and_prepares_as_transformers_does(tmp_path, setup, tiny_ckpt):
+    """A video given as a list of frames (qwen-vl-utils' form) -- inline in a chat part as data URIs with the part's
+    ``fps``, as files in a verl ``videos`` column ({'video': [...], 'fps'}), and as a frame list file a titanrl
+    manifest names -- imports to a frame list and prepares to exactly what transformers' processor gives for those
+    frames at that rate (ids, pixels, grid, seconds per temporal patch). An odd count is sampled to an even one like
+    a video file's frames; frames of two sizes and a missing frame are named."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from titanrl.data.media import MediaError, load_video, probe_video, write_frame_list
+
+    files = [_noise_png(tmp_path / f"f{i}.png", i) for i in range(6)]
+    uris = ["data:image/png;base64," + base64.b64encode(f.read_bytes()).decode() for f in files]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "video", "video": uris, "fps": 1.0}, {"type": "text", "text": "What moves?"}]}],
+        "answer": "noise"}) + "\n")
+    (tmp_path / "verl.jsonl").write_text(json.dumps({"prompt": "<video>What moves?", "answer": "noise",
+                                                     "videos": [{"video": [f.name for f in files], "fps": 1}]}) + "\n")
+    frame_list = write_frame_list(tmp_path / "clip.frames.json", [f.name for f in files], 1.0)
+    (tmp_path / "own.jsonl").write_text(json.dumps({"id": "own", "source": "s", "prompt": "<video>What moves?",
+                                                    "media": [{"path": frame_list.name, "kind": "video"}],
+                                                    "answer": "noise", "answer_choices": []}) + "\n")
+    roots = {}
+    for name in ("chat.jsonl", "verl.jsonl"):
+        import_dataset(tmp_path / name, tmp_path / name.replace(".", "_"),
+                       ImportSettings(format="columns", columns=ColumnMap("prompt", "answer")) if name == "verl.jsonl"
+                       else ImportSettings())
+        roots[name] = tmp_path / name.replace(".", "_") / "manifest.jsonl"
+    roots["own"] = tmp_path / "own.jsonl"
+    assert is_native_manifest(roots["own"], "auto")
+
+    encoder, settings = setup
+    processor = AutoProcessor.from_pretrained(tiny_ckpt)
+    frames = np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files])
+    for name, manifest in roots.items():
+        [record] = read_manifest(manifest, check_files=True)
+        assert [m.kind for m in record.media] == ["video"] and record.media[0].path.endswith(".frames.json"), name
+        prepared = prepare_sample(record, manifest.parent, encoder, settings)
+        text = encoder.render(record.prompt)
+        ref = processor(text=[text], videos=[frames], do_sample_frames=False, return_tensors="np",
+                        video_metadata=[{"fps": 1.0, "total_num_frames": 6, "frames_indices": list(range(6))}])
+        np.testing.assert_array_equal(prepared.prompt_ids, ref["input_ids"][0], err_msg=name)
+        np.testing.assert_array_equal(prepared.pixel_values, ref["pixel_values_videos"], err_msg=name)
+        [grid] = prepared.grids
+        assert [[grid.t, grid.h, grid.w]] == ref["video_grid_thw"].tolist(), name
+        assert grid.second_per_grid == pytest.approx(float(ref["second_per_grid_ts"][0])) == 2.0, name
+
+    # an odd count: sampled to an even one like a video file's (uniform in time); fps 2.0 when none is named
+    odd = write_frame_list(tmp_path / "odd.frames.json", [str(f) for f in files[:5]])
+    got, info = load_video(odd, fps=2.0)
+    assert (info.num_frames, info.fps, info.codec, info.sampled_indices) == (5, 2.0, "frames", (0, 1, 3, 4))
+    np.testing.assert_array_equal(got, frames[[0, 1, 3, 4]])
+    part, info = load_video(odd, fps=2.0, frame_range=(1, 3))  # what slice-aware loading fetches
+    np.testing.assert_array_equal(part, frames[[1, 3]])
+    assert info.decoded_frames == 2
+    # frames of two sizes, a missing frame: the frame list and the frame are named
+    _noise_png(tmp_path / "big.png", 9, size=(64, 42))
+    mixed = write_frame_list(tmp_path / "mixed.frames.json", ["f0.png", "f1.png", "big.png"])
+    with pytest.raises(MediaError, match=r"mixed.frames.json: frame 2 \(.*big.png\) is 64x42, frame 0 56x42"):
+        probe_video(mixed)
+    gone = write_frame_list(tmp_path / "gone.frames.json", ["f0.png", "nope.png"])
+    with pytest.raises(MediaError, match=r"gone.frames.json: frame 1 \(.*nope.png\): file does not exist"):
+        probe_video(gone)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "video", "video": [uris[0], "missing.png"]}, {"type": "text", "text": "x"}]}], "answer": "1"}) + "\n")
+    with pytest.raises(BadRow, match=r"row 0: key 'messages\[0\].content\[0\]\[1\]' names a missing file"):
+        import_dataset(tmp_path / "bad.jsonl", tmp_path / "bad", ImportSettings(on_bad_sample="error"))

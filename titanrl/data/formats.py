@@ -58,6 +58,8 @@ class MediaRef:
     key: str  # where it came from in the row, for errors: "images[0]"
     path: Path | None = None  # a file (absolute)
     data: bytes | None = None  # embedded bytes
+    frames: list["MediaRef"] | None = None  # a video given as its frames (images, in display order)
+    fps: float | None = None  # the rate those frames were taken at (None: media.FRAME_LIST_FPS)
 
 
 @dataclass
@@ -279,12 +281,20 @@ def _image(row: Row, key: str, value: Any) -> MediaRef:
     raise BadRow(f"{row.where}key {key!r} must be a path, bytes, a data URI or {{'bytes', 'path'}}, got {value!r:.80}")
 
 
-def _video(row: Row, key: str, value: Any) -> MediaRef:
+def _video(row: Row, key: str, value: Any, fps: Any = None) -> MediaRef:
+    """A video file, or a video given as the list of its frames (each a path, bytes, a data URI or
+    {'bytes', 'path'}) taken at ``fps`` frames per second (a dict's 'fps' key; default media.FRAME_LIST_FPS)."""
     if isinstance(value, dict):
+        fps = value.get("fps", fps)
         value = value.get("path") or value.get("video")
     if isinstance(value, str):
         return MediaRef("video", key, path=_resolve(row, key, value))
-    raise BadRow(f"{row.where}key {key!r} must be a video path, got {value!r:.80}")
+    if isinstance(value, (list, tuple)) and value:
+        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
+            raise BadRow(f"{row.where}key {key!r}: the frames' fps must be a positive number, got {fps!r:.40}")
+        frames = [_image(row, f"{key}[{j}]", frame) for j, frame in enumerate(value)]
+        return MediaRef("video", key, frames=frames, fps=None if fps is None else float(fps))
+    raise BadRow(f"{row.where}key {key!r} must be a video path or a non-empty list of frames, got {value!r:.80}")
 
 
 # ------------------------------------------------------------------------------------------------------ chat
@@ -374,11 +384,9 @@ def _chat_content(row: Row, key: str, content: Any) -> tuple[str, list[tuple[str
             value = part.get("video") if kind == "video" else part.get("video_url")
             if isinstance(value, dict):
                 value = value.get("url") or value.get("path")
-            if isinstance(value, list):
-                raise BadRow(f"{row.where}key {where!r}: a video given as a list of frames is not supported; "
-                             "give the video file")
             text.append("<video>")
-            slots.append(("video", _video(row, where, value) if value is not None else None))
+            # a list: the video's frames (qwen-vl-utils' form), at the part's "fps"
+            slots.append(("video", _video(row, where, value, part.get("fps")) if value is not None else None))
         else:
             raise BadRow(f"{row.where}key {where!r} must be a text, image or video part, got {part!r:.80}")
     return "".join(text), slots

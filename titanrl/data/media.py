@@ -8,11 +8,18 @@ names the path: a bare PyAV/Pillow traceback from deep inside a data-loader work
 sample failed nor why.
 
 decord is optional: it is imported only when ``backend="decord"`` is asked for.
+
+A video may also be a list of frames (image files, as many datasets ship a video): a *frame list* file
+(``*.frames.json``: ``{"frames": [paths, absolute or relative to the file], "fps": rate}``) stands for it. It is
+probed (every frame's header: one size for all) and loaded through the same two functions as a video file, its
+frames sampled by the same rule, each decoded like an image. ``fps`` is the rate the frames were taken at
+(default 2.0, qwen-vl-utils' assumption for a frame list).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -26,6 +33,8 @@ VideoBackend = Literal["pyav", "decord"]
 # Qwen2.5-VL's vision tower patches video in pairs of frames (temporal_patch_size=2); sampling an even
 # number of frames avoids the processor padding the last pair with a duplicated frame.
 TEMPORAL_PATCH_SIZE = 2
+FRAME_LIST_SUFFIX = ".frames.json"
+FRAME_LIST_FPS = 2.0  # the rate of a frame list that names none (qwen-vl-utils' default for one)
 
 
 class MediaError(Exception):
@@ -169,11 +178,82 @@ def _count_video_packets(container, stream) -> int:
     return count
 
 
+# -------------------------------------------------------------------------------------- frame lists
+
+
+def is_frame_list(path: str | Path) -> bool:
+    """Whether ``path`` names a frame list (a video given as image files) rather than a video file."""
+    return str(path).endswith(FRAME_LIST_SUFFIX)
+
+
+def write_frame_list(path: str | Path, frames: list[str | Path], fps: float | None = None) -> Path:
+    """A frame list file for ``frames`` (image paths, in display order) taken at ``fps`` frames per second."""
+    path = Path(path)
+    if not is_frame_list(path):
+        raise ValueError(f"{path}: a frame list's name ends in {FRAME_LIST_SUFFIX!r}")
+    rate = FRAME_LIST_FPS if fps is None else float(fps)
+    if not frames or not rate > 0:
+        raise ValueError(f"{path}: a frame list needs at least one frame and a positive fps, got {len(frames)} "
+                         f"frame(s) at {rate}")
+    path.write_text(json.dumps({"frames": [str(f) for f in frames], "fps": rate}) + "\n")
+    return path
+
+
+def read_frame_list(path: str | Path) -> tuple[list[Path], float]:
+    """The frames (absolute paths) and rate of a frame list file; MediaError naming the file and key if malformed."""
+    path = Path(path)
+    _require_file(path)
+    try:
+        spec = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise MediaError(path, f"not a readable frame list ({error})") from None
+    frames = spec.get("frames") if isinstance(spec, dict) else None
+    if not isinstance(frames, list) or not frames or not all(isinstance(f, str) and f for f in frames):
+        raise MediaError(path, "key 'frames' must be a non-empty list of image paths")
+    fps = spec.get("fps", FRAME_LIST_FPS)
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
+        raise MediaError(path, f"key 'fps' must be a positive number, got {fps!r}")
+    return [f if f.is_absolute() else path.parent / f for f in map(Path, frames)], float(fps)
+
+
+def _probe_frame_list(path: Path) -> VideoInfo:
+    frames, fps = read_frame_list(path)
+    sizes = []
+    for i, frame in enumerate(frames):
+        try:
+            sizes.append(probe_image(frame))
+        except MediaError as error:
+            raise MediaError(path, f"frame {i} ({frame}): {error.reason}") from None
+        if sizes[-1] != sizes[0]:
+            raise MediaError(path, f"frame {i} ({frame}) is {sizes[-1][0]}x{sizes[-1][1]}, frame 0 "
+                                   f"{sizes[0][0]}x{sizes[0][1]}: a video's frames share one size")
+    width, height = sizes[0]
+    return VideoInfo(num_frames=len(frames), fps=fps, duration=len(frames) / fps, width=width, height=height,
+                     codec="frames")
+
+
+def _decode_frame_list(path: Path, indices: np.ndarray) -> tuple[np.ndarray, int]:
+    frames, _ = read_frame_list(path)
+    out = []
+    for i in indices:
+        try:
+            out.append(load_image(frames[int(i)]))
+        except MediaError as error:
+            raise MediaError(path, f"frame {int(i)} ({frames[int(i)]}): {error.reason}") from None
+        if out[-1].shape != out[0].shape:
+            raise MediaError(path, f"frame {int(i)} ({frames[int(i)]}) decodes to {out[-1].shape[1]}x"
+                                   f"{out[-1].shape[0]}, not {out[0].shape[1]}x{out[0].shape[0]}")
+    return np.stack(out), len(out)
+
+
 def probe_video(path: str | Path) -> VideoInfo:
-    """Metadata of the first video stream, from container/stream headers (no frame is decoded)."""
+    """Metadata of the first video stream, from container/stream headers (no frame is decoded); of a frame list,
+    from its frames' image headers."""
     import av
 
     path = Path(path)
+    if is_frame_list(path):
+        return _probe_frame_list(path)
     _require_file(path)
     container = _open_container(path)
     try:
@@ -319,7 +399,9 @@ def load_video(
         if not 0 <= start < stop <= count:
             raise ValueError(f"{path}: frame range [{start}, {stop}) outside the {count} sampled frames")
         wanted = indices[start:stop]
-    if backend == "pyav":
+    if info.codec == "frames" and is_frame_list(path):  # each sampled frame decoded alone, whatever the backend
+        frames, decoded = _decode_frame_list(path, wanted)
+    elif backend == "pyav":
         frames, decoded = _decode_pyav(path, wanted, seek=frame_range is not None)
     elif backend == "decord":
         frames, decoded = _decode_decord(path, wanted)

@@ -31,12 +31,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from titanrl.data.formats import BadRow, ColumnMap, Draft, detect_format, parse_row
+from titanrl.data.formats import BadRow, ColumnMap, Draft, MediaRef, detect_format, parse_row
 from titanrl.data.manifest import ManifestError, MediaEntry, SampleRecord, validate_record, write_manifest
+from titanrl.data.media import FRAME_LIST_SUFFIX, write_frame_list
 from titanrl.data.tables import (DatasetError, Row, data_files, dataset_units, iter_rows, iter_unit_rows,
                                  parquet_columns)
 
-IMPORT_VERSION = 2  # bump when the import's output changes for the same input
+IMPORT_VERSION = 3  # 3: videos given as frames (refused before); bump when the import's output changes for the same input
 _IMAGE_SUFFIX = {"PNG": ".png", "JPEG": ".jpg", "GIF": ".gif", "WEBP": ".webp", "BMP": ".bmp", "TIFF": ".tif"}
 
 
@@ -195,15 +196,26 @@ def import_dataset(path: str | Path, target: Path, settings: ImportSettings, *, 
 def _materialize(draft: Draft, target: Path, file_index: int, row: int, where: str) -> SampleRecord:
     media = []
     for k, ref in enumerate(draft.media):
-        if ref.data is not None:
-            suffix = _image_suffix(ref.data, f"{where}key {ref.key!r}")
-            rel = f"media/{file_index:03d}-{row:08d}-{k}{suffix}"  # by file and row: any world size, same names
-            (target / rel).write_bytes(ref.data)
+        stem = f"media/{file_index:03d}-{row:08d}-{k}"  # by file and row: any world size, same names
+        if ref.frames is not None:  # a video given as frames: a frame list beside the embedded ones
+            frames = [_media_file(frame, target, f"{stem}-{j}", where) for j, frame in enumerate(ref.frames)]
+            rel = stem + FRAME_LIST_SUFFIX
+            write_frame_list(target / rel, [f if Path(f).is_absolute() else Path(f).name for f in frames], ref.fps)
             media.append(MediaEntry(rel, ref.kind))
         else:
-            media.append(MediaEntry(str(ref.path), ref.kind))
+            media.append(MediaEntry(_media_file(ref, target, stem, where), ref.kind))
     return SampleRecord(draft.id, draft.source, draft.prompt, media, draft.answer, draft.answer_choices,
                         draft.system, draft.history)
+
+
+def _media_file(ref: MediaRef, target: Path, stem: str, where: str) -> str:
+    """Where the manifest finds ``ref``: its file (absolute), or its embedded bytes written to ``stem`` + suffix
+    (relative to the import folder)."""
+    if ref.data is None:
+        return str(ref.path)
+    rel = stem + _image_suffix(ref.data, f"{where}key {ref.key!r}")
+    (target / rel).write_bytes(ref.data)
+    return rel
 
 
 def _image_suffix(data: bytes, where: str) -> str:

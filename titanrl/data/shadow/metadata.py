@@ -197,7 +197,9 @@ def classify_media_error(error: MediaError) -> ProblemKind:
 
 def _decoder_supports(codec: str, backend: str) -> bool:
     # PyAV can open a stream whose codec FFmpeg was built without a decoder for; decode would then fail
-    # on the worker. decord's bundled FFmpeg (2021) has no AV1 decoder.
+    # on the worker. decord's bundled FFmpeg (2021) has no AV1 decoder. A frame list's frames are images.
+    if codec == "frames":
+        return True
     if backend == "decord" and codec in ("av1", "libdav1d", "libaom-av1"):
         return False
     try:

@@ -92,6 +92,29 @@ def test_plan_stage_speeds_only_without_sequence_parallelism():
                    cost_model=CostModel.attention_only(), speeds=[1.0, 3.0])
 
 
+def test_fixed_ulysses_gives_its_groups_work_by_their_slowest_member():
+    """Fixed-degree Ulysses over ranks of unequal speed: a group of 2 runs at its slower member's speed, so the
+    group (2, 3) with a member at a third of the speed gets about a quarter of the work; equal speeds (given or
+    not) are the equal-count Karmarkar-Karp plan unchanged."""
+    lengths = [100, 300, 250, 80, 400, 120, 90, 310, 200, 150, 60, 330]
+    model = CostModel.attention_only()
+
+    def plan(speeds):
+        return plan_stage(lengths, [r % 4 for r in range(12)], 4, method="fixed", strategy="lb_micro",
+                          max_tokens=4096, degree=2, cost_model=model, speeds=speeds)
+
+    def group_loads(stage):  # planned cost of each group's ranks
+        return [sum(w.planned_cost[r] + w.planned_cost[r + 1] for w in stage.waves) for r in (0, 2)]
+
+    slow = plan([1.0, 1.0, 1.0, 1 / 3])
+    fast, slowed = group_loads(slow)
+    assert 2.3 < fast / slowed < 3.8, (fast, slowed)
+    assert all(d == 2 for d in slow.degrees)
+    assert plan([2.0] * 4).waves == plan(None).waves
+    even = group_loads(plan(None))
+    assert 0.7 < even[0] / even[1] < 1.4
+
+
 def test_vision_units_follow_speeds():
     cost = [10.0] * 30
     even = assign_units(cost, [0] * 30, 3)
@@ -122,8 +145,10 @@ def test_config_rank_speeds(tmp_path):
     assert load_config("configs/tiny_cpu.toml", ["--balance.rank_speeds=[2, 2]"]).balance.speeds() is None
     with pytest.raises(ConfigError, match="positive numbers"):
         load_config("configs/tiny_cpu.toml", ["--balance.rank_speeds=[1, -1]"])
-    with pytest.raises(ConfigError, match="parallelism.ulysses = 'none' with unequal speeds"):
+    with pytest.raises(ConfigError, match="parallelism.ulysses = 'none' or 'fixed' with unequal speeds"):
         load_config("configs/tiny_cpu.toml", ["--balance.rank_speeds=[1, 0.5]", "--parallelism.ulysses=flex"])
+    load_config("configs/tiny_cpu.toml", ["--balance.rank_speeds=[1, 1, 0.5, 0.5]", "--parallelism.ulysses=fixed",
+                                          "--parallelism.ulysses_degree=2"]).validate_world_size(4)
 
 
 @pytest.mark.slow
@@ -202,8 +227,9 @@ def test_profile_speeds_refusals():
     with pytest.raises(ConfigError, match="use one"):
         load_config("configs/tiny_cpu.toml", ["--balance.profile_speeds=true", "--balance.rank_speeds=[1, 0.5]"])
     with pytest.raises(ConfigError, match="cannot use"):
-        load_config("configs/tiny_cpu.toml", ["--balance.profile_speeds=true", "--parallelism.ulysses=fixed",
-                                              "--parallelism.ulysses_degree=2"])
+        load_config("configs/tiny_cpu.toml", ["--balance.profile_speeds=true", "--parallelism.ulysses=flex"])
+    load_config("configs/tiny_cpu.toml", ["--balance.profile_speeds=true", "--parallelism.ulysses=fixed",
+                                          "--parallelism.ulysses_degree=2"])
 
 
 @pytest.mark.slow

@@ -441,7 +441,8 @@ def test_schedule_writes_a_config_the_trainer_loads(tmp_path, capsys, overrides)
         assert cfg.workflow.rollout_ranks % cfg.rollout.tensor_parallel_size == 0
     else:
         assert cfg.workflow.placement in ("colocated", "disaggregated")
-    assert cfg.parallelism.ulysses == "none"  # unequal speeds: titanrl balances Ulysses groups by equal loads
+    # (Ulysses is in the space over unequal speeds too: FlexUlysses plans by finish time)
+    assert schedule.titanrl_space(cfg, load_cluster(tmp_path / "cluster.toml")).max_ulysses == 8
     # the search again, as the CLI ran it: the file holds its plan
     c = load_cluster(tmp_path / "cluster.toml")
     result = search(c, workload_from_config(cfg), budget=200, seed=0, space=schedule.titanrl_space(cfg, c))

@@ -9,8 +9,9 @@ cost model's coefficients when ``python -m titanrl.calibrate`` has fitted them i
 algorithm, mode) from the config. The search (:func:`titanrl.hetero.search.search`) keeps to plans titanrl can
 run: everything colocated, or the rollout on its own ranks (``workflow.placement = "disaggregated"``, required for
 ``workflow.mode = "async"``), with vLLM tensor parallelism in either (colocated: not with partial rollouts); FSDP
-over every training rank; a Ulysses degree (FlexUlysses' ``p_max``) only when every rank is equally fast (titanrl
-balances Ulysses groups by equal loads). The cost model prices memory with ``titanrl.memory`` (the trainer's own
+over every training rank; a Ulysses degree (FlexUlysses' ``p_max``; over ranks of unequal speed too, which the
+FlexUlysses planner balances by finish time, a group at its slowest member's speed, as the cost model prices it),
+not with ``balance.strategy = "native"``. The cost model prices memory with ``titanrl.memory`` (the trainer's own
 check). It prints the chosen plan's predicted stage and step times beside its baselines (module
 :mod:`titanrl.hetero.search`), and writes ``--out``: the config with
 
@@ -43,7 +44,7 @@ from titanrl.hetero.search import SearchSpace, search, verl_like_plan
 
 SPEED_TOLERANCE = 0.05
 """Speeds within this fraction of each other count as equal (a profile's measurement noise): no rank speeds are
-written for them, and Ulysses stays allowed."""
+written for them."""
 
 
 def _differ(values: Sequence[float]) -> bool:
@@ -52,11 +53,7 @@ def _differ(values: Sequence[float]) -> bool:
 
 def titanrl_space(cfg, cluster: Cluster) -> SearchSpace:
     """The plans titanrl can run with ``cfg`` on ``cluster`` (module doc)."""
-    devs = cluster.devices
-    speeds_differ = _differ([d.tflops for d in devs]) or _differ([d.hbm_gbps for d in devs]) or (
-        len({d.gen_tokens_per_s is None for d in devs}) > 1
-        or _differ([d.gen_tokens_per_s or 1.0 for d in devs]))
-    ulysses_ok = not speeds_differ and cfg.balance.strategy != "native"
+    ulysses_ok = cfg.balance.strategy != "native"
     tp = (1, 2, 4, 8) if cfg.rollout.engine == "vllm" else (1,)
     # colocated engines span tp ranks too (rollout.tensor_parallel_size)
     return SearchSpace(groupings="titanrl", tp_choices=tp, max_ulysses=8 if ulysses_ok else 1, fsdp="full")
@@ -202,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"note: model.path is empty, so this plans the built-in '{cfg.model.flavor}' model "
               f"({workload.model.name}); pass --model.path <a folder with your model's config.json> to plan yours")
     if space.max_ulysses == 1 and len(cluster) > 1:
-        print("note: Ulysses not considered (devices differ in speed, or balance.strategy = 'native')")
+        print("note: Ulysses not considered (balance.strategy = 'native' keeps trajectories where generated)")
     try:
         result = search(cluster, workload, budget=args.budget, seed=args.seed, space=space, model=model)
     except ValueError as err:  # e.g. workflow.mode = "async" on one device: no disaggregated plan exists

@@ -52,16 +52,6 @@ def cross_section_problems(cfg: "JobConfig") -> list[str]:
         )
     if cfg.balance.profile_speeds and cfg.balance.rank_speeds:
         found.append("balance.profile_speeds = true measures the speeds that balance.rank_speeds sets: use one")
-    if cfg.balance.profile_speeds and cfg.parallelism.ulysses == "flex":
-        found.append("balance.profile_speeds = true may find unequal speeds, which parallelism.ulysses = 'flex' "
-                     "cannot use (its nested groups are planned by equal loads): use parallelism.ulysses = 'none' "
-                     "or 'fixed'")
-    if cfg.balance.speeds() and cfg.parallelism.ulysses == "flex":
-        found.append(
-            "balance.rank_speeds differ, but parallelism.ulysses = 'flex' places sequences as if every rank were "
-            "equally fast (its nested groups are planned by equal loads): use parallelism.ulysses = 'none' or "
-            "'fixed' with unequal speeds, or equal speeds"
-        )
     found += _multiturn_problems(cfg)
     tp = cfg.rollout.tensor_parallel_size
     if tp > 1 and cfg.rollout.engine != "vllm":

@@ -325,8 +325,8 @@ class BalanceConfig:
     the log-prob and update stages' split across ranks (the latest finish load / speed minimised instead of
     Karmarkar-Karp; sample counts then differ) and, with parallelism.vision_balance, the vision tower's units.
     balance.strategy = 'native' keeps trajectories where they were generated (only the rollout split then
-    follows speeds); fixed Ulysses gives each group work in proportion to its slowest member's speed; FlexUlysses
-    places by equal speeds, so unequal ones need parallelism.ulysses = 'none' or 'fixed'. `python -m titanrl.schedule` writes them from a profile (docs/hetrl.md)."""
+    follows speeds); fixed Ulysses and FlexUlysses place sequences so that the latest finish is earliest, a
+    Ulysses group running at its slowest member's speed. `python -m titanrl.schedule` writes them from a profile (docs/hetrl.md)."""
     calibrate: bool = False
     """Fit the cost model to this run: after every step, each training rank's measured busy seconds of the
     log-prob and update stages against the attention and linear work the plan gave it (last 8 steps, non-negative

@@ -293,9 +293,9 @@ def plan_stage(
     ``CostModel.prefix_compute``); it drives the wave partition and the microbatching, while the
     FlexUlysses degree planner prices a unit by its length (overstating the attention a shared
     prompt saves, never the tokens). ``speeds`` (relative, one per rank): method ``none`` under ``lb_micro`` /
-    ``lb_mini`` gives ranks work in proportion (:func:`~titanrl.parallel.balance.speed_partition`), method
-    ``fixed`` gives its groups work in proportion to their slowest member's speed; ``flex`` and ``bucketing``
-    place by equal speeds and refuse unequal ones."""
+    ``lb_mini`` gives ranks work in proportion (:func:`~titanrl.parallel.balance.speed_partition`), ``fixed``
+    and ``flex`` place so that the latest finish is earliest, a Ulysses group running at its slowest member's
+    speed; ``bucketing`` deals equal counts and refuses unequal speeds."""
     t0 = time.perf_counter()
     if strategy is None:
         strategy = "native" if method == "none" else "lb_micro"
@@ -304,9 +304,9 @@ def plan_stage(
         raise ValueError(f"{len(h)} lengths but {len(homes)} home ranks")
     if strategy == "native" and method != "none":
         raise ValueError(f"balance.strategy='native' keeps sequences where they are; method {method!r} places them")
-    if speeds is not None and len(set(speeds)) > 1 and method not in ("none", "fixed"):
-        raise ValueError(f"parallelism.ulysses = {method!r} places sequences as if every rank were equally fast; "
-                         "unequal rank speeds need method 'none' or 'fixed'")
+    if speeds is not None and len(set(speeds)) > 1 and method == "bucketing":
+        raise ValueError("bucketing deals equal counts as if every rank were equally fast; unequal rank speeds need "
+                         "another method")
     top = top_degree(method, num_devices, p_max, degree)
     over = tuple(i for i, length in enumerate(h) if math.ceil(length / top) > max_tokens)
     if costs is None:
@@ -330,7 +330,7 @@ def plan_stage(
         if method == "flex":
             mean = sum(sub) / num_devices
             alpha = max(1.0, max_tokens / mean) if mean > 0 else 1.0
-            return plan_shards(sub, num_devices, p_max=p_max, alpha=alpha, cost_model=cost_model)
+            return plan_shards(sub, num_devices, p_max=p_max, alpha=alpha, cost_model=cost_model, speeds=speeds)
         if method == "fixed":
             return plan_fixed_sp(sub, num_devices, degree, cost_model=cost_model, speeds=speeds)
         if method == "bucketing":

@@ -7,6 +7,10 @@ subject to the memory cap ``M_d <= M_th = alpha * M*`` (``M_d`` the exact tokens
 ``d``, ``M*`` their mean). Loads within ``balance_tol`` of the lower bound
 ``max(mean C, max_i w_i / p_cap_i)`` count as ties, so communication decides among them.
 
+Ranks of unequal speed (``speeds``, HetRL sec. 4.2; ours): ``C_d`` is then device ``d``'s time, each shard's
+``w_i / p_i`` divided by its group's slowest member's speed (the group's all-to-alls keep its members in step),
+and every stage below compares those times; with equal speeds they are the loads above, bit for bit.
+
 Communication is ``sum_i comm(h_i, p_i)`` with ``comm = p * SplitCost(h, p) = h (p-1)/p`` (times
 ``gamma`` beyond ``tau``): the all-to-all volume of the whole group. The paper sums ``SplitCost``
 itself, the volume of *one* member, which falls as ``p`` grows (h/4, 3h/16, 7h/64 for p = 2, 4, 8),
@@ -77,9 +81,14 @@ def _pow2_floor(x: np.ndarray) -> np.ndarray:
 
 
 class _State:
-    """Loads of a partial placement. ``deg[i] == 0`` means sequence ``i`` is not placed."""
+    """Loads of a partial placement. ``deg[i] == 0`` means sequence ``i`` is not placed.
 
-    def __init__(self, h: np.ndarray, w: np.ndarray, num_devices: int):
+    ``C`` is each device's time: a shard of ``w / p`` on a group runs at the group's slowest member's speed
+    (its all-to-alls keep the members in step), so it adds ``w / p * g`` to every member, ``g`` the group's
+    ``1 / min speed`` (``gf[p][b]``; speeds normalised to mean 1). Equal speeds: ``g = 1.0`` exactly, and every
+    load is the paper's ``sum w / p``, bit for bit."""
+
+    def __init__(self, h: np.ndarray, w: np.ndarray, num_devices: int, slowness: np.ndarray | None = None):
         self.h = h
         self.w = w
         self.hl = [int(x) for x in h]
@@ -91,12 +100,25 @@ class _State:
         self.C = np.zeros(num_devices, dtype=np.float64)
         self.M = np.zeros(num_devices, dtype=np.int64)
         self.ext: list[np.ndarray | None] = [None] * self.n
+        self.uniform = slowness is None
+        self.f = np.ones(num_devices) if slowness is None else np.asarray(slowness, dtype=np.float64)
+        self.gf: dict[int, np.ndarray] = {}
+
+    def g(self, p: int) -> np.ndarray:
+        """Per ``p``-group: the slowness of its slowest member (1.0 everywhere with equal speeds)."""
+        if p not in self.gf:
+            self.gf[p] = self.block_max(self.f, p)
+        return self.gf[p]
+
+    def after(self, p: int, w: float) -> np.ndarray:
+        """Per ``p``-group: its most loaded member's time once a shard of ``w / p`` is added."""
+        return self.block_max(self.C, p) + w / p * self.g(p)
 
     def add(self, i: int, p: int, b: int) -> None:
         """Place sequence ``i`` at degree ``p`` on block ``b``. When ``h % p`` slices get one token
         more, they go to the members with the fewest tokens (ties: lower position)."""
         lo = b * p
-        self.C[lo : lo + p] += self.wl[i] / p
+        self.C[lo : lo + p] += self.wl[i] / p * float(self.g(p)[b])
         base, extra = divmod(self.hl[i], p)
         self.M[lo : lo + p] += base
         if extra:
@@ -111,7 +133,7 @@ class _State:
     def remove(self, i: int) -> tuple[int, int]:
         p, b = int(self.deg[i]), int(self.blk[i])
         lo = b * p
-        self.C[lo : lo + p] -= self.wl[i] / p
+        self.C[lo : lo + p] -= self.wl[i] / p * float(self.g(p)[b])
         self.M[lo : lo + p] -= self.hl[i] // p
         if self.ext[i] is not None:
             self.M[lo + self.ext[i]] -= 1
@@ -159,14 +181,14 @@ def _baseline_split_place(
         overflow = None
         for p in degrees:
             if float(_MAX(st.M)) + -(-h // p) <= m_th:  # memory cannot bind: every group is valid
-                cb = st.block_max(st.C, p)
+                cb = st.block_max(st.C, p) if st.uniform else st.after(p, w)
                 st.add(i, p, int(np.argmin(cb)))
                 placed = True
                 break
             mb = st.block_max(st.M, p) + -(-h // p)
             valid = mb <= m_th
             if valid.any():
-                cb = st.block_max(st.C, p) + w / p
+                cb = st.after(p, w)
                 st.add(i, p, int(np.argmin(np.where(valid, cb, np.inf))))
                 placed = True
                 break
@@ -235,15 +257,17 @@ def _bulk_merge(st: _State, p: int, b: int, members: list[int], bound: float, m_
     if min(slack_a, slack_b) < 0:
         return 0
     movers = sorted(members, key=lambda k: (-wl[k], k))
+    g_whole, g_a, g_b = float(st.g(p)[b]), float(st.g(half)[2 * b]), float(st.g(half)[2 * b + 1])
     while len(movers) >= 2:
         heavy, light, diff = _kk_two_way(movers, wl)
-        dc = diff / p
         dm = (sum(hl[i] for i in heavy) - sum(hl[i] for i in light)) / p
-        # the half taking the heavier side gains dc compute and dm tokens per member, the other
-        # loses them (+2 tokens of slack for slice rounding; the exact check follows)
+        # the half taking the heavier side gains dc time and dm tokens per member, the other loses
+        # (equal speeds: dc, dm) them (+2 tokens of slack for slice rounding; the exact check follows)
         orient = None
         for heavy_to_a in (True, False):
             s_heavy, m_heavy, m_light = (slack_a, mem_a, mem_b) if heavy_to_a else (slack_b, mem_b, mem_a)
+            dc = diff / p if st.uniform else (2 * sum(wl[i] for i in heavy) * (g_a if heavy_to_a else g_b)
+                                              - sum(wl[i] for i in movers) * g_whole) / p
             if dc <= s_heavy and dm + 2 <= m_heavy and -dm + 2 <= m_light:
                 orient = (heavy, light) if heavy_to_a else (light, heavy)
                 break
@@ -293,6 +317,7 @@ def _merge_phase(
                     break
                 members.sort(key=lambda k: (wl[k], hl[k], k))
                 ca, cb = float(st.C[lo:mid].max()), float(st.C[mid:hi].max())
+                g_whole, g_a, g_b = float(st.g(p)[b]), float(st.g(half)[2 * b]), float(st.g(half)[2 * b + 1])
                 cands: list[tuple[float, float, int, list[int], list[int]]] = []
                 serial = 0
                 subsets: list[tuple[list[int], list[int]]] = []
@@ -304,12 +329,12 @@ def _merge_phase(
                 for a_, b_ in zip(members, members[1:]):  # near-equal neighbours balance each other
                     subsets.append(([b_], [a_]))
                 for s1, s2 in subsets:
-                    removed = sum(wl[i] for i in s1) / p + sum(wl[i] for i in s2) / p
+                    removed = (sum(wl[i] for i in s1) / p + sum(wl[i] for i in s2) / p) * g_whole
                     w1 = sum(wl[i] for i in s1) / half
                     w2 = sum(wl[i] for i in s2) / half
-                    # orientation: heavier part to the half with the lower current max
-                    opt1 = max(ca - removed + w1, cb - removed + w2)
-                    opt2 = max(ca - removed + w2, cb - removed + w1)
+                    # orientation: heavier part to the half where the maximum ends lower
+                    opt1 = max(ca - removed + w1 * g_a, cb - removed + w2 * g_b)
+                    opt2 = max(ca - removed + w2 * g_a, cb - removed + w1 * g_b)
                     if opt2 < opt1:
                         sa, sb, new_max = s2, s1, opt2
                     else:
@@ -381,14 +406,14 @@ def _short_item_reorder_raw(st: _State, bound: float, m_th: float) -> None:
         h, w = hl[i], wl[i]
         fits = st.M + h <= m_th
         if fits.any():
-            d = int(np.argmin(np.where(fits, st.C, np.inf)))
+            d = int(np.argmin(np.where(fits, st.C if st.uniform else st.C + w * st.f, np.inf)))
         else:
             d = int(np.argmin(st.M))
-        whole_load = float(st.C[d]) + w
+        whole_load = float(st.C[d]) + w * float(st.f[d])
         if was[i] == 2 and (whole_load > bound or not fits.any()) and h >= 2 and st.D >= 2:
             mb = st.block_max(st.M, 2) + -(-h // 2)
             valid = mb <= m_th
-            cb = st.block_max(st.C, 2) + w / 2
+            cb = st.after(2, w)
             if valid.any():
                 b = int(np.argmin(np.where(valid, cb, np.inf)))
                 if cb[b] < whole_load or not fits.any():
@@ -406,7 +431,7 @@ def _first_placement(st: _State, i: int, m_th: float, p_top: int, limit: float) 
     h, w = st.hl[i], st.wl[i]
     p = 1
     while p <= p_top:
-        cb = st.block_max(st.C, p) + w / p
+        cb = st.after(p, w)
         ok = (cb < limit) & (st.block_max(st.M, p) + -(-h // p) <= m_th)
         if ok.any():
             return p, int(np.argmin(np.where(ok, cb, np.inf)))
@@ -426,7 +451,8 @@ def _refine(st: _State, target: float, m_th: float, p_top: np.ndarray, max_steps
             break
         limit = cmax - _EPS * max(1.0, cmax)
         touching = np.nonzero((st.deg >= 1) & (st.blk * st.deg <= d) & (d < (st.blk + 1) * st.deg))[0]
-        cand = sorted((int(i) for i in touching), key=lambda k: (-wl[k] / st.deg[k], k))
+        cand = sorted((int(i) for i in touching),
+                      key=lambda k: (-wl[k] / st.deg[k] * float(st.g(int(st.deg[k]))[st.blk[k]]), k))
         moved = False
         # A cheap necessary test before trying a sequence: after removing it (degree p0, share
         # w/p0 on each member) a group that does not overlap its old one keeps its maximum (at
@@ -442,11 +468,11 @@ def _refine(st: _State, target: float, m_th: float, p_top: np.ndarray, max_steps
         # (a) re-insert one sequence on d at its best (degree, group): smallest degree that helps
         for i in cand:
             p_i = int(st.deg[i])
-            share, held = wl[i] / p_i, -(-hl[i] // p_i)
+            share, held = wl[i] / p_i * float(st.g(p_i)[st.blk[i]]), -(-hl[i] // p_i)
             q, hopeful = 1, False
             lo0 = int(st.blk[i]) * p_i
             while q <= int(p_top[i]):
-                add = wl[i] / q
+                add = wl[i] / q * float(_MIN(st.g(q)))  # the fastest q-group's: a necessary test
                 if q < p_i:  # sub-groups of its old group
                     ovl = float(_MIN(_MAX(st.C[lo0 : lo0 + p_i].reshape(-1, q), axis=1))) if q > 1 else float(
                         _MIN(st.C[lo0 : lo0 + p_i]))
@@ -478,7 +504,9 @@ def _refine(st: _State, target: float, m_th: float, p_top: np.ndarray, max_steps
                     for j in others:
                         if wl[j] >= wl[i]:
                             continue
-                        new_max = max(cmax - wl[i] + wl[j], float(st.C[e]) + wl[i] - wl[j])
+                        new_max = max(cmax + (wl[j] - wl[i]) * float(st.f[d]),
+                                      float(st.C[e]) + (wl[i] - wl[j]) * float(st.f[e])) if not st.uniform else \
+                            max(cmax - wl[i] + wl[j], float(st.C[e]) + wl[i] - wl[j])
                         if new_max >= limit:
                             continue
                         if st.M[d] - hl[i] + hl[j] > max(m_th, st.M[d]) or st.M[e] + hl[i] - hl[j] > m_th:
@@ -510,7 +538,7 @@ def _memory_first(st: _State, order: Sequence[int], p_cap: np.ndarray) -> None:
         p = 1
         while p <= int(p_cap[i]):
             mb = st.block_max(st.M, p) + -(-h // p)
-            cb = st.block_max(st.C, p) + w / p
+            cb = st.after(p, w)
             b = int(np.lexsort((cb, mb))[0])
             key = (float(mb[b]), float(cb[b]), p, b)
             if best is None or key < best:
@@ -568,6 +596,18 @@ def _memory_search(st: _State, order: Sequence[int], p_cap: np.ndarray, m_th: fl
 # ------------------------------------------------------------------------------ driver
 
 
+def _slowness(speeds: Sequence[float] | None, num_devices: int) -> np.ndarray | None:
+    """Each rank's time per unit of work, speeds normalised to mean 1; None when every speed is equal."""
+    if speeds is None:
+        return None
+    s = np.asarray(speeds, dtype=np.float64)
+    if s.shape != (num_devices,) or not (s > 0).all():
+        raise ValueError(f"speeds must be {num_devices} positive numbers, got {list(speeds)}")
+    if (s == s[0]).all():
+        return None
+    return 1.0 / (s / s.mean())
+
+
 def _validate(lengths: Sequence[int], num_devices: int) -> np.ndarray:
     h = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if num_devices < 1:
@@ -590,8 +630,12 @@ def plan_shards(
     refine: bool = True,
     h_pack: int = DEFAULT_H_PACK,
     h_pack_cap: int = DEFAULT_H_PACK_CAP,
+    speeds: Sequence[float] | None = None,
 ) -> ShardPlan:
     """FlexUlysses placement of ``lengths`` over ``num_devices`` ranks (see the module docstring).
+
+    ``speeds`` (relative, one per rank; None or all equal: the paper's planner exactly): every stage minimises
+    the latest finish instead of the largest load, a shard running at its group's slowest member's speed.
 
     ``cost_model=None`` balances the paper's attention proxy ``h**2 / p``; a :class:`CostModel`
     balances its full compute (attention + linear) instead. ``num_devices`` need not be a power of
@@ -609,10 +653,14 @@ def plan_shards(
         return build_plan("flex_ulysses", [], num_devices, p_max, [], [], cost_model=model, alpha=alpha,
                           max_degree=top, h_pack=h_pack, h_pack_cap=h_pack_cap)
     w = np.asarray(model.compute(h.astype(np.float64)), dtype=np.float64)
+    slowness = _slowness(speeds, num_devices)
+    # (speeds normalised to mean 1: the ideal finish is still the mean load)
     mean_c = float(w.sum()) / num_devices
     m_th = alpha * float(h.sum()) / num_devices
     p_cap = np.minimum(_pow2_floor(h), top)  # per-sequence top degree
-    lower = max(mean_c, float((w / p_cap).max()))
+    st = _State(h, w, num_devices, slowness)
+    fastest = np.asarray([float(_MIN(st.g(int(q)))) for q in p_cap])  # each sequence's best group at its cap
+    lower = max(mean_c, float((w / p_cap * fastest).max()))
     target = (1.0 + balance_tol) * lower
 
     # GetSPSize: smallest level with w/p <= split_granularity * mean load (capped).
@@ -620,7 +668,6 @@ def plan_shards(
     p0 = np.minimum(np.left_shift(1, np.ceil(np.log2(need)).astype(np.int64)), p_cap)
     order = [int(i) for i in np.lexsort((np.arange(n), -h))]
 
-    st = _State(h, w, num_devices)
     _baseline_split_place(st, order, p0, p_cap, m_th)  # stage 1
     first = float(st.C.max())
     steps = _refine(st, target, m_th, p_cap, 8 * n) if refine else 0
@@ -632,10 +679,10 @@ def plan_shards(
     rescued = 0.0
     hopeless = float((-(-h // p_cap)).max()) > m_th  # one sequence alone breaks the cap
     if float(st.M.max()) > m_th and not hopeless:  # the compute-first stages missed the cap
-        alt = _State(h, w, num_devices)
+        alt = _State(h, w, num_devices, slowness)
         _memory_first(alt, order, p_cap)
         if float(alt.M.max()) > m_th:
-            alt = _State(h, w, num_devices)
+            alt = _State(h, w, num_devices, slowness)
             if not _memory_search(alt, order, p_cap, m_th, MEMORY_SEARCH_BUDGET):
                 alt = None
         if alt is not None:

@@ -470,3 +470,34 @@ def test_a_video_given_as_its_frames_imports_and_prepares_as_transformers_does(t
         {"type": "video", "video": [uris[0], "missing.png"]}, {"type": "text", "text": "x"}]}], "answer": "1"}) + "\n")
     with pytest.raises(BadRow, match=r"row 0: key 'messages\[0\].content\[0\]\[1\]' names a missing file"):
         import_dataset(tmp_path / "bad.jsonl", tmp_path / "bad", ImportSettings(on_bad_sample="error"))
+
+
+def test_a_video_given_as_its_bytes_is_imported_to_a_file(tmp_path, setup):
+    """A video's bytes (HF's Video feature {'bytes', 'path'} in Parquet, a data URI in JSONL) are written to a file
+    of the container's suffix and prepare as the file itself does; bytes that are no video are named."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    synth = generate_dataset(tmp_path / "synth", "only-video", 2, seed=2)
+    record = read_manifest(synth)[0]
+    data = (synth.parent / record.media[0].path).read_bytes()
+    video = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    pq.write_table(pa.table({"problem": [record.prompt], "answer": [record.answer],
+                             "videos": pa.array([[{"bytes": data, "path": None}]], pa.list_(video))}),
+                   tmp_path / "v.parquet")
+    uri = "data:video/mp4;base64," + base64.b64encode(data).decode()
+    (tmp_path / "v.jsonl").write_text(json.dumps({"problem": record.prompt, "answer": record.answer,
+                                                  "videos": [uri]}) + "\n")
+    encoder, settings = setup
+    want = prepare_sample(record, synth.parent, encoder, settings)
+    for name in ("v.parquet", "v.jsonl"):
+        import_dataset(tmp_path / name, tmp_path / name.replace(".", "_"), ImportSettings())
+        [got] = read_manifest(tmp_path / name.replace(".", "_") / "manifest.jsonl", check_files=True)
+        assert got.media[0].path.endswith(".mp4"), name
+        prepared = prepare_sample(got, tmp_path / name.replace(".", "_"), encoder, settings)
+        np.testing.assert_array_equal(prepared.pixel_values, want.pixel_values, err_msg=name)
+        np.testing.assert_array_equal(prepared.prompt_ids, want.prompt_ids, err_msg=name)
+    bad = {"problem": "<video>x", "answer": "1", "videos": ["data:video/mp4;base64," + base64.b64encode(b"nope").decode()]}
+    (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+    with pytest.raises(BadRow, match=r"row 0: key 'videos\[0\]': video bytes \(4 B\) are not a readable video"):
+        import_dataset(tmp_path / "bad.jsonl", tmp_path / "bad", ImportSettings(on_bad_sample="error"))

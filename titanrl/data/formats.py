@@ -261,17 +261,24 @@ def _resolve(row: Row, key: str, text: str) -> Path:
     return path.resolve()
 
 
+def _data_uri(row: Row, key: str, text: str) -> bytes | None:
+    """The bytes of a base64 ``data:`` URI; None when ``text`` is not one (a path)."""
+    match = _DATA_URI.match(text)
+    if not match:
+        return None
+    try:
+        return base64.b64decode(text[match.end():], validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRow(f"{row.where}key {key!r} is a data URI with invalid base64") from None
+
+
 def _image(row: Row, key: str, value: Any) -> MediaRef:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return MediaRef("image", key, data=bytes(value))
     if isinstance(value, str):
-        match = _DATA_URI.match(value)
-        if match:
-            try:
-                return MediaRef("image", key, data=base64.b64decode(value[match.end():], validate=True))
-            except (binascii.Error, ValueError):
-                raise BadRow(f"{row.where}key {key!r} is a data URI with invalid base64") from None
-        return MediaRef("image", key, path=_resolve(row, key, value))
+        data = _data_uri(row, key, value)
+        return MediaRef("image", key, data=data) if data is not None else MediaRef("image", key,
+                                                                                    path=_resolve(row, key, value))
     if isinstance(value, dict):
         if value.get("bytes") is not None:
             return _image(row, key, value["bytes"])
@@ -282,19 +289,25 @@ def _image(row: Row, key: str, value: Any) -> MediaRef:
 
 
 def _video(row: Row, key: str, value: Any, fps: Any = None) -> MediaRef:
-    """A video file, or a video given as the list of its frames (each a path, bytes, a data URI or
-    {'bytes', 'path'}) taken at ``fps`` frames per second (a dict's 'fps' key; default media.FRAME_LIST_FPS)."""
+    """A video file (a path, its bytes, a data URI or {'bytes', 'path'}), or a video given as the list of its frames
+    (each a path, bytes, a data URI or {'bytes', 'path'}) taken at ``fps`` frames per second (a dict's 'fps' key;
+    default media.FRAME_LIST_FPS)."""
     if isinstance(value, dict):
         fps = value.get("fps", fps)
-        value = value.get("path") or value.get("video")
+        value = value["bytes"] if value.get("bytes") is not None else value.get("path") or value.get("video")
+    if isinstance(value, (bytes, bytearray, memoryview)):  # the file's bytes (HF's Video feature: bytes win)
+        return MediaRef("video", key, data=bytes(value))
     if isinstance(value, str):
-        return MediaRef("video", key, path=_resolve(row, key, value))
+        data = _data_uri(row, key, value)
+        return MediaRef("video", key, data=data) if data is not None else MediaRef("video", key,
+                                                                                    path=_resolve(row, key, value))
     if isinstance(value, (list, tuple)) and value:
         if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
             raise BadRow(f"{row.where}key {key!r}: the frames' fps must be a positive number, got {fps!r:.40}")
         frames = [_image(row, f"{key}[{j}]", frame) for j, frame in enumerate(value)]
         return MediaRef("video", key, frames=frames, fps=None if fps is None else float(fps))
-    raise BadRow(f"{row.where}key {key!r} must be a video path or a non-empty list of frames, got {value!r:.80}")
+    raise BadRow(f"{row.where}key {key!r} must be a video (path, bytes, data URI) or a non-empty list of frames, "
+                 f"got {value!r:.80}")
 
 
 # ------------------------------------------------------------------------------------------------------ chat
@@ -382,8 +395,8 @@ def _chat_content(row: Row, key: str, content: Any) -> tuple[str, list[tuple[str
             slots.append(("image", _image(row, where, value) if value is not None else None))
         elif kind in ("video", "video_url"):
             value = part.get("video") if kind == "video" else part.get("video_url")
-            if isinstance(value, dict):
-                value = value.get("url") or value.get("path")
+            if isinstance(value, dict) and value.get("url"):  # {"url": ...} (OpenAI's form); else _video's dict
+                value = value["url"]
             text.append("<video>")
             # a list: the video's frames (qwen-vl-utils' form), at the part's "fps"
             slots.append(("video", _video(row, where, value, part.get("fps")) if value is not None else None))

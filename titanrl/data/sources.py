@@ -213,7 +213,8 @@ def _media_file(ref: MediaRef, target: Path, stem: str, where: str) -> str:
     (relative to the import folder)."""
     if ref.data is None:
         return str(ref.path)
-    rel = stem + _image_suffix(ref.data, f"{where}key {ref.key!r}")
+    suffix = (_image_suffix if ref.kind == "image" else _video_suffix)(ref.data, f"{where}key {ref.key!r}")
+    rel = stem + suffix
     (target / rel).write_bytes(ref.data)
     return rel
 
@@ -230,6 +231,23 @@ def _image_suffix(data: bytes, where: str) -> str:
     if width < 1 or height < 1:
         raise BadRow(f"{where}: image is {width}x{height}")
     return _IMAGE_SUFFIX.get(fmt or "", f".{(fmt or 'img').lower()}")
+
+
+def _video_suffix(data: bytes, where: str) -> str:
+    """The file suffix of a video's bytes, from its container's header (no frame decoded)."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise BadRow(f"{where}: video bytes ({len(data)} B) hold no video stream")
+            extensions = set(container.format.extensions or ())
+    except av.error.FFmpegError as e:
+        raise BadRow(f"{where}: video bytes ({len(data)} B) are not a readable video ({e})") from None
+    for ext in ("mp4", "mkv", "webm", "avi", "mov"):
+        if ext in extensions:
+            return f".{ext}"
+    return f".{sorted(extensions)[0]}" if extensions else ".video"
 
 
 def dataset_manifest(path: str | Path, cache_dir: Path, settings: ImportSettings,

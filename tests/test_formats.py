@@ -470,6 +470,16 @@ def test_a_video_given_as_its_frames_imports_and_prepares_as_transformers_does(t
         {"type": "video", "video": [uris[0], "missing.png"]}, {"type": "text", "text": "x"}]}], "answer": "1"}) + "\n")
     with pytest.raises(BadRow, match=r"row 0: key 'messages\[0\].content\[0\]\[1\]' names a missing file"):
         import_dataset(tmp_path / "bad.jsonl", tmp_path / "bad", ImportSettings(on_bad_sample="error"))
+    # the header cache knows a frame list by its frames too: a frame replaced is probed again
+    from titanrl.data.shadow.metadata import HeaderCache, probe_media_file
+
+    cache = HeaderCache(None)
+    header, error, _ = probe_media_file(tmp_path, frame_list.name, "video", cache)
+    assert error is None and (header.num_frames, header.fps, cache.probes) == (6, 1.0, 1)
+    assert probe_media_file(tmp_path, frame_list.name, "video", cache)[0] == header and cache.probes == 1
+    _noise_png(tmp_path / "f5.png", 5, size=(64, 42))
+    header, error, _ = probe_media_file(tmp_path, frame_list.name, "video", cache)
+    assert header is None and "frame 5" in str(error) and cache.probes == 2
 
 
 def test_a_video_given_as_its_bytes_is_imported_to_a_file(tmp_path, setup):

@@ -31,9 +31,11 @@ from titanrl.data.manifest import SampleRecord, read_manifest
 from titanrl.data.media import (
     MediaError,
     VideoInfo,
+    is_frame_list,
     num_frames_to_sample,
     probe_image,
     probe_video,
+    read_frame_list,
     sample_frame_indices,
 )
 from titanrl.data.shadow.placeholder import PixelPlaceholder, media_token_offsets, placeholders_for_token_range
@@ -224,11 +226,26 @@ def probe_header(path: Path, kind: str) -> HeaderInfo:
 
 
 def _stat_key(path: Path) -> tuple[int, int] | None:
+    """(bytes, latest mtime) of a media file; of a frame list, over the list and its frames (a frame replaced
+    makes its cached header stale)."""
     try:
         st = path.stat()
     except OSError:
         return None
-    return st.st_size, st.st_mtime_ns
+    if not is_frame_list(path):
+        return st.st_size, st.st_mtime_ns
+    size, mtime = st.st_size, st.st_mtime_ns
+    try:
+        frames, _ = read_frame_list(path)
+    except MediaError:
+        return size, mtime  # the probe names what is wrong with it
+    for frame in frames:
+        try:
+            fs = frame.stat()
+        except OSError:
+            continue  # (the probe names the missing frame)
+        size, mtime = size + fs.st_size, max(mtime, fs.st_mtime_ns)
+    return size, mtime
 
 
 def cache_path_for(manifest_path: str | Path) -> Path:

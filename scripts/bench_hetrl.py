@@ -9,8 +9,8 @@ tokens, 1024 prompts per step, 8 responses each, PPO and GRPO, synchronous and a
 network scenarios. The jobs are titanrl's: ``configs/qwen2_5_vl_7b.toml`` with those settings on the published
 Qwen2.5-VL-3B and -7B shapes (HetRL's Qwen3 models are not what titanrl trains), priced by ``titanrl.memory`` (the
 trainer's own memory check) and searched in the space of plans titanrl runs (``titanrl.schedule.titanrl_space``:
-everything colocated or the rollout on its own ranks, FSDP over every training rank, vLLM TP in either, Ulysses
-only on devices of equal speed). Per row: the plan :func:`titanrl.hetero.search.search` finds (budget
+everything colocated or the rollout on its own ranks, FSDP over every training rank, vLLM TP in either, a Ulysses
+degree, also over devices of unequal speed). Per row: the plan :func:`titanrl.hetero.search.search` finds (budget
 ``MAIN_BUDGET``), the verl-like plan (every task on every device, even split, speed-oblivious; its TP / Ulysses
 degrees the best the cost model finds for that layout; asynchronous: the rollout on the first half of the
 devices), and the best plan on 24 A100s alone (HetRL's "limited homogeneous GPUs"). The convergence figure is
@@ -314,7 +314,7 @@ def simulated_section(rows: list[Row] | None = None, conv: dict | None = None, f
              "(`configs/qwen2_5_vl_7b.toml` at HetRL's batch and lengths, Qwen2.5-VL-3B / -7B shapes), their memory is "
              "`titanrl.memory`'s (the trainer's start-up check), and every plan, the baselines' included, is one "
              "titanrl runs (`titanrl.schedule.titanrl_space`: colocated, or the rollout on its own ranks; FSDP over "
-             "every training rank; no Ulysses on devices of unequal speed). Assumptions: `scripts/bench_hetrl.py`'s "
+             "every training rank; Ulysses, also over devices of unequal speed). Assumptions: `scripts/bench_hetrl.py`'s "
              "docstring (hosts of 8 GPUs, AWS NIC bandwidths inside a region, where each scenario's GPUs are, a "
              "distance-based spread of the paper's latency/bandwidth ranges, 4096-token micro-batches).", "",
              "### HetRL plan vs the verl-like plan (throughput ratio = verl-like step / HetRL step)", "",

@@ -9,7 +9,9 @@ subject to the memory cap ``M_d <= M_th = alpha * M*`` (``M_d`` the exact tokens
 
 Ranks of unequal speed (``speeds``, HetRL sec. 4.2; ours): ``C_d`` is then device ``d``'s time, each shard's
 ``w_i / p_i`` divided by its group's slowest member's speed (the group's all-to-alls keep its members in step),
-and every stage below compares those times; with equal speeds they are the loads above, bit for bit.
+and every stage below compares those times; with equal speeds they are the loads above, bit for bit. Stage 1 then
+places each sequence at the (degree, group) where it ends earliest (ties: the least device time) instead of the
+first degree that fits: a group holding a slow member would otherwise take shards a faster group ends as early.
 
 Communication is ``sum_i comm(h_i, p_i)`` with ``comm = p * SplitCost(h, p) = h (p-1)/p`` (times
 ``gamma`` beyond ``tau``): the all-to-all volume of the whole group. The paper sums ``SplitCost``
@@ -177,12 +179,15 @@ def _baseline_split_place(
         while p >= 1:
             degrees.append(p)
             p //= 2
+        if not st.uniform:
+            if _place_earliest(st, i, degrees, m_th):
+                continue
+            degrees = []  # no degree fits the cap: the least overflow below
         placed = False
         overflow = None
         for p in degrees:
             if float(_MAX(st.M)) + -(-h // p) <= m_th:  # memory cannot bind: every group is valid
-                cb = st.block_max(st.C, p) if st.uniform else st.after(p, w)
-                st.add(i, p, int(np.argmin(cb)))
+                st.add(i, p, int(np.argmin(st.block_max(st.C, p))))
                 placed = True
                 break
             mb = st.block_max(st.M, p) + -(-h // p)
@@ -196,7 +201,40 @@ def _baseline_split_place(
             if overflow is None or mb[b] < overflow[0]:
                 overflow = (float(mb[b]), p, b)
         if not placed:  # no group can take it under the cap: least memory overflow
+            if overflow is None:
+                overflow = min((float(_MIN(st.block_max(st.M, q) + -(-h // q))), q,
+                                int(np.argmin(st.block_max(st.M, q) + -(-h // q)))) for q in _levels_to(top))
             st.add(i, overflow[1], overflow[2])
+
+
+def _place_earliest(st: _State, i: int, degrees: Sequence[int], m_th: float) -> bool:
+    """Ranks of unequal speed: sequence ``i`` at the (degree, group) under the cap where its group's most loaded
+    member ends earliest (ties within 1e-9: the group using the least device time, ``w`` over its slowest speed,
+    then the paper's degree order); False if no degree fits. The paper's first-fitting degree would put a shard on
+    a group with a slow member while a group of faster ones finishes it as early."""
+    h, w = st.hl[i], st.wl[i]
+    best = None
+    for k, p in enumerate(degrees):
+        valid = st.block_max(st.M, p) + -(-h // p) <= m_th
+        if not valid.any():
+            continue
+        cb = np.where(valid, st.after(p, w), np.inf)
+        b = int(np.argmin(cb))
+        cand = (float(cb[b]), w * float(st.g(p)[b]), k, p, b)
+        if best is None or cand[0] < best[0] * (1 - 1e-9) or (cand[0] <= best[0] * (1 + 1e-9) and cand[1:] < best[1:]):
+            best = cand
+    if best is None:
+        return False
+    st.add(i, best[3], best[4])
+    return True
+
+
+def _levels_to(top: int) -> list[int]:
+    out, q = [], 1
+    while q <= top:
+        out.append(q)
+        q *= 2
+    return out
 
 
 # ------------------------------------------------------------------------------ stage 2

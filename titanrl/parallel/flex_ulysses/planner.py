@@ -203,7 +203,7 @@ def _baseline_split_place(
         if not placed:  # no group can take it under the cap: least memory overflow
             if overflow is None:
                 overflow = min((float(_MIN(st.block_max(st.M, q) + -(-h // q))), q,
-                                int(np.argmin(st.block_max(st.M, q) + -(-h // q)))) for q in _levels_to(top))
+                                int(np.argmin(st.block_max(st.M, q) + -(-h // q)))) for q in degree_levels(st.D, top))
             st.add(i, overflow[1], overflow[2])
 
 
@@ -227,14 +227,6 @@ def _place_earliest(st: _State, i: int, degrees: Sequence[int], m_th: float) -> 
         return False
     st.add(i, best[3], best[4])
     return True
-
-
-def _levels_to(top: int) -> list[int]:
-    out, q = [], 1
-    while q <= top:
-        out.append(q)
-        q *= 2
-    return out
 
 
 # ------------------------------------------------------------------------------ stage 2

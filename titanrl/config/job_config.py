@@ -178,7 +178,8 @@ class DataConfig:
     video_backend: Literal["pyav", "decord"] = "pyav"
     """Video decoder library."""
     fps: float = 2.0
-    """Frames per second sampled from videos."""
+    """Frames per second sampled from videos (a video given as its frames: from the rate it names, default 2.0;
+    docs/data.md)."""
     max_frames: int = 8
     """Upper bound on frames sampled per video."""
     min_pixels: int | None = None

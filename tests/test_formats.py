@@ -167,6 +167,10 @@ CHAT_BAD_ROWS = {
                                  r"\(0 inline\) but key 'images' has 0 image\(s\)"),
     "two user messages": ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
                            "answer": "1"}, r"row 1: key 'messages\[1\]': role 'user' not supported here"),
+    "per-image resizing": ({"messages": [{"role": "user", "content": [{"type": "image", "image": "IMG",
+                                                                       "max_pixels": 50176}]}], "answer": "1"},
+                           r"row 1: key 'messages\[0\].content\[0\]' sets 'max_pixels' for this image alone; titanrl "
+                           r"samples and resizes every image by the run's data.fps"),
 }
 
 
@@ -470,6 +474,11 @@ def test_a_video_given_as_its_frames_imports_and_prepares_as_transformers_does(t
         {"type": "video", "video": [uris[0], "missing.png"]}, {"type": "text", "text": "x"}]}], "answer": "1"}) + "\n")
     with pytest.raises(BadRow, match=r"row 0: key 'messages\[0\].content\[0\]\[1\]' names a missing file"):
         import_dataset(tmp_path / "bad.jsonl", tmp_path / "bad", ImportSettings(on_bad_sample="error"))
+    # qwen-vl-utils' per-video sampling keys are refused by name (a frame list's fps, the frames' rate, is kept)
+    (tmp_path / "opts.jsonl").write_text(json.dumps({"problem": "<video>x", "answer": "1",
+                                                     "videos": [{"video": "f0.png", "fps": 1.0, "max_frames": 8}]}))
+    with pytest.raises(BadRow, match=r"row 0: key 'videos\[0\]' sets 'fps', 'max_frames' for this video alone"):
+        import_dataset(tmp_path / "opts.jsonl", tmp_path / "opts", ImportSettings(on_bad_sample="error"))
     # the header cache knows a frame list by its frames too: a frame replaced is probed again
     from titanrl.data.shadow.metadata import HeaderCache, probe_media_file
 

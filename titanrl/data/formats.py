@@ -288,13 +288,32 @@ def _image(row: Row, key: str, value: Any) -> MediaRef:
     raise BadRow(f"{row.where}key {key!r} must be a path, bytes, a data URI or {{'bytes', 'path'}}, got {value!r:.80}")
 
 
+# qwen-vl-utils' per-item sampling and resizing keys (a message part's or a media dict's): titanrl samples and resizes
+# every item by the run's data.fps / data.max_frames / data.min_pixels / data.max_pixels, so a row setting its own
+# is refused by name rather than silently sampled otherwise. (A frame list's "fps" is the rate of its frames: kept.)
+_IMAGE_OPTIONS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
+_VIDEO_OPTIONS = _IMAGE_OPTIONS + ("total_pixels", "fps", "sample_fps", "nframes", "min_frames", "max_frames",
+                                   "video_start", "video_end")
+
+
+def _refuse_options(row: Row, key: str, item: Any, kind: str, allowed: tuple[str, ...] = ()) -> None:
+    if not isinstance(item, dict):
+        return
+    found = [k for k in (_VIDEO_OPTIONS if kind == "video" else _IMAGE_OPTIONS) if k in item and k not in allowed]
+    if found:
+        raise BadRow(f"{row.where}key {key!r} sets {', '.join(repr(k) for k in found)} for this {kind} alone; titanrl "
+                     f"samples and resizes every {kind} by the run's data.fps / data.max_frames / data.min_pixels / "
+                     "data.max_pixels (no per-sample settings): drop the key(s), or set those for the run")
+
+
 def _video(row: Row, key: str, value: Any, fps: Any = None) -> MediaRef:
     """A video file (a path, its bytes, a data URI or {'bytes', 'path'}), or a video given as the list of its frames
     (each a path, bytes, a data URI or {'bytes', 'path'}) taken at ``fps`` frames per second (a dict's 'fps' key;
     default media.FRAME_LIST_FPS)."""
     if isinstance(value, dict):
-        fps = value.get("fps", fps)
-        value = value["bytes"] if value.get("bytes") is not None else value.get("path") or value.get("video")
+        inner = value["bytes"] if value.get("bytes") is not None else value.get("path") or value.get("video")
+        _refuse_options(row, key, value, "video", allowed=("fps",) if isinstance(inner, (list, tuple)) else ())
+        fps, value = value.get("fps", fps), inner
     if isinstance(value, (bytes, bytearray, memoryview)):  # the file's bytes (HF's Video feature: bytes win)
         return MediaRef("video", key, data=bytes(value))
     if isinstance(value, str):
@@ -389,12 +408,14 @@ def _chat_content(row: Row, key: str, content: Any) -> tuple[str, list[tuple[str
             slots.extend((m[1:-1], None) for m in prompt_placeholders(part["text"]))
         elif kind in ("image", "image_url"):
             value = part.get("image") if kind == "image" else part.get("image_url")
+            _refuse_options(row, where, part, "image")
             if isinstance(value, dict):  # {"url": ...} (OpenAI's image_url part)
                 value = value.get("url")
             text.append("<image>")
             slots.append(("image", _image(row, where, value) if value is not None else None))
         elif kind in ("video", "video_url"):
             value = part.get("video") if kind == "video" else part.get("video_url")
+            _refuse_options(row, where, part, "video", allowed=("fps",) if isinstance(value, (list, tuple)) else ())
             if isinstance(value, dict) and value.get("url"):  # {"url": ...} (OpenAI's form); else _video's dict
                 value = value["url"]
             text.append("<video>")

@@ -308,3 +308,27 @@ def test_profile_speeds_at_start_up_give_a_slowed_rank_less_work(run_cache, tmp_
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         assert rec["balance/planned_share/rank1"] < 0.45 < rec["balance/planned_share/rank0"]
+
+
+def test_planned_times_and_calibration_features_take_a_group_at_its_slowest_speed():
+    """With Ulysses over ranks of unequal speed, a sharded sequence's share takes its group's slowest member's
+    speed: the stage's planned times (balance metrics) and the calibration's per-rank features (rank_sums in time)
+    say so; a whole sequence takes its rank's speed, and without speeds both are the work itself."""
+    from titanrl.parallel.stage_plan import rank_sums
+
+    lengths = [400, 380, 60, 50]
+    speeds = [1.0, 0.5, 1.0, 1.0]
+    plan = plan_stage(lengths, [0, 1, 2, 3], 4, method="fixed", strategy="lb_micro", max_tokens=4096, degree=2,
+                      cost_model=CostModel.attention_only(), costs=lengths, speeds=speeds)
+    work, took = rank_sums(plan, lengths), rank_sums(plan, lengths, speeds)
+    for r in range(4):  # every sequence is sharded over a group: ranks 0-1 at 0.5, ranks 2-3 at 1.0
+        assert took[r] == pytest.approx(work[r] / (0.5 if r < 2 else 1.0))
+    peak, _ = plan.times_at(speeds)
+    assert peak == pytest.approx(max(sum(w.planned_time[r] for w in plan.waves) for r in range(4)))
+    cost = [sum(w.planned_cost[r] for w in plan.waves) for r in range(4)]
+    assert sum(w.planned_time[0] for w in plan.waves) == pytest.approx(cost[0] / 0.5)  # not cost / 1.0
+    assert (rank_sums(plan, lengths, None) == work).all()
+    whole = plan_stage(lengths, [0, 1, 2, 3], 4, method="none", strategy="lb_micro", max_tokens=4096,
+                       cost_model=CostModel.attention_only(), costs=lengths, speeds=speeds)
+    assert all(w.planned_time is None for w in whole.waves)
+    assert rank_sums(whole, lengths, speeds) == pytest.approx(np.asarray(rank_sums(whole, lengths)) / speeds)

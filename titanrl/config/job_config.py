@@ -331,7 +331,8 @@ class BalanceConfig:
     calibrate: bool = False
     """Fit the cost model to this run: after every step, each training rank's measured busy seconds of the
     log-prob and update stages against the attention and linear work the plan gave it (last 8 steps, non-negative
-    least squares: CostModel.fit; ranks of unequal speed normalised by balance.rank_speeds) refit the model's two
+    least squares: CostModel.fit; on ranks of unequal balance.rank_speeds each term over the speed it ran at, a
+    Ulysses group's slowest member's) refit the model's two
     LLM coefficients, and the Karmarkar-Karp and FlexUlysses planners use the fitted model from the next step (the
     vision tower's balancing keeps balance.cost_model's vision term). Metrics cost/predicted_s and
     cost/measured_s (the busiest rank's seconds as the fitted model predicted them before the step, and as

@@ -103,6 +103,9 @@ class Wave:
     ranks: tuple[RankWave, ...]
     planned_cost: tuple[float, ...]  # per rank, in the cost model's units
     tokens: tuple[int, ...]  # per rank
+    # per rank, planned_cost in time on ranks of the plan's unequal speeds: a sharded sequence's share at its
+    # group's slowest member's speed, a whole one at the rank's (None: planned for equal speeds, or no sharding)
+    planned_time: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,9 @@ class StagePlan:
         if not self.waves:
             return 0.0, 0.0
         cost = np.asarray([w.planned_cost for w in self.waves], dtype=np.float64)
-        if speeds is not None:
+        if speeds is not None and all(w.planned_time is not None for w in self.waves):
+            cost = np.asarray([w.planned_time for w in self.waves], dtype=np.float64)  # (Ulysses groups)
+        elif speeds is not None:
             cost = cost / np.asarray(speeds, dtype=np.float64)
         totals = cost.sum(axis=0)
         peak = float(totals.max()) if self.sync == "minibatch" else float(cost.max(axis=1).sum())
@@ -182,16 +187,33 @@ class StagePlan:
         return 1.0 - mean / peak if peak > 0 else 0.0
 
 
-def rank_sums(plan: StagePlan, values: Sequence[float]) -> np.ndarray:
+def rank_sums(plan: StagePlan, values: Sequence[float], speeds: Sequence[float] | None = None) -> np.ndarray:
     """Per rank, the sum over the stage's waves of ``values[s]`` of the sequences it computes, a sequence
     sharded ``p`` ways counting ``1/p`` on each member (how the planned costs are built; used to fit the cost
-    model to measured times)."""
+    model to measured times). ``speeds``: each term over the speed it runs at (a whole sequence the rank's, a
+    sharded one its group's slowest member's): the values in time."""
     out = np.zeros(plan.num_devices)
     for wave in plan.waves:
         for r, rw in enumerate(wave.ranks):
-            out[r] += sum(float(values[s]) for s in rw.local)
-            out[r] += sum(float(values[s]) / step.degree for step in rw.sharded for s in step.seqs)
+            mine = 1.0 if speeds is None else float(speeds[r])
+            out[r] += sum(float(values[s]) for s in rw.local) / mine
+            for step in rw.sharded:
+                slowest = 1.0 if speeds is None else min(float(speeds[q]) for q in step.ranks)
+                out[r] += sum(float(values[s]) / step.degree for s in step.seqs) / slowest
     return out
+
+
+def _timed(waves: Sequence[Wave], costs: Sequence[float], speeds: Sequence[float]) -> tuple[Wave, ...]:
+    """Waves with ``planned_time``: each rank's planned cost scaled by the time its sequences take at the speeds
+    they run at (``costs`` tell the whole and sharded parts apart)."""
+    out = []
+    for wave in waves:
+        one = StagePlan("", (), (), (wave,), 0.0, ())
+        work, took = rank_sums(one, costs), rank_sums(one, costs, speeds)
+        times = tuple(float(c) * (float(t) / float(w) if w > 0 else 1.0 / float(sp))
+                      for c, w, t, sp in zip(wave.planned_cost, work, took, speeds))
+        out.append(dataclasses.replace(wave, planned_time=times))
+    return tuple(out)
 
 
 class PlanError(ValueError):
@@ -357,6 +379,8 @@ def plan_stage(
     if sync == "minibatch":
         waves = _sharded_first(stage.waves, h, costs, num_devices, max_tokens)
         stage = dataclasses.replace(stage, waves=tuple(waves), sync=sync, plan_seconds=time.perf_counter() - t0)
+    if speeds is not None and len(set(speeds)) > 1:
+        stage = dataclasses.replace(stage, waves=_timed(stage.waves, costs, speeds))
     return stage
 
 

@@ -476,18 +476,20 @@ class StageRunner:
     def _features(self, plan: StagePlan, units: Sequence[StageUnit]) -> np.ndarray:
         """[rank, (attention, linear)]: what the cost model's two LLM coefficients multiply on every rank."""
         attention = [float(_ATTENTION.prefix_compute(u.prompt_len, u.response_lens)) for u in units]
-        return np.stack([rank_sums(plan, attention), rank_sums(plan, [u.num_tokens for u in units])], axis=1)
+        # ranks of unequal speed: each term over the speed it runs at (a Ulysses group's slowest member's), so the
+        # features are in time and fit the measured seconds as they are
+        return np.stack([rank_sums(plan, attention, self.speeds),
+                         rank_sums(plan, [u.num_tokens for u in units], self.speeds)], axis=1)
 
     def _calibration(self, busy: np.ndarray) -> dict[str, float]:
         """balance.calibrate: the step's predicted (by the model that planned it, once fitted) and measured
         busiest-rank seconds of the log-prob and update stages, then a refit on the last 8 steps' rows (CostModel.fit,
-        non-negative least squares; ranks of unequal speed normalised by their speed). Every rank fits the same rows,
-        and all take rank 0's coefficients, so the plans stay identical everywhere."""
+        non-negative least squares; on ranks of unequal speed each feature over the speed it ran at). Every rank fits
+        the same rows, and all take rank 0's coefficients, so the plans stay identical everywhere."""
         s, out = self.stats, {}
-        features = np.broadcast_to(np.asarray(s.features, dtype=np.float64), (self.world, 2))
-        speeds = np.asarray(self.speeds if self.speeds else [1.0] * self.world)
+        features = np.broadcast_to(np.asarray(s.features, dtype=np.float64), (self.world, 2))  # in time (above)
         if self.cost_model.units == "seconds":
-            predicted = features @ np.array([self.cost_model.attention_coef, self.cost_model.linear_coef]) / speeds
+            predicted = features @ np.array([self.cost_model.attention_coef, self.cost_model.linear_coef])
             out["cost/predicted_s"] = float(predicted.max())
             out["cost/measured_s"] = float(busy.max())
             worked = busy > 0
@@ -495,7 +497,7 @@ class StageRunner:
         self._steps_seen += 1
         for r in range(self.world if self._steps_seen > 1 else 0):  # the first step's times include warm-up
             if features[r].any() and busy[r] > 0:
-                self._fit_rows.append((float(features[r, 0]), float(features[r, 1]), float(busy[r] * speeds[r])))
+                self._fit_rows.append((float(features[r, 0]), float(features[r, 1]), float(busy[r])))
         if len(self._fit_rows) >= 4:
             rows = np.asarray(self._fit_rows)
             try:

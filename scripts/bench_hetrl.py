@@ -314,7 +314,8 @@ def simulated_section(rows: list[Row] | None = None, conv: dict | None = None, f
              "(`configs/qwen2_5_vl_7b.toml` at HetRL's batch and lengths, Qwen2.5-VL-3B / -7B shapes), their memory is "
              "`titanrl.memory`'s (the trainer's start-up check), and every plan, the baselines' included, is one "
              "titanrl runs (`titanrl.schedule.titanrl_space`: colocated, or the rollout on its own ranks; FSDP over "
-             "every training rank; Ulysses, also over devices of unequal speed). Assumptions: `scripts/bench_hetrl.py`'s "
+             "every training rank; Ulysses, also over devices of unequal speed). Assumptions: "
+             "`scripts/bench_hetrl.py`'s "
              "docstring (hosts of 8 GPUs, AWS NIC bandwidths inside a region, where each scenario's GPUs are, a "
              "distance-based spread of the paper's latency/bandwidth ranges, 4096-token micro-batches).", "",
              "### HetRL plan vs the verl-like plan (throughput ratio = verl-like step / HetRL step)", "",

@@ -516,7 +516,8 @@ def test_a_video_given_as_its_bytes_is_imported_to_a_file(tmp_path, setup):
         prepared = prepare_sample(got, tmp_path / name.replace(".", "_"), encoder, settings)
         np.testing.assert_array_equal(prepared.pixel_values, want.pixel_values, err_msg=name)
         np.testing.assert_array_equal(prepared.prompt_ids, want.prompt_ids, err_msg=name)
-    bad = {"problem": "<video>x", "answer": "1", "videos": ["data:video/mp4;base64," + base64.b64encode(b"nope").decode()]}
+    nope = "data:video/mp4;base64," + base64.b64encode(b"nope").decode()
+    bad = {"problem": "<video>x", "answer": "1", "videos": [nope]}
     (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
     with pytest.raises(BadRow, match=r"row 0: key 'videos\[0\]': video bytes \(4 B\) are not a readable video"):
         import_dataset(tmp_path / "bad.jsonl", tmp_path / "bad", ImportSettings(on_bad_sample="error"))

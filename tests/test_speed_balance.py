@@ -106,7 +106,8 @@ def test_flex_ulysses_plans_the_latest_finish_over_unequal_speeds():
     member's speed) in every stage: on 200 random batches (4 and 8 ranks of speeds 1 / 0.5 / 0.25) its latest
     finish is at the lower bound (the ideal, or the longest sequence on its fastest group at its top degree) in
     the median case and within 1.6x of it always, and (but for a hair on a rare batch) never later than the
-    speed-blind plan's, which ends at about twice the ideal in the median case. Equal speeds, however scaled, are the paper's planner bit for bit."""
+    speed-blind plan's, which ends at about twice the ideal in the median case. Equal speeds, however scaled, are
+    the paper's planner bit for bit."""
     from titanrl.parallel.flex_ulysses.planner import plan_shards
 
     rng = np.random.default_rng(1)

@@ -327,7 +327,8 @@ class BalanceConfig:
     Karmarkar-Karp; sample counts then differ) and, with parallelism.vision_balance, the vision tower's units.
     balance.strategy = 'native' keeps trajectories where they were generated (only the rollout split then
     follows speeds); fixed Ulysses and FlexUlysses place sequences so that the latest finish is earliest, a
-    Ulysses group running at its slowest member's speed. `python -m titanrl.schedule` writes them from a profile (docs/hetrl.md)."""
+    Ulysses group running at its slowest member's speed. `python -m titanrl.schedule` writes them from a profile
+    (docs/hetrl.md)."""
     calibrate: bool = False
     """Fit the cost model to this run: after every step, each training rank's measured busy seconds of the
     log-prob and update stages against the attention and linear work the plan gave it (last 8 steps, non-negative

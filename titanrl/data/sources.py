@@ -37,7 +37,7 @@ from titanrl.data.media import FRAME_LIST_SUFFIX, write_frame_list
 from titanrl.data.tables import (DatasetError, Row, data_files, dataset_units, iter_rows, iter_unit_rows,
                                  parquet_columns)
 
-IMPORT_VERSION = 3  # 3: videos given as frames (refused before); bump when the import's output changes for the same input
+IMPORT_VERSION = 3  # bump when the import's output changes for the same input (3: videos given as frames)
 _IMAGE_SUFFIX = {"PNG": ".png", "JPEG": ".jpg", "GIF": ".gif", "WEBP": ".webp", "BMP": ".bmp", "TIFF": ".tif"}
 
 

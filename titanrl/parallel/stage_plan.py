@@ -194,12 +194,19 @@ def rank_sums(plan: StagePlan, values: Sequence[float], speeds: Sequence[float] 
     sharded one its group's slowest member's): the values in time."""
     out = np.zeros(plan.num_devices)
     for wave in plan.waves:
-        for r, rw in enumerate(wave.ranks):
-            mine = 1.0 if speeds is None else float(speeds[r])
-            out[r] += sum(float(values[s]) for s in rw.local) / mine
-            for step in rw.sharded:
-                slowest = 1.0 if speeds is None else min(float(speeds[q]) for q in step.ranks)
-                out[r] += sum(float(values[s]) / step.degree for s in step.seqs) / slowest
+        out += _wave_sums(wave, values, speeds)
+    return out
+
+
+def _wave_sums(wave: Wave, values: Sequence[float], speeds: Sequence[float] | None = None) -> np.ndarray:
+    """:func:`rank_sums` of one wave."""
+    out = np.zeros(len(wave.ranks))
+    for r, rw in enumerate(wave.ranks):
+        mine = 1.0 if speeds is None else float(speeds[r])
+        out[r] += sum(float(values[s]) for s in rw.local) / mine
+        for step in rw.sharded:
+            slowest = 1.0 if speeds is None else min(float(speeds[q]) for q in step.ranks)
+            out[r] += sum(float(values[s]) / step.degree for s in step.seqs) / slowest
     return out
 
 
@@ -208,8 +215,7 @@ def _timed(waves: Sequence[Wave], costs: Sequence[float], speeds: Sequence[float
     they run at (``costs`` tell the whole and sharded parts apart)."""
     out = []
     for wave in waves:
-        one = StagePlan("", (), (), (wave,), 0.0, ())
-        work, took = rank_sums(one, costs), rank_sums(one, costs, speeds)
+        work, took = _wave_sums(wave, costs), _wave_sums(wave, costs, speeds)
         times = tuple(float(c) * (float(t) / float(w) if w > 0 else 1.0 / float(sp))
                       for c, w, t, sp in zip(wave.planned_cost, work, took, speeds))
         out.append(dataclasses.replace(wave, planned_time=times))

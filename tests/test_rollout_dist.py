@@ -171,7 +171,7 @@ def _check_case(results: list[dict], tp: int) -> None:
         print(f"T={tp} rank {r['rank']}: engine start {r['engine_start_s']:.1f} s, push {r['sync_s']:.3f} s, "
               f"probe {r['probe']:.2e}, layout {r['layout']}")
         (layout,) = r["layout"]
-        assert layout["backend"] == "external_launcher" and layout["device"] == "cpu"
+        assert layout["backend"] == "external_launcher" and layout["device"] == "cpu" and layout["in_place"]
         assert (layout["rank"], layout["local_rank"]) == (r["rank"], r["rank"])
         assert layout["tp_ranks"] == ([0, 1] if tp == 2 else [r["rank"]]) and layout["world_ranks"] == [0, 1]
         assert r["env_unchanged"]

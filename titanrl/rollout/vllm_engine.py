@@ -4,8 +4,10 @@ Where it runs is ``titanrl.rollout.launch``'s: colocated, in the rank's own proc
 launcher (no engine-core or worker processes, 2-7 s to start on the tiny model plus ~5 s for the first
 ``import vllm``; the worker binds the rank's device); disaggregated, in child processes (its engine core, which
 holds its worker at tensor parallelism 1, and at T > 1 its T workers).
-Weights arrive in memory (``update_weights``: tensors by reference into vLLM's layer-wise reload; or, in child
-processes, over the push's process group: ``receive_weights``). What that costs, and how it is contained:
+Weights arrive in memory (``update_weights``: tensors by reference into the model's ``load_weights``, in place; or,
+in child processes, over the push's process group: ``receive_weights``). A CPU engine keeps its linear weights for
+that (``titanrl.rollout.vllm_plugin``); where vLLM packs them anyway, pushes go through its layer-wise reload
+(``in_place`` False). What that costs, and how it is contained:
 
 - vLLM's worker calls ``torch.distributed``: in a torchrun rank it finds the trainer's process
   group and makes its own groups from it (tensor-parallel blocks of T ranks) -- ``new_group`` is collective, so
@@ -63,6 +65,7 @@ from titanrl.rollout.types import (
 )
 from titanrl.models.qwen2_5_vl.state_dict_adapter import canonical_hf_name
 from titanrl.rollout.launch import EngineLaunch, engine_launch
+from titanrl.rollout.vllm_plugin import KEEP_WEIGHTS_ENV
 from titanrl.rollout.weights import (QWEN2_5_VL_PACKED_MODULES, TensorInfo, check_update, checked_stream,
                                      file_tensors, read_header, read_headers, weight_files)
 
@@ -81,6 +84,8 @@ VLLM_ENV: dict[str, str] = {
     # No usage reporting (and no network access is needed at all).
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
+    # titanrl's vLLM plugin: a CPU engine's linear layers keep their weights, so a push loads in place
+    KEEP_WEIGHTS_ENV: "1",
 }
 # Legacy variable that would silently override rollout.kv_cache_bytes (in GiB).
 _KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
@@ -145,13 +150,15 @@ def _device_type() -> str:
 
 
 def _worker_layout(worker: Any) -> dict[str, Any]:
-    """Runs inside vLLM's worker: the device it bound and its place in vLLM's groups."""
+    """Runs inside vLLM's worker: the device it bound, its place in vLLM's groups, and whether a push loads into its
+    model in place (``_reload``)."""
     from vllm.distributed import parallel_state as ps
 
     return {"device": str(worker.device), "rank": int(worker.rank), "local_rank": int(worker.local_rank),
             "tp_ranks": list(ps.get_tp_group().ranks), "world_ranks": list(ps.get_world_group().ranks),
             "backend": _backend_name(worker.parallel_config.distributed_executor_backend),
-            "pid": os.getpid()}
+            "pid": os.getpid(),
+            "in_place": _keeps_weights(worker.model_runner.get_model())}
 
 
 def _backend_name(backend: Any) -> str:
@@ -159,12 +166,26 @@ def _backend_name(backend: Any) -> str:
     return {"UniProcExecutor": "uni"}.get(getattr(backend, "__name__", ""), str(backend))
 
 
+def _keeps_weights(model: torch.nn.Module) -> bool:
+    """Whether every parameter of the engine's model holds its values (vLLM-CPU's packed kernels leave empty ones)."""
+    return all(p.numel() > 0 for p in model.parameters())
+
+
 def _reload(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]], partial: bool = False) -> None:
-    """Runs inside vLLM's worker: (HF name, tensor) pairs into the model with vLLM's layer-wise in-place reload
-    (plain model.load_weights breaks prepacked CPU GEMM weights). ``partial``: an update of some whole modules (the
-    push of what a step changes, checked by ``check_update``): vLLM puts the others' tensors back, and its warnings
-    that they were not loaded say nothing."""
-    _quiet_derived_buffer_warnings(worker.model_runner.get_model())
+    """Runs inside vLLM's worker: (HF name, tensor) pairs into the model, in place. Where the model keeps its
+    weights (CUDA; CPU with titanrl's vLLM plugin) the model's own ``load_weights`` copies each into its parameter
+    (fused modules take their parts through their weight loaders), as verl pushes; where vLLM-CPU packed them, its
+    layer-wise reload rebuilds each layer. ``partial``: an update of some whole modules (the push of what a step
+    changes, checked by ``check_update``): the others keep their weights (the reload puts their tensors back, and its
+    warnings that they were not loaded say nothing)."""
+    model = worker.model_runner.get_model()
+    in_place = getattr(worker, "_titanrl_in_place", None)
+    if in_place is None:
+        in_place = worker._titanrl_in_place = _keeps_weights(model)
+    if in_place:
+        model.load_weights(tensors)
+        return
+    _quiet_derived_buffer_warnings(model)
     if not partial:
         worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
         return
@@ -506,6 +527,8 @@ class VLLMEngine:
         self.packed_modules = (packed[0] if packed else None) or dict(QWEN2_5_VL_PACKED_MODULES)
         # what vLLM's workers took: device, rank, tensor-parallel group (checked by tests, logged by the trainer)
         self.layout = self.llm.collective_rpc(_worker_layout)
+        # whether pushes load in place (the workers' models kept their weights) or through vLLM's layer-wise reload
+        self.in_place = all(w["in_place"] for w in self.layout)
         if enforce_eager:
             self.llm.collective_rpc(_eager_token_ranks)
 

@@ -274,10 +274,6 @@ def report(result: dict, command: str) -> str:
     proj = result["projection"]
     lines += [
         "",
-        "The push is `sync/gather_s + sync/load_s` (before: `sync/export_s + sync/load_s`); the stage also runs the "
-        "probe (`rollout.probe_every = 1`: a forward of the trainer's model and the engine's scoring of one response "
-        "per rank).",
-        "",
         "## Projection: Qwen2.5-VL-7B, bf16, 8 GPUs of one node, colocated (arithmetic, not measured)",
         "",
         f"Model {proj['model_gib']:.1f} GiB. `memory`: each rank receives {proj['gathered_per_rank_gib']:.1f} GiB of "

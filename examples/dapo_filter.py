@@ -1,4 +1,5 @@
-"""DAPO's dynamic sampling as a workflow node: drop the prompt groups whose responses all scored the same.
+"""The filter of DAPO's dynamic sampling as a workflow node: drop the prompt groups whose responses all scored the
+same (DAPO then samples more prompts to refill the batch; this node does not: the step trains on fewer groups).
 
 Their GRPO advantages are all 0, so they carry no policy gradient but still cost the log-prob and update
 stages. Added to the built-in workflow by configs/examples/dapo_filter.toml (docs/workflow.md):

@@ -11,16 +11,16 @@ of the step.
    - ``reload`` (the push before this commit): ``titanrl.rl.weight_sync.WeightPusher``'s shards cast and all-gathered
      in buckets, each full tensor handed to the rank's own engine by reference, into vLLM-CPU's packed kernels
      through vLLM's layer-wise reload (the engine built with ``TITANRL_VLLM_KEEP_WEIGHTS=0``);
-   - ``memory`` (this commit): the same transport, the engine's linear layers keeping their weights
-     (``titanrl.rollout.vllm_plugin``), each tensor loaded in place by the model's ``load_weights``.
+   - ``memory`` (this commit): the same transport, the engine's linear layers keeping their weights beside their
+     packed kernels (``titanrl.rollout.vllm_plugin``), each tensor loaded in place by the model's ``load_weights``,
+     then the kernels packed again from the new weights.
    Each way in a fresh launch (a process keeps memory it freed): seconds per push (median of 6 after one warm-up),
    peak resident memory a rank adds (sampled every 20 ms), and the bytes left in /dev/shm at the push's peak.
 2. **Share of the step**: the README's main job (tiny default, 2 ranks x 1 thread) for 12 steps, this commit against
    the commit named by ``--baseline`` (checked out in a temporary git worktree) and against this commit with
-   vLLM-CPU's packed kernels (the push before it), in one run: median step wall seconds, the rollout stage (what the
+   vLLM-CPU's weights dropped, reload (the push before it), in one run: median step wall seconds, the rollout stage (what the
    engine's kernels change), the weight-sync stage (which also holds the probe of ``rollout.probe_every``) and the
-   push alone. The same on ``small`` (6 steps after the first), this commit both ways: the kernels' cost in
-   generation where the matrices are larger.
+   push alone. The same on ``small`` (6 steps after the first), this commit both ways.
 3. **7B projection** (arithmetic, not measured): bytes each way moves per push on an 8-GPU node and the seconds at
    stated link speeds.
 """
@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_common import provenance, provenance_text  # noqa: E402
 
 WAYS = ("files", "reload", "memory")
-# the ways whose engine keeps vLLM-CPU's packed kernels (titanrl's vLLM plugin switched off)
+# the ways whose engine drops its weights after packing its kernels (vLLM-CPU as it is: titanrl's plugin off)
 _PACKED = {"TITANRL_VLLM_KEEP_WEIGHTS": "0"}
 PUSHES = 6
 # Qwen2.5-VL-7B-Instruct: 8.29B parameters, bf16 in the engines.
@@ -117,6 +117,8 @@ def worker(opts) -> None:
         way()
         seconds.append(time.perf_counter() - t0)
     added = rss.stop()
+    # what the engine holds beside its packed kernels: the linear layers' kept weights (0 where vLLM dropped them)
+    kept = engine.llm.apply_model(_kept_weight_bytes)[0]
     if info.rank == 0:
         shutil.rmtree(target, ignore_errors=True)
     every = [None] * info.world_size
@@ -126,9 +128,15 @@ def worker(opts) -> None:
             "model": opts.size, "dtype": opts.dtype, "world": info.world_size, "way": opts.way,
             "params": sum(int(p.numel()) for p in model.parameters()),
             "push_s_median": statistics.median(seconds), "push_s": seconds, "peak_added_bytes": every,
-            "shm_bytes": shm_peak}))
+            "shm_bytes": shm_peak, "kept_bytes": kept}))
     engine.close()
     dist.destroy_process_group()
+
+
+def _kept_weight_bytes(model) -> int:
+    """Bytes of the weights an engine's CPU GEMM layers hold beside their packed kernels."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if callable(getattr(m, "cpu_linear", None)) and getattr(getattr(m, "weight", None), "ndim", 0) == 2)
 
 
 def push_rows(sizes: list[str], dtypes: list[str]) -> list[dict]:
@@ -154,8 +162,8 @@ def push_rows(sizes: list[str], dtypes: list[str]) -> list[dict]:
 
 
 def step_rows(baseline: str, steps: int, small_steps: int) -> list[dict]:
-    """The main job with the baseline commit's code, with this commit's and vLLM-CPU's packed kernels (the push
-    before it), and with this commit's; then ``small`` both ways; one after the other."""
+    """The main job with the baseline commit's code, with this commit's and the engine dropping its weights (the
+    push before it), and with this commit's; then ``small`` both ways; one after the other."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "baseline"
@@ -163,9 +171,9 @@ def step_rows(baseline: str, steps: int, small_steps: int) -> list[dict]:
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             runs = (("baseline " + baseline[:7], old, "tiny", _PACKED, steps),
-                    ("this commit, packed kernels (the push before it)", ROOT, "tiny", _PACKED, steps),
+                    ("this commit, weights dropped, reload (the push before it)", ROOT, "tiny", _PACKED, steps),
                     ("this commit", ROOT, "tiny", {}, steps),
-                    ("this commit, packed kernels (the push before it)", ROOT, "small", _PACKED, small_steps),
+                    ("this commit, weights dropped, reload (the push before it)", ROOT, "small", _PACKED, small_steps),
                     ("this commit", ROOT, "small", {}, small_steps))
             for k, (label, code, flavor, extra_env, n) in enumerate(runs):
                 out = Path(tmp) / f"run{k}"
@@ -219,8 +227,9 @@ def report(result: dict, command: str) -> str:
         "",
         "## The push alone (2 gloo ranks x 1 thread, each with its in-process vLLM engine)",
         "",
-        "| model | dtype | way | push s (median of 6) | x memory | peak added MB per rank | /dev/shm MB |",
-        "|---|---|---|---|---|---|---|",
+        "| model | dtype | way | push s (median of 6) | x memory | peak added MB per rank | /dev/shm MB | "
+        "engine's kept weights MB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     by = {(r["model"], r["dtype"], r["way"]): r for r in result["push"]}
     for r in result["push"]:
@@ -228,19 +237,20 @@ def report(result: dict, command: str) -> str:
             if r["way"] != "memory" else None
         lines.append(f"| {r['model']} ({r['params'] / 1e6:.1f}M) | {r['dtype']} | {r['way']} | {r['push_s_median']:.3f} | "
                      f"{'%.2fx' % ratio if ratio else '-'} | {' / '.join(mb(b) for b in r['peak_added_bytes'])} | "
-                     f"{mb(r['shm_bytes'])} |")
+                     f"{mb(r['shm_bytes'])} | {mb(r.get('kept_bytes', 0))} |")
     lines += [
         "",
         "`files` = titanrl's first path (every parameter unsharded on its own, local rank 0 writes HF safetensors into "
         "/dev/shm, a barrier, every engine re-reads them); `reload` = the push before this commit (`WeightPusher`: "
         "bucketed all-gather of the FSDP2 shards, each full tensor into the rank's engine by reference), into "
-        "vLLM-CPU's packed oneDNN kernels, which only vLLM's layer-wise reload can replace (it rebuilds every linear "
-        "layer's kernel on every push); `memory` = this commit: the same transport into an engine whose linear "
-        "layers keep their weights (titanrl's vLLM plugin: torch's linear, as on CUDA), each tensor copied in place by "
-        "the model's `load_weights`. Where we lose: the gathered bucket (up to 128 MB) is held while its tensors are "
-        "handed over, so on `small` the in-memory ways peak ~100 MB above the file path, which streamed one parameter "
-        "at a time; on `small` the push is mostly the gather (the FSDP all-gather of every parameter over gloo), which "
-        "the engine side does not change.",
+        "vLLM-CPU's packed oneDNN kernels, whose weights vLLM drops, so only its layer-wise reload can replace them (it "
+        "rebuilds every layer on every push); `memory` = this commit: the same transport into an engine whose linear "
+        "layers keep their weights beside their kernels (titanrl's vLLM plugin), each tensor copied in place by the "
+        "model's `load_weights` (as on CUDA), then each layer's kernel packed again from its weight. Where we lose: "
+        "the engine holds its linear weights twice (the kept weights' column: host memory per engine); the gathered "
+        "bucket (up to 128 MB) is held while its tensors are handed over, so on `small` the in-memory ways peak "
+        "~100 MB above the file path, which streamed one parameter at a time; on `small` the push is mostly the "
+        "gather (the FSDP all-gather of every parameter over gloo), which the engine side does not change.",
         "",
         "## Share of the step: the main job (2 ranks x 1 thread)",
         "",
@@ -253,7 +263,7 @@ def report(result: dict, command: str) -> str:
                      f"{r.get('rollout_s', 0.0):.3f} | {r['weight_sync_stage_s']:.3f} | {r['push_s']:.3f} | "
                      f"{r.get('load_s', 0.0):.4f} | {100 * r['push_share']:.1f}% | {r.get('probe_max', 0.0):.1e} |")
     steps = {(r.get("model", "tiny"), r["code"]): r for r in result["steps"]}
-    packed = "this commit, packed kernels (the push before it)"
+    packed = "this commit, weights dropped, reload (the push before it)"
     lines += [
         "",
         "The push is `sync/gather_s + sync/load_s` (the baseline's: `sync/export_s + sync/load_s`); the stage also "
@@ -265,11 +275,10 @@ def report(result: dict, command: str) -> str:
         a, b = steps[("small", packed)], steps[("small", "this commit")]
         lines += [
             "",
-            f"Where we lose: torch's linear generates slower than vLLM-CPU's oneDNN kernels where the matrices are "
-            f"larger: on `small` the rollout stage takes {b['rollout_s'] / a['rollout_s']:.2f}x the packed engine's "
-            f"time and the step {b['step_s'] / a['step_s']:.2f}x. A CPU run of a larger model can keep vLLM-CPU's "
-            "kernels with `TITANRL_VLLM_KEEP_WEIGHTS=0` (its pushes then go through the layer-wise reload). On CUDA "
-            "nothing changes: vLLM keeps the weights there, and the push loads in place.",
+            f"The engines compute with the same kernels both ways (vLLM-CPU's, packed again after each push): on "
+            f"`small` the rollout stage takes {b['rollout_s'] / a['rollout_s']:.2f}x the packed engine's time, the "
+            f"step {b['step_s'] / a['step_s']:.2f}x. On CUDA vLLM keeps the weights and nothing is packed: the push "
+            "loads in place.",
         ]
     proj = result["projection"]
     lines += [

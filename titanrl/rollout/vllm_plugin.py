@@ -2,21 +2,24 @@
 caller's, an engine core, every worker) before any model loads.
 
 With ``TITANRL_VLLM_KEEP_WEIGHTS=1`` in the environment (``VLLM_ENV``: every titanrl engine, and the child
-processes it spawns inherit it) a CPU engine's linear layers keep their weights and compute with torch's linear,
-instead of vLLM-CPU's oneDNN kernels, which pack each weight into a kernel-specific copy and drop the original.
-Kept weights are what the weight push writes into in place (``model.load_weights``, as on CUDA, where vLLM never
-drops them); packed ones can only be replaced by vLLM's layer-wise reload, which rebuilds every layer's kernel
-on every push (~2.5x the push on the tiny model, ``benchmarks/weight_sync.md``). Nothing changes on CUDA.
-Where vLLM packs all the same (its AMX bf16 / zentorch paths take no notice of this switch) the engine sees the
-weights gone and pushes through the reload (``titanrl.rollout.vllm_engine``).
+processes it spawns inherit it) a CPU engine's linear layers keep their weights beside the kernels vLLM-CPU packs
+from them (its oneDNN / AMX / zentorch GEMMs: a kernel-specific copy, after which vLLM drops the original). Kept
+weights are what the weight push writes into in place (the model's ``load_weights``, as on CUDA, where vLLM never
+drops them); the push then packs each layer's kernel again from its new weight (``repack_cpu_kernels``), with the
+same function vLLM packed it with at load, so generation computes exactly as vLLM-CPU's own. Without kept weights
+only vLLM's layer-wise reload can replace them, which rebuilds every layer on every push (~2.5x the push on the
+tiny model, ``benchmarks/weight_sync.md``). The price: the linear weights are held twice on a CPU engine. Nothing
+changes on CUDA.
 
-Set ``TITANRL_VLLM_KEEP_WEIGHTS=0`` to keep vLLM-CPU's own kernels. Without the plugin (``VLLM_PLUGINS`` set
-without ``titanrl``, or titanrl not installed as a package) vLLM packs, and the push reloads.
+Set ``TITANRL_VLLM_KEEP_WEIGHTS=0`` to keep vLLM-CPU's own behaviour. Without the plugin (``VLLM_PLUGINS`` set
+without ``titanrl``, or titanrl not installed as a package) vLLM drops the weights; the engine sees them gone and
+pushes through the reload (``titanrl.rollout.vllm_engine``).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 KEEP_WEIGHTS_ENV = "TITANRL_VLLM_KEEP_WEIGHTS"
 
@@ -25,9 +28,33 @@ def register() -> None:
     if os.environ.get(KEEP_WEIGHTS_ENV) != "1":
         return
     try:
-        from vllm import _custom_ops
-    except ImportError:  # a vLLM without its compiled ops: nothing packs
+        from vllm.model_executor.layers import utils
+    except ImportError:
         return
-    # read by vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm when a layer's weights are processed:
-    # False takes its fallback, torch.nn.functional.linear on the layer's own weight
-    _custom_ops._supports_onednn = False
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    if getattr(dispatch, "__wrapped__", None) is not None:  # already (plugins may load more than once)
+        return
+
+    def keep_weight(layer: Any, remove_weight: bool) -> None:
+        """vLLM-CPU's GEMM dispatch (read at call time by the linear and embedding layers' weight processing),
+        the layer's weight kept."""
+        dispatch(layer, remove_weight=False)
+
+    keep_weight.__wrapped__ = dispatch
+    utils.dispatch_cpu_unquantized_gemm = keep_weight
+
+
+def repack_cpu_kernels(model: Any) -> int:
+    """Each CPU GEMM kernel of ``model`` (the layers vLLM-CPU's dispatch gave a ``cpu_linear``) packed again from its
+    layer's weight, as vLLM packed it at load; their number (0 on CUDA, where no layer has one)."""
+    layers = [m for m in model.modules()
+              if callable(getattr(m, "cpu_linear", None)) and getattr(getattr(m, "weight", None), "ndim", 0) == 2
+              and not getattr(m, "_cpu_skip_gemm_dispatch", False)]  # (vLLM's plain-linear exceptions stay so)
+    if not layers:
+        return 0
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch = getattr(dispatch_cpu_unquantized_gemm, "__wrapped__", dispatch_cpu_unquantized_gemm)
+    for layer in layers:
+        dispatch(layer, remove_weight=False)
+    return len(layers)

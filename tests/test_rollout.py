@@ -520,6 +520,20 @@ def test_a_push_loads_every_tensor_in_place(vllm_engine, tiny_ckpt, requests_):
 
 
 @pytest.mark.slow
+def test_the_memory_planner_counts_the_weights_the_cpu_engine_keeps(vllm_engine, tiny_ckpt):
+    """What the CPU engine keeps beside its packed kernels (its linear layers' weights) is what titanrl.memory adds to
+    a CPU engine's weights (``param_counts(...).linear_weights``)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    from titanrl import memory
+    from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs
+
+    kept = vllm_engine.llm.apply_model(
+        lambda m: sum(x.weight.numel() for x in m.modules() if isinstance(x, LinearBase) and hasattr(x, "cpu_linear")))[0]
+    assert kept == memory.param_counts(Qwen2_5_VLArgs.from_pretrained(tiny_ckpt)).linear_weights > 0
+
+
+@pytest.mark.slow
 def test_vllm_rejects_bad_weights_and_keeps_working(vllm_engine, tiny_ckpt, requests_, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -191,6 +191,9 @@ class ParamCounts:
     vision_depth: int
     num_layers: int
     vision_root: int = 0  # the part of root that is the vision tower's: patch embed and merger
+    # the linear layers' weights (decoder and vision block projections, the merger's two): what a vLLM engine on CPU
+    # holds twice (titanrl.rollout.vllm_plugin keeps each beside the kernel vLLM-CPU packs from it)
+    linear_weights: int = 0
 
     @property
     def total(self) -> int:
@@ -252,8 +255,11 @@ def param_counts(args: Qwen2_5_VLArgs) -> ParamCounts:
     mh = v.merge_unit * hv
     merger = hv + (mh * mh + mh) + (mh * v.out_hidden_size + v.out_hidden_size)
     root = v.patch_dim * hv + merger + t.vocab_size * h + h + (0 if t.tie_word_embeddings else t.vocab_size * h)
+    linear = t.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + \
+        v.depth * (4 * hv * hv + 3 * hv * iv) + mh * mh + mh * v.out_hidden_size
     return ParamCounts(vision_block=vision_block, decoder_layer=decoder, root=root,
-                       vision_depth=v.depth, num_layers=t.num_hidden_layers, vision_root=v.patch_dim * hv + merger)
+                       vision_depth=v.depth, num_layers=t.num_hidden_layers, vision_root=v.patch_dim * hv + merger,
+                       linear_weights=linear)
 
 
 def tower_trains(cfg: JobConfig) -> bool:
@@ -597,8 +603,12 @@ def engine_terms(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: De
     phase, slept = ("rollout", " (rollout.sleep: in host memory while training)") if asleep else ("resident", "")
     if cfg.rollout.engine == "vllm":
         tp = cfg.rollout.tensor_parallel_size
-        return [Term("engine_weights", engine_b * n // tp, f"vLLM weights {engine_b} N" + (f" / tp {tp}" if tp > 1
-                                                                                           else "") + slept, phase),
+        # on CPU each linear weight is held twice: kept beside the kernel vLLM-CPU packs from it (the in-place push)
+        kept = param_counts(args).linear_weights if device == "cpu" else 0
+        return [Term("engine_weights", engine_b * (n + kept) // tp,
+                     f"vLLM weights {engine_b} N" + (f" + {engine_b} N_linear kept beside vLLM-CPU's packed kernels"
+                                                     if kept else "") + (f" / tp {tp}" if tp > 1 else "") + slept,
+                     phase),
                 Term("engine_kv_cache", cfg.rollout.kv_cache_bytes,
                      "rollout.kv_cache_bytes" + (" (rollout.sleep: freed while training)" if asleep else ""), phase)]
     return [Term("engine_weights", engine_b * n, f"hf engine weights {engine_b} N{slept}", phase),

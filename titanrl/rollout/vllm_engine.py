@@ -186,8 +186,7 @@ def _reload(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]], partial: b
     if in_place is None:
         in_place = worker._titanrl_in_place = _keeps_weights(model)
     if in_place:
-        model.load_weights(tensors)
-        repack_cpu_kernels(model)
+        repack_cpu_kernels(model, model.load_weights(tensors))
         return
     _quiet_derived_buffer_warnings(model)
     if not partial:

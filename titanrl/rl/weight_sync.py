@@ -6,7 +6,7 @@ then converted to HF names (``full_state``). At most one bucket of full tensors 
 device: nothing goes through host memory on a GPU, and nothing is written to a file.
 
 Colocated: every rank joins the gathers and hands each full tensor straight to its own engine
-(``engine.update_weights``: vLLM's layer-wise in-place reload, in the rank's process); an engine over T ranks
+(``engine.update_weights``: the model's ``load_weights`` in place, in the rank's process); an engine over T ranks
 (``rollout.tensor_parallel_size``) gets the full tensors on each of its ranks and vLLM's loaders keep each rank's part.
 
 Disaggregated (the engines on ranks that hold no model, their workers in processes of their own): the training

@@ -137,9 +137,10 @@ def check_update(
 ) -> None:
     """Every tensor of ``update`` must be a known weight (HF name, either prefix style) with the
     reference shape and a floating dtype. A partial update (a subset of names) is allowed only in
-    whole engine modules (``packed``: the engine's fused modules): vLLM's layer-wise reload
-    rebuilds every module it touches from scratch, so a module given only in part (say v_proj
-    without q_proj/k_proj, or a weight without its bias) would keep uninitialised memory."""
+    whole engine modules (``packed``: the engine's fused modules): vLLM's layer-wise reload (the
+    push into an engine that dropped its weights) rebuilds every module it touches from scratch, so
+    a module given only in part (say v_proj without q_proj/k_proj, or a weight without its bias)
+    would keep uninitialised memory there."""
     ref = {canonical_hf_name(k): v for k, v in reference.items()}
     if not update:
         raise WeightsMismatchError(f"{where}: the update holds no tensors")

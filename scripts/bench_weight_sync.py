@@ -15,12 +15,13 @@ of the step.
      packed kernels (``titanrl.rollout.vllm_plugin``), each tensor loaded in place by the model's ``load_weights``,
      then the kernels packed again from the new weights.
    Each way in a fresh launch (a process keeps memory it freed): seconds per push (median of 6 after one warm-up),
-   peak resident memory a rank adds (sampled every 20 ms), and the bytes left in /dev/shm at the push's peak.
+   peak resident memory a rank adds (sampled every 20 ms), the bytes left in /dev/shm at the push's peak, and the
+   weights the engine holds beside its packed kernels.
 2. **Share of the step**: the README's main job (tiny default, 2 ranks x 1 thread) for 12 steps, this commit against
-   the commit named by ``--baseline`` (checked out in a temporary git worktree) and against this commit with
-   vLLM-CPU's weights dropped, reload (the push before it), in one run: median step wall seconds, the rollout stage (what the
-   engine's kernels change), the weight-sync stage (which also holds the probe of ``rollout.probe_every``) and the
-   push alone. The same on ``small`` (6 steps after the first), this commit both ways.
+   the commit named by ``--baseline`` (checked out in a temporary git worktree) and against this commit with the
+   engine dropping its weights (the reload: the push before it), in one run: median step wall seconds, the rollout
+   stage, the weight-sync stage (which also holds the probe of ``rollout.probe_every``), the push alone and the
+   engine's load in it. The same on ``small`` (6 steps after the first), this commit both ways.
 3. **7B projection** (arithmetic, not measured): bytes each way moves per push on an 8-GPU node and the seconds at
    stated link speeds.
 """

@@ -528,8 +528,8 @@ def test_the_memory_planner_counts_the_weights_the_cpu_engine_keeps(vllm_engine,
     from titanrl import memory
     from titanrl.models.qwen2_5_vl import Qwen2_5_VLArgs
 
-    kept = vllm_engine.llm.apply_model(
-        lambda m: sum(x.weight.numel() for x in m.modules() if isinstance(x, LinearBase) and hasattr(x, "cpu_linear")))[0]
+    kept = vllm_engine.llm.apply_model(lambda m: sum(
+        x.weight.numel() for x in m.modules() if isinstance(x, LinearBase) and hasattr(x, "cpu_linear")))[0]
     assert kept == memory.param_counts(Qwen2_5_VLArgs.from_pretrained(tiny_ckpt)).linear_weights > 0
 
 

@@ -7,7 +7,8 @@ holds its worker at tensor parallelism 1, and at T > 1 its T workers).
 Weights arrive in memory (``update_weights``: tensors by reference into the model's ``load_weights``, in place; or,
 in child processes, over the push's process group: ``receive_weights``). A CPU engine keeps its linear weights beside
 the kernels vLLM-CPU packs from them, and packs those again after a push (``titanrl.rollout.vllm_plugin``); where
-vLLM drops the weights anyway, pushes go through its layer-wise reload (``in_place`` False). What that costs, and how it is contained:
+vLLM drops the weights anyway, pushes go through its layer-wise reload (``in_place`` False). What that costs, and
+how it is contained:
 
 - vLLM's worker calls ``torch.distributed``: in a torchrun rank it finds the trainer's process
   group and makes its own groups from it (tensor-parallel blocks of T ranks) -- ``new_group`` is collective, so
@@ -178,9 +179,9 @@ def _reload(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]], partial: b
     weights (CUDA; CPU with titanrl's vLLM plugin) the model's own ``load_weights`` copies each into its parameter
     (fused modules take their parts through their weight loaders), as verl pushes, and on CPU each layer's packed
     GEMM kernel is packed again from its new weight; where vLLM-CPU dropped the weights, its layer-wise reload
-    rebuilds each layer. ``partial``: an update of some whole modules (the push of what a step
-    changes, checked by ``check_update``): the others keep their weights (the reload puts their tensors back, and its
-    warnings that they were not loaded say nothing)."""
+    rebuilds each layer. ``partial``: an update of some whole modules (the push of what a step changes, checked by
+    ``check_update``): the others keep their weights (the reload puts their tensors back, and its warnings that they
+    were not loaded say nothing)."""
     model = worker.model_runner.get_model()
     in_place = getattr(worker, "_titanrl_in_place", None)
     if in_place is None:

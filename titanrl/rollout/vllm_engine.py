@@ -352,6 +352,13 @@ def mapped_shm_files(contains: str, pids: Iterable[int] | None = None) -> set[st
     return mapped
 
 
+def cpu_shm_maker_gone(name: str) -> bool:
+    """Whether the engine's first rank that made a ``titanrl-<pid>p...cpushm_<rank>`` file (``_cpu_shm_named``) is
+    gone."""
+    pid = name.removeprefix("titanrl-").split("p", 1)[0]
+    return pid.isdigit() and not Path(f"/proc/{pid}").exists()
+
+
 def _remove_stale_cpu_shm(min_age_s: float = 10.0) -> list[str]:
     """Remove ``/dev/shm/titanrl-*cpushm_*`` files (``_cpu_shm_named``) that no process maps and whose engine's first
     rank (the pid their name starts with) is gone, or that are older than ``min_age_s`` (not one an engine starting
@@ -361,12 +368,8 @@ def _remove_stale_cpu_shm(min_age_s: float = 10.0) -> list[str]:
     if not shm.is_dir():
         return []
     now = time.time()
-
-    def maker_gone(name: str) -> bool:
-        pid = name.removeprefix("titanrl-").split("p", 1)[0]
-        return pid.isdigit() and not Path(f"/proc/{pid}").exists()
-
-    candidates = [f for f in shm.glob("titanrl-*cpushm_*") if maker_gone(f.name) or now - f.stat().st_mtime > min_age_s]
+    candidates = [f for f in shm.glob("titanrl-*cpushm_*")
+                  if cpu_shm_maker_gone(f.name) or now - f.stat().st_mtime > min_age_s]
     if not candidates:
         return []
     mapped = mapped_shm_files("cpushm_")

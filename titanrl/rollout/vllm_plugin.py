@@ -44,16 +44,21 @@ def register() -> None:
     utils.dispatch_cpu_unquantized_gemm = keep_weight
 
 
+def cpu_gemm_layers(model: Any) -> list:
+    """The layers of ``model`` whose 2-D weight vLLM-CPU's GEMM dispatch gave a packed kernel (a ``cpu_linear``; none
+    on CUDA), vLLM's plain-linear exceptions left out."""
+    return [m for m in model.modules()
+            if callable(getattr(m, "cpu_linear", None)) and getattr(getattr(m, "weight", None), "ndim", 0) == 2
+            and not getattr(m, "_cpu_skip_gemm_dispatch", False)]
+
+
 def repack_cpu_kernels(model: Any, loaded: Any = None) -> int:
     """The CPU GEMM kernels of ``model`` (the layers vLLM-CPU's dispatch gave a ``cpu_linear``) whose weight is among
     the parameters named ``loaded`` (what ``model.load_weights`` returns; None: every one) packed again from that
     weight, as vLLM packed it at load; their number (0 on CUDA, where no layer has one). A weight shared by two layers
     (a tied output head) repacks both."""
     keep = None if loaded is None else {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in loaded}
-    layers = [m for m in model.modules()
-              if callable(getattr(m, "cpu_linear", None)) and getattr(getattr(m, "weight", None), "ndim", 0) == 2
-              and not getattr(m, "_cpu_skip_gemm_dispatch", False)  # (vLLM's plain-linear exceptions stay so)
-              and (keep is None or id(m.weight) in keep)]
+    layers = [m for m in cpu_gemm_layers(model) if keep is None or id(m.weight) in keep]
     if not layers:
         return 0
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm

@@ -164,3 +164,41 @@ def test_a_silent_rank_waits_until_its_hosts_speaker_has_written_the_line(monkey
     t0 = time.monotonic()
     abort.wait_for_the_speaker(8, timeout_s=1.0)  # nobody speaks for host 8
     assert 0.9 < time.monotonic() - t0 < 3
+
+
+_BUSY_RANK = """
+import sys, time
+from datetime import timedelta
+from pathlib import Path
+import torch.distributed as dist
+from titanrl.console import route_output
+from titanrl.workflow import abort
+
+store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=10))
+abort._store = lambda: store
+route_output(Path(sys.argv[1]), 1)
+control = abort.RunControl(1, poll_s=0.1, grace_s=0.5)
+control.watch(cleanup=lambda: print("cleanup ran", flush=True))
+store.add(abort.COUNT_KEY, 1)
+store.set(abort.KEY, "rank 0: node 'reward' failed: boom")
+time.sleep(60)  # busy in something that waits for nobody: the watcher ends it
+"""
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["other-host", "same-host"])
+def test_a_rank_busy_past_the_grace_after_another_failed_ends_with_the_cause_on_its_hosts_console(tmp_path, local):
+    """Rank 1 is busy (a fetch, a generation) when rank 0 fails: its watcher ends it after grace_s, and the line
+    naming rank 0's cause is on the console of rank 1's host when rank 0 is elsewhere (that host's only line), in
+    rank 1's log alone when both share the host (rank 0's own line is on it)."""
+    import time
+
+    env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1" if local else "0", "LOCAL_WORLD_SIZE": "2" if local else "1"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _BUSY_RANK, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1 and time.monotonic() - t0 < 30, proc
+    line = "[titanrl] rank 1 stopped: rank 0: node 'reward' failed: boom"
+    log = (tmp_path / "rank1.log").read_text()
+    assert "cleanup ran" in log and "still busy 0 s after another rank failed" in log, log
+    assert log.count(line) == 1 and "where its threads are" in log, log
+    assert proc.stdout == "" and proc.stderr == ("" if local else line + "\n"), proc

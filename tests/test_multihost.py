@@ -89,12 +89,16 @@ def train_on_hosts(hosts: Hosts, out: Path, cache: Path | list[Path], *overrides
     return wait_all(start_on_hosts(hosts, out, cache, *overrides, port=port), timeout)
 
 
-def error_line(proc: subprocess.CompletedProcess, rank: int) -> str:
+def error_line(proc: subprocess.CompletedProcess, rank: int, out: Path) -> str:
     """The host's one line naming the cause: its rank's own error, or - where another host's rank failed
-    first - ``rank R stopped: rank F: <cause>``. Returned as ``error on rank F: <cause>``."""
+    first - ``rank R stopped: rank F: <cause>``. Returned as ``error on rank F: <cause>``. ``out``: the run's
+    job.dump_folder (the rank's log, whose end a failure shows)."""
     own = [x for x in proc.stdout.splitlines() if x.startswith(f"[titanrl] error on rank {rank}")]
     elsewhere = [x for x in proc.stdout.splitlines() if x.startswith(f"[titanrl] rank {rank} stopped: rank ")]
-    assert len(own) + len(elsewhere) == 1, proc.stdout[-3000:]
+    if len(own) + len(elsewhere) != 1:
+        log = out / "tiny_cpu" / "logs" / f"rank{rank}.log"
+        pytest.fail(f"host {rank}'s console:\n{proc.stdout[-3000:]}\n----- {log} (end) -----\n"
+                    + (log.read_text(errors="replace")[-6000:] if log.exists() else "(none)"))
     if own:
         return own[0]
     return "[titanrl] error on " + elsewhere[0].split(" stopped: ", 1)[1]
@@ -170,7 +174,7 @@ def test_unreachable_object_store_fails_in_seconds_on_every_rank(hosts, run_cach
             hosts.unshape(i)
     for rank, proc in enumerate(results):
         assert proc.returncode != 0, f"host {rank} did not fail:\n{proc.stdout[-3000:]}"
-        line = error_line(proc, rank)
+        line = error_line(proc, rank, tmp_path / "out")
         assert "received no data from the preprocessor on host" in line, line
         assert hosts[0].ip in line and hosts[1].ip in line, line
     # start-up (~15 s here) + the reachability probe (20 s), far from 300 + 600 s
@@ -198,7 +202,7 @@ def test_fetch_blocked_mid_run_names_the_samples_and_hosts_and_stops_every_rank(
         for i in range(len(hosts)):
             hosts.unshape(i)
     assert all(p.returncode != 0 for p in results)
-    lines = [error_line(proc, rank) for rank, proc in enumerate(results)]
+    lines = [error_line(proc, rank, out) for rank, proc in enumerate(results)]
     named = [x for x in lines if "no data after data.fetch_timeout_s=10 s: samples [" in x]
     assert named, lines  # at least one rank's own fetch failed, naming what and where
     for line in named:

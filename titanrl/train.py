@@ -45,18 +45,12 @@ def _is_user_error(err: BaseException) -> bool:
     return _is_a(err, _USER_ERRORS)
 
 
-def _shows_cause(info, failing: int) -> bool:
-    """Whether this rank repeats another rank's cause on its console: the first rank of a host (torchrun numbers a
-    host's ranks contiguously) that does not hold the failing rank."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    first = info.rank - info.local_rank
-    return info.local_rank == 0 and not first <= failing < first + local_world
-
-
 def _speaks_for_host(info) -> bool:
     """Whether this rank writes the console line of an error every rank met: rank 0, and the first rank of each
     other host."""
-    return info.is_main or _shows_cause(info, 0)
+    from titanrl.workflow.abort import shows_cause
+
+    return info.is_main or shows_cause(info.rank, info.local_rank, 0)
 
 
 def _end_together(info) -> None:
@@ -140,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             report_exception(err, rank=info.rank, expected=True, verbose=cfg.metrics.verbose, console=False)
             # the failing rank's own console line is on its host's console; a host without it shows the
             # cause once, from its first rank
-            say(f"[titanrl] rank {info.rank} stopped: {elsewhere}", error=True,
-                log_only=not _shows_cause(info, trainer.control.failed_rank))
+            trainer.control.say_stopped()
         else:
             every = _is_a(err, _EVERY_RANK)
             report_exception(err, rank=info.rank, expected=_is_user_error(err), verbose=cfg.metrics.verbose,

@@ -74,6 +74,8 @@ class RunControl:
         self._wakeup: tuple[int, int] | None = None
         self._preempt_thread: threading.Thread | None = None
         self._followed = False
+        self._said_stopped = False
+        self._lock = threading.Lock()
         self._grace_s = 25.0
         self._time_to_stop = self._abandon_line = None
 
@@ -132,7 +134,22 @@ class RunControl:
                 if self._cleanup is not None:
                     self._cleanup()
             finally:
+                self.say_stopped()
                 os._exit(1)
+
+    def say_stopped(self) -> None:
+        """The line of a rank that stops because another rank failed: ``rank R stopped: rank F: <cause>``, on the
+        console of a host that does not hold rank F (from its first rank: the cause once per host), in the log
+        otherwise. Said by the rank's error path or, where the rank stayed busy past ``grace_s``, by the watcher."""
+        from titanrl.console import say
+
+        with self._lock:  # once: the error path and the watcher may both reach it
+            if self._said_stopped:
+                return
+            self._said_stopped = True
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        say(f"[titanrl] rank {self.rank} stopped: {self.failed_elsewhere}", error=True,
+            log_only=not shows_cause(self.rank, local_rank, self.failed_rank))
 
     def close(self) -> None:
         """Stop the watchers and wait for them: a daemon thread still inside a store call when the interpreter
@@ -251,6 +268,14 @@ class RunControl:
         from titanrl.distributed import all_reduce_max
 
         return all_reduce_max(1.0 if self.stop_requested else 0.0) > 0
+
+
+def shows_cause(rank: int, local_rank: int, failing: int | None) -> bool:
+    """Whether ``rank`` repeats rank ``failing``'s cause on its console: the first rank of a host (torchrun numbers a
+    host's ranks contiguously; ``LOCAL_WORLD_SIZE`` of them) that does not hold the failing rank."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    first = rank - local_rank
+    return local_rank == 0 and (failing is None or not first <= failing < first + local_world)
 
 
 def dump_stacks() -> None:

@@ -363,6 +363,7 @@ def test_entry_point_prints_the_error_without_traceback_and_exits_2():
         (["--optimizer.betas=[0.9]"], "optimizer.betas must be two numbers in [0, 1)"),
         (["--rl.reward=exact_match"], "rl.reward must be a built-in (math, choice"),
         (["--data.min_pixels=100000", "--data.max_pixels=12544"], "data.max_pixels (12544) must be >= data.min_pixels (100000)"),
+        (["--data.max_pixels=0"], "data.max_pixels must be >= 1, got 0"),
         (["--parallelism.data_parallel_shard_degree=0"], "must be -1 (all ranks) or >= 1"),
         (["--rollout.temperature=0"], "rollout.temperature must be > 0 for rl.algorithm='grpo'"),
         (["--job.name=a/b"], "job.name must be a plain folder name"),

@@ -477,6 +477,23 @@ def test_reinforce_pp_advantages_hand_computed():
     assert order.index("advantage") > max(order.index("old_logprob"), order.index("ref_logprob"))
 
 
+
+
+def test_auto_old_logprobs_take_the_first_forward_only_where_it_is_the_old_policy():
+    """rl.old_logprobs = auto reuses the first minibatch's update forward as the old policy's, which it is not with
+    LoRA dropout (the update drops adapter inputs, the log-prob stages do not) nor over several PPO epochs."""
+    from titanrl.config import JobConfig
+    from titanrl.rl.nodes import old_from_first_forward
+
+    cfg = JobConfig()
+    assert old_from_first_forward(cfg)
+    cfg.lora.rank = 8
+    assert old_from_first_forward(cfg)
+    cfg.lora.dropout = 0.1
+    assert not old_from_first_forward(cfg)
+    cfg = JobConfig()
+    cfg.rl.ppo_epochs = 2
+    assert not old_from_first_forward(cfg)
 def test_overlong_penalty_hand_computed():
     """DAPO's soft overlong punishment (eq. 13) with L_max = 10, L_cache = 4: 0 up to 6 tokens, then -penalty x
     (L - 6) / 4, the whole penalty at 10 tokens."""

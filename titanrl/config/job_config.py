@@ -49,7 +49,7 @@ class JobRunConfig:
     steps: int = 300
     """Number of RL steps (one step = rollout + policy update on rl.global_batch_size prompts)."""
     description: str = "Tiny Qwen2.5-VL-shaped model, GRPO on synthetic data, CPU only."
-    """Free-text description, copied into the saved config and logs."""
+    """Free-text description, kept in the run's saved config (`<run dir>/config.toml`); nothing else reads it."""
     collective_timeout_s: float = 600.0
     """How long a rank waits in one collective (another rank died or hangs) before the run ends with an error
     naming the stage and the rank (gloo); with NCCL, PyTorch's watchdog aborts the rank after this long."""
@@ -87,7 +87,9 @@ class ModelConfig:
     cache_dir: str = "~/.cache/titanrl"
     """Cache for generated checkpoints and synthesized data ('~' is expanded)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and compute dtype of the policy."""
+    """Compute dtype of the policy (its gathered parameters and activations) and the rollout engine's dtype. Below
+    float32 the sharded master parameters, gradients and optimizer state stay float32 (FSDP2's mixed precision;
+    docs/memory.md)."""
     attn_backend: Literal["sdpa", "flash"] = "sdpa"
     """Attention kernel for packed sequences: sdpa (CPU and GPU) or flash (PyTorch's varlen FlashAttention;
     needs a CUDA GPU and bfloat16)."""
@@ -186,7 +188,8 @@ class DataConfig:
     """Smallest image/frame area after resizing (pixels); unset = the checkpoint's processor config,
     which is what vLLM applies. When set, it overrides both the trainer's and vLLM's preprocessing."""
     max_pixels: int | None = None
-    """Largest image/frame area after resizing (pixels); unset = the checkpoint's processor config."""
+    """Largest image/frame area after resizing (pixels); unset = the checkpoint's processor config. When set, it
+    overrides both the trainer's and vLLM's preprocessing."""
     num_decode_workers: int = 1
     """Decode threads per node preprocessor (shadow) or on rank 0 (centralized); shadow with 0 decodes
     only when a rank fetches (no decode ahead)."""
@@ -197,7 +200,8 @@ class DataConfig:
     metadata_cache: bool = True
     """Cache header probes in <manifest>.meta.jsonl next to the manifest (keyed by file size and mtime)."""
     fetch_timeout_s: float = 300.0
-    """Longest a rank waits for one step's data before failing with an error naming the samples."""
+    """Longest a rank waits for one step's data before failing with an error naming the samples (data.loader =
+    'shadow'; 'centralized' ranks wait in rank 0's scatter, up to job.collective_timeout_s)."""
     ray_address: str = ""
     """The Ray cluster (GCS host:port) ShadowLoader places its preprocessors on, one per node; empty = rank 0
     starts a private local instance (one machine only). A cluster with token authentication needs
@@ -214,8 +218,9 @@ class DataConfig:
             "max_prompt_tokens": self.max_prompt_tokens,
             "max_frames": self.max_frames,
         }
-        if self.min_pixels is not None:
-            positive["min_pixels"] = self.min_pixels
+        for key in ("min_pixels", "max_pixels"):
+            if getattr(self, key) is not None:
+                positive[key] = getattr(self, key)
         found += [f"data.{k} must be >= 1, got {v}" for k, v in positive.items() if v < 1]
         non_negative = {
             "num_decode_workers": self.num_decode_workers,
@@ -256,7 +261,8 @@ class ParallelismConfig:
     FlexUlysses, a degree per trajectory (1 .. p_max) from the cost model, nested groups, trajectories
     moved between ranks to balance balance.cost_model per rank (docs/flex_ulysses.md)."""
     ulysses_degree: int = 1
-    """Ulysses group size when ulysses = 'fixed' (a power of two dividing the ranks and the model's heads)."""
+    """Ulysses group size when ulysses = 'fixed': a power of two dividing the ranks, with at least one query head
+    per member (heads that do not divide evenly are split unevenly)."""
     p_max: int | None = None
     """Largest Ulysses group FlexUlysses may form when ulysses = 'flex': a power of two <= the number of ranks
     (lowered, with a message, to what the model's head counts allow); unset = the largest power of two <= min(4,
@@ -307,7 +313,8 @@ class BalanceConfig:
     gradients reduced once per minibatch (holds full parameters and unsharded gradients during the minibatch);
     odc = lb_mini's plan with ODC's on-demand communication: FSDP's memory (each unit gathered only while it runs,
     from the owners' shared memory, its gradient scatter-accumulated into the owners' buffers), one barrier per
-    minibatch (CPU ranks of one machine; refused on CUDA and across machines, not built there);
+    minibatch (CPU ranks only: refused on CUDA, whose symmetric-memory path is not built; on several machines by
+    hybrid sharding over each machine's ranks; colocated placement only);
     lb_micro = balanced across ranks, equal microbatch counts, FSDP collectives per layer of every microbatch
     (less memory); native = every trajectory stays on the rank that generated it, ranks padded to the largest
     microbatch count (the baseline; only with parallelism.ulysses = 'none'); bucketing = the FlexRL paper's veRL
@@ -342,7 +349,8 @@ class BalanceConfig:
     profile_speeds: bool = False
     """Measure the ranks at start-up instead (titanrl.profile: each rank's matmul throughput in model.dtype, all
     ranks timed at once, ~2 s) and balance by the measured speeds as balance.rank_speeds does; speeds within 10%
-    of each other count as equal. Written to <run dir>/profile.json. The plans then depend on a measurement:
+    of each other count as equal. Written to <run dir>/profile.json. Several ranks only (one rank has nothing
+    to balance: nothing is measured). The plans then depend on a measurement:
     two runs are not bit-identical unless the speeds come out the same (set balance.rank_speeds for that)."""
 
     def problems(self) -> list[str]:
@@ -533,7 +541,8 @@ class RLConfig:
     old_logprobs: Literal["auto", "recompute"] = "auto"
     """Where the PPO ratio's old-policy log-probs come from. auto = with ppo_epochs = 1, the first minibatch's
     update forward runs the old policy itself, so its old log-probs are that forward's (detached) and the
-    old-log-prob pass covers only the other minibatches (none with minibatches = 1); with ppo_epochs > 1 the pass
+    old-log-prob pass covers only the other minibatches (none with minibatches = 1); with ppo_epochs > 1,
+    rl.advantage = 'reinforce++' or lora.dropout > 0 (the update's forward is not the old policy's) the pass
     covers every trajectory. recompute = a separate pass over every trajectory (the usual way; the same numbers up
     to float rounding)."""
     shared_prefix: bool = True
@@ -556,7 +565,8 @@ class RLConfig:
     those of the resident reference. A one-process run puts its models on a one-rank FSDP mesh. Needs
     kl_coef > 0. On a CPU machine the shards are in host memory either way: it runs, and frees nothing."""
     kl_estimator: Literal["k1", "k3"] = "k3"
-    """KL estimator: k1 = log-ratio, k3 = unbiased low-variance (Schulman)."""
+    """KL estimator: k1 = log-ratio, k3 = unbiased low-variance (Schulman). With rl.advantage = 'reinforce++'
+    the penalty is k1 in the reward, and this estimator only sets the logged KL."""
     std_normalize: bool = False
     """Divide advantages by the group reward std (GRPO); false = mean-centering only (Dr. GRPO). With
     it, a group whose only scored difference is small (one response earned a 0.1 format bonus) gets
@@ -678,8 +688,9 @@ class OptimizerConfig:
     name: Literal["AdamW"] = "AdamW"
     """Optimizer class."""
     lr: float = 1e-3
-    """Peak learning rate (reached after lr_scheduler.warmup_steps). A resume continues the checkpoint's
-    schedule, its peak included; betas, eps, weight_decay and implementation are this config's."""
+    """Peak learning rate (reached after lr_scheduler.warmup_steps). A resume keeps the checkpoint's peak and its
+    position in the schedule; the schedule's shape (lr_scheduler.*, and job.steps where decay_steps is unset),
+    betas, eps, weight_decay and implementation are this config's."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam (beta1, beta2)."""
     eps: float = 1e-8
@@ -722,7 +733,7 @@ class LRSchedulerConfig:
     decay_steps: int | None = None
     """Length of the decay, in RL steps; none = until job.steps."""
     min_lr_factor: float = 0.1
-    """Final learning rate as a fraction of optimizer.lr."""
+    """Final learning rate as a fraction of optimizer.lr (unused with decay_type = 'constant')."""
 
     def problems(self) -> list[str]:
         found = []
@@ -744,7 +755,7 @@ class CheckpointConfig:
     enable: bool = True
     """Save checkpoints."""
     folder: str = "checkpoint"
-    """Checkpoint folder, relative to <job.dump_folder>/<job.name>."""
+    """Checkpoint folder: relative to <job.dump_folder>/<job.name>, or an absolute path."""
     interval: int = 2
     """Save every this many RL steps (and at the last step)."""
     resume: bool = True
@@ -827,7 +838,8 @@ class CompileConfig:
     """torch.compile backend."""
     components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model"])
     """What to compile: 'model' = each transformer block (under Ulysses the attention all-to-alls stay outside
-    the compiled graphs); 'loss' = the PPO-clip policy loss."""
+    the compiled graphs); 'loss' = the policy loss (rl.policy_loss, whichever it is; the critic's value loss is
+    not compiled)."""
     dynamic: bool = True
     """Compile with dynamic shapes (packed lengths and image grids change every step)."""
 
@@ -847,7 +859,8 @@ class CriticConfig:
     max_grad_norm) and LR schedule (lr_scheduler's shape with its own warmup), saved and resumed with the run."""
 
     path: str = ""
-    """Initial critic (an HF folder, e.g. a saved critic); empty = the policy's checkpoint, value head at 0."""
+    """Initial critic: an HF folder of a Qwen2.5-VL checkpoint; empty = the policy's checkpoint, value head at 0.
+    (titanrl's own checkpoints hold the critic in DCP and resume it; nothing exports it as an HF folder.)"""
     lr: float = 1e-3
     """Peak learning rate of the critic."""
     warmup_steps: int = 0

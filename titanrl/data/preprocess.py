@@ -52,10 +52,10 @@ class MediaSettings:
         image_cfg = _read_json(model_dir / "preprocessor_config.json")
         video_cfg = _read_json(model_dir / "video_preprocessor_config.json") or image_cfg
         return cls(
-            image_min_pixels=min_pixels or image_cfg.get("min_pixels", 56 * 56),
-            image_max_pixels=max_pixels or image_cfg.get("max_pixels", 28 * 28 * 1280),
-            video_min_pixels=min_pixels or video_cfg.get("min_pixels", 128 * 28 * 28),
-            video_max_pixels=max_pixels or video_cfg.get("max_pixels", 28 * 28 * 768),
+            image_min_pixels=min_pixels if min_pixels is not None else image_cfg.get("min_pixels", 56 * 56),
+            image_max_pixels=max_pixels if max_pixels is not None else image_cfg.get("max_pixels", 28 * 28 * 1280),
+            video_min_pixels=min_pixels if min_pixels is not None else video_cfg.get("min_pixels", 128 * 28 * 28),
+            video_max_pixels=max_pixels if max_pixels is not None else video_cfg.get("max_pixels", 28 * 28 * 768),
             fps=fps,
             max_frames=max_frames,
             video_backend=video_backend,

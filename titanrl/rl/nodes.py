@@ -214,8 +214,10 @@ def stage_inputs(batch, ctx) -> None:
 
 def old_from_first_forward(cfg) -> bool:
     """rl.old_logprobs = auto with one PPO epoch: the first minibatch's forward is the old policy (not with
-    REINFORCE++, whose advantages need every old log-prob before the update)."""
-    return cfg.rl.old_logprobs == "auto" and cfg.rl.ppo_epochs == 1 and cfg.rl.advantage != "reinforce++"
+    REINFORCE++, whose advantages need every old log-prob before the update; not with LoRA dropout, which the
+    update's forward applies and the old policy's log-probs do not)."""
+    return (cfg.rl.old_logprobs == "auto" and cfg.rl.ppo_epochs == 1 and cfg.rl.advantage != "reinforce++"
+            and not (cfg.lora.enabled and cfg.lora.dropout > 0))
 
 
 def per_token_advantages(cfg) -> bool:

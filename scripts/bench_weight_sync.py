@@ -22,7 +22,12 @@ of the step.
    engine dropping its weights (the reload: the push before it), in one run: median step wall seconds, the rollout
    stage, the weight-sync stage (which also holds the probe of ``rollout.probe_every``), the push alone and the
    engine's load in it. The same on ``small`` (6 steps after the first), this commit both ways.
-3. **7B projection** (arithmetic, not measured): bytes each way moves per push on an 8-GPU node and the seconds at
+3. **Equal to the push before it**: the main job (2 ranks) for 3 steps with a learning signal (tests/signal_reward.py,
+   the peak learning rate from the first step, old log-probs recomputed), per-token tensors and parameters dumped
+   (``metrics.dump_tensors``), once through vLLM's reload and once in place: the largest difference of the engines'
+   rollout log-probs, the old and reference log-probs and the parameters after each step, beside the size of the
+   step's parameter update. ``--equality`` runs this part alone (the report names the commit of each part).
+4. **7B projection** (arithmetic, not measured): bytes each way moves per push on an 8-GPU node and the seconds at
    stated link speeds.
 """
 
@@ -203,6 +208,44 @@ def step_rows(baseline: str, steps: int, small_steps: int) -> list[dict]:
     return rows
 
 
+EQUALITY_STEPS = 3
+SIGNAL = (f"--rl.reward={ROOT / 'tests' / 'signal_reward.py'}:reward", "--lr_scheduler.warmup_steps=0",
+          "--lr_scheduler.decay_type=constant", "--rl.old_logprobs=recompute", "--metrics.dump_tensors")
+
+
+def equality_rows() -> dict:
+    """The main job both ways (reload, in place) with a learning signal and its tensors dumped; per step the largest
+    differences between the two runs and the size of the step's update (``max |p_step - p_step-1|``)."""
+    from titanrl.rl.dump import PER_TOKEN, load_dumps, max_differences
+
+    dumps = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for way, extra_env in (("reload", _PACKED), ("memory", {})):
+            out = Path(tmp) / way
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   "-m", "titanrl.train", "--config", str(ROOT / "configs/tiny_cpu.toml"),
+                   f"--job.steps={EQUALITY_STEPS}", f"--job.dump_folder={out}", "--checkpoint.enable=false",
+                   "--metrics.progress=line", *SIGNAL]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
+            subprocess.run(cmd, check=True, env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+            dumps[way] = load_dumps(out / "tiny_cpu")
+    a, b = dumps["reload"], dumps["memory"]
+    rows = []
+    for step in sorted(a):
+        diff = max_differences(a[step], b[step])
+        update = None
+        if step - 1 in b:
+            prev, now = b[step - 1]["params"]["policy"], b[step]["params"]["policy"]
+            update = max(float((now[k] - prev[k]).abs().max()) for k in now)
+        trajs = b[step]["trajectories"].values()
+        rows.append({"step": step, **{k: diff[k] for k in (*PER_TOKEN, "params/policy") if k in diff},
+                     "update_max": update,
+                     "nonzero_advantages": sum(abs(t["advantage"]) > 0 for t in trajs), "trajectories": len(trajs)})
+        print(f"equality step {step}: {rows[-1]}", flush=True)
+    return {**provenance(), "rows": rows}
+
+
 def projection() -> dict:
     """Per push of Qwen2.5-VL-7B on an 8-GPU node, colocated (every GPU an engine)."""
     model = _7B["params"] * _7B["bytes"]
@@ -284,6 +327,33 @@ def report(result: dict, command: str) -> str:
             f"{a['load_s']:.3f} s): the gather varies between runs by more than the load saves. On CUDA vLLM keeps "
             "the weights and nothing is packed: the push loads in place.",
         ]
+    if "equality" in result:
+        eq = result["equality"]
+        lines += [
+            "",
+            "## Equal to the push before it: the main job, 2 ranks, a learning signal",
+            "",
+            f"{provenance_text(eq)}. Two runs of the tiny default for {len(eq['rows'])} steps with "
+            "`tests/signal_reward.py` (a reward that varies within every group), the peak learning rate from the "
+            "first step, old log-probs recomputed and every tensor dumped (`metrics.dump_tensors`): one whose engines "
+            "drop their weights and take each push through vLLM's reload (the push before), one loading in place. "
+            "Each column: the largest absolute difference between the two runs over every token of every "
+            "trajectory (or every parameter after the step's update); `update` = the largest parameter change of the "
+            "step itself (in-place run), the scale the parameters' difference is to be read against.",
+            "",
+            "| step | trajectories (advantage != 0) | rollout log-probs | old log-probs | reference log-probs | "
+            "parameters | update |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in eq["rows"]:
+            upd = "-" if r["update_max"] is None else f"{r['update_max']:.2e}"
+            lines.append(f"| {r['step']} | {r['trajectories']} ({r['nonzero_advantages']}) | "
+                         f"{r['rollout_logprobs']:.1e} | {r['old_logprobs']:.1e} | {r['ref_logprobs']:.1e} | "
+                         f"{r['params/policy']:.1e} | {upd} |")
+        same = all(r[k] == 0.0 for r in eq["rows"] for k in ("rollout_logprobs", "old_logprobs", "ref_logprobs",
+                                                             "params/policy"))
+        lines += ["", "Bit for bit: every difference is 0." if same else
+                  "Not bit for bit: see the columns (same responses: the comparison needs them and checks them)."]
     proj = result["projection"]
     lines += [
         "",
@@ -314,18 +384,24 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=13)
     p.add_argument("--small-steps", type=int, default=7)
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--equality", action="store_true", help="run part 3 alone, into the existing json")
     opts = p.parse_args()
     if opts.worker:
         worker(opts)
         return
     bench = ROOT / "benchmarks"
     command = "python scripts/bench_weight_sync.py"
-    if not opts.report_only:
+    if opts.equality:
+        result = json.loads((bench / "weight_sync.json").read_text())
+        result["equality"] = equality_rows()
+        (bench / "weight_sync.json").write_text(json.dumps(result, indent=1))
+    elif not opts.report_only:
         baseline = subprocess.run(["git", "-C", str(ROOT), "rev-parse", opts.baseline], check=True,
                                   capture_output=True, text=True).stdout.strip()
         result = {**provenance(), "baseline": baseline,
                   "push": push_rows(["tiny", "small"], ["float32", "bfloat16"]),
-                  "steps": step_rows(baseline, opts.steps, opts.small_steps), "projection": projection()}
+                  "steps": step_rows(baseline, opts.steps, opts.small_steps), "equality": equality_rows(),
+                  "projection": projection()}
         (bench / "weight_sync.json").write_text(json.dumps(result, indent=1))
     result = json.loads((bench / "weight_sync.json").read_text())
     (bench / "weight_sync.md").write_text(report(result, command))

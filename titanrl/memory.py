@@ -23,8 +23,9 @@ backward of the update stage's largest microbatch:
   (4 N / dp); ``MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=float32)`` casts only the
   all-gathered (unsharded) copies, and gradients are reduced into fp32 shards (4 N / dp; under ``lb_mini``
   0 at the peak: the optimizer step's ``zero_grad(set_to_none=True)`` leaves none, and the minibatch's last
-  backward writes each unit's shard as it frees that unit's larger unsharded gradient). Without FSDP
-  (one rank) there is no cast: parameters, gradients and compute are fp32 whatever ``model.dtype`` says;
+  backward writes each unit's shard as it frees that unit's larger unsharded gradient). One process in float32
+  without ``rl.ref_offload`` has no FSDP and no cast: parameters, gradients and compute fp32; in bfloat16 or with
+  ``rl.ref_offload`` it runs FSDP2 on a one-rank mesh (``JobConfig.one_rank_fsdp``) and the terms hold with dp = 1;
 - AdamW (every ``optimizer.implementation``): exp_avg and exp_avg_sq in the parameters' dtype, fp32: 8 N / dp;
 - ``odc`` (``parallel/odc_comm.py``): FSDP's terms (as ``lb_micro``; the gradient shard is its resident
   accumulation buffer) plus, below float32, its publication: the rank's shards cast for the others' gathers
@@ -49,7 +50,8 @@ backward of the update stage's largest microbatch:
 - the reference model (``rl.kl_coef > 0``): a second, frozen FSDP model, 4 N / dp at rest (0 on a GPU with
   ``rl.ref_offload``: its shards are in host memory, and a unit is gathered only for its forward, as the
   policy's are);
-- a critic (not built: ``rl.algorithm = grpo`` has none; the term is 0 and keeps its place);
+- PPO's critic (:func:`critic_bytes`): its fp32 parameters, and gradients and AdamW state of what trains, sharded,
+  (4 N + 12 N_t) / dp; 0 for GRPO;
 - the data in host memory (``data_bytes``; on a CPU run the device's, on CUDA host memory and 0 in the plan): each
   step the loader hands out, or fetches ahead, keeps its samples' float32 patch rows;
 - the runtime: what a rank holds before any of the above (CUDA context and NCCL buffers on GPU;

@@ -131,10 +131,13 @@ class RunControl:
             print(f"[titanrl] rank {self.rank} still busy {self.grace_s:.0f} s after another rank failed: exiting",
                   file=sys.stderr, flush=True)
             try:
+                try:  # first: a clean-up that hangs must not keep the line from the console
+                    self.say_stopped()
+                except Exception:  # noqa: BLE001 - a console gone; the process still ends
+                    pass
                 if self._cleanup is not None:
                     self._cleanup()
             finally:
-                self.say_stopped()
                 os._exit(1)
 
     def say_stopped(self) -> None:

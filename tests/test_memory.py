@@ -95,14 +95,21 @@ def test_plan_terms_by_hand():
     assert plan.term("engine_kv_cache") == 1000
     assert plan.term("reference_model") == 4 * n // 4
     assert plan.term("critic") == 0 and plan.term("runtime") == 7
-    assert plan.total == sum(t.bytes for t in plan.terms)  # vllm: no rollout-only term
+    # the push's gathered bucket (the whole model: below 128 MiB), this rank's quarter of it, one full tensor (I h)
+    assert plan.term("weight_push") == 2 * n + 2 * n // 4 + 2 * 16 * 8
+    assert plan.total == sum(t.bytes for t in plan.terms if t.phase != "push")  # vllm: the update stage is larger
+    # a stage whose tokens are few: the push is the peak
+    few = memory.predict(load_config(None, ["--model.dtype=bfloat16", "--rollout.kv_cache_bytes=1000",
+                                            "--balance.max_tokens_per_microbatch=1"]), hand_args(), 4, runtime_bytes=7)
+    assert few.term("activations") + few.term("logprob_head") < few.term("weight_push")
+    assert few.total == sum(t.bytes for t in few.terms if t.phase == "resident") + few.term("weight_push")
     cfg.rollout.engine = "hf"
     hf = memory.predict(cfg, hand_args(), 4, runtime_bytes=7)
     # 2 L kv b x (ceil(32 / 4) prompts x 8) x (256 + 2)
     assert hf.term("engine_generate_kv") == 2 * 1 * 4 * 2 * 64 * 258
     resident = sum(t.bytes for t in hf.terms if t.phase == "resident")
     update = hf.term("activations") + hf.term("logprob_head")
-    assert hf.total == resident + max(update, hf.term("engine_generate_kv"))
+    assert hf.total == resident + max(update, hf.term("engine_generate_kv"), hf.term("weight_push"))
     cfg.rollout.engine = "vllm"
     # one process in bfloat16: FSDP2 on a one-rank mesh, the rule of many ranks (bfloat16 gathered copies)
     single = memory.predict(cfg, hand_args(), 1, runtime_bytes=7)

@@ -50,6 +50,9 @@ backward of the update stage's largest microbatch:
 - the reference model (``rl.kl_coef > 0``): a second, frozen FSDP model, 4 N / dp at rest (0 on a GPU with
   ``rl.ref_offload``: its shards are in host memory, and a unit is gathered only for its forward, as the
   policy's are);
+- the weight push (:func:`push_term`, a stage of its own: the peak counts the largest of update, rollout and push):
+  the gathered bucket of full tensors in the engine's dtype, up to ``PUSH_BUCKET_BYTES``, this rank's part of it
+  and one full tensor put together beside it;
 - PPO's critic (:func:`critic_bytes`): its fp32 parameters, and gradients and AdamW state of what trains, sharded,
   (4 N + 12 N_t) / dp; 0 for GRPO;
 - the data in host memory (``data_bytes``; on a CPU run the device's, on CUDA host memory and 0 in the plan): each
@@ -388,9 +391,9 @@ class Term:
     name: str
     bytes: int
     formula: str
-    phase: Literal["resident", "update", "rollout"] = "resident"
-    """resident: held for the whole step; update / rollout: live only in that stage (the peak counts the
-    larger of the two)."""
+    phase: Literal["resident", "update", "rollout", "push"] = "resident"
+    """resident: held for the whole step; update / rollout / push: live only in that stage (the peak counts the
+    largest; the push also wakes a sleeping engine's weights)."""
 
 
 @dataclass
@@ -408,9 +411,12 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        """resident terms + max(update-stage terms, rollout-stage terms)."""
-        by = {phase: sum(t.bytes for t in self.terms if t.phase == phase) for phase in ("resident", "update", "rollout")}
-        return by["resident"] + max(by["update"], by["rollout"])
+        """resident terms + the largest of the update, rollout and push stages' (the push with a sleeping engine's
+        weights, which it wakes)."""
+        by = {phase: sum(t.bytes for t in self.terms if t.phase == phase)
+              for phase in ("resident", "update", "rollout", "push")}
+        by["push"] += sum(t.bytes for t in self.terms if t.phase == "rollout" and t.name == "engine_weights")
+        return by["resident"] + max(by["update"], by["rollout"], by["push"])
 
     def term(self, name: str) -> int:
         return next(t.bytes for t in self.terms if t.name == name)
@@ -582,6 +588,7 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
                           f"{cfg.data.loader} loader: steps held + data.prefetch_batches, float32 patch rows, {media}"))
     else:
         terms.append(Term("data", 0, "the loader's patch rows are in host memory"))
+    terms.append(push_term(cfg, args, dp, "push"))
     runtime = RUNTIME_BYTES[f"{device}/{cfg.rollout.engine}"] if runtime_bytes is None else runtime_bytes
     terms.append(Term("runtime", runtime, f"measured constant ({device}): process, libraries, context"))
     plan = MemoryPlan(terms=terms, world=world, dp=dp, device=device, shape="", params=n,
@@ -592,6 +599,24 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
         plan.notes.append(f"hybrid sharding (odc): the models sharded over {dp} rank(s) of a machine, "
                           f"{world // dp} replicas")
     return plan
+
+
+# full tensors the weight push gathers at a time (titanrl.rl.weight_sync): bounds its extra memory
+PUSH_BUCKET_BYTES = 128 << 20
+
+
+def push_term(cfg: JobConfig, args: Qwen2_5_VLArgs, dp: int, phase: str) -> Term:
+    """The weight push on a training rank (``titanrl.rl.weight_sync``): the gathered bucket of full tensors in the
+    engine's dtype (up to ``PUSH_BUCKET_BYTES``, the whole model if smaller), this rank's cast part of it, and one
+    full tensor put together beside it (at most the largest: the token embedding or output head, V h)."""
+    b = DTYPE_BYTES[cfg.model.dtype]
+    t = args.text
+    bucket = min(PUSH_BUCKET_BYTES, b * param_counts(args).total)
+    largest = b * max(t.vocab_size * t.hidden_size, t.intermediate_size * t.hidden_size)
+    bucket = max(bucket, largest)  # a tensor above the bound is a bucket of its own
+    return Term("weight_push", bucket + bucket // max(dp, 1) + largest,
+                f"the push's gathered bucket min({PUSH_BUCKET_BYTES >> 20} MiB, b N) + its local part / {dp} "
+                "+ one full tensor (V h)", phase)
 
 
 def engine_terms(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device, data: DataShape | None = None,
@@ -626,6 +651,8 @@ def predict_rollout_rank(cfg: JobConfig, args: Qwen2_5_VLArgs, rollout_ranks: in
     counts = param_counts(args)
     terms = engine_terms(cfg, args, rollout_ranks, device=device, data=data, n=counts.total)
     terms = [Term(t.name, t.bytes, t.formula) for t in terms]  # nothing trains here: all resident
+    bucket = min(PUSH_BUCKET_BYTES, DTYPE_BYTES[cfg.model.dtype] * counts.total)
+    terms.append(Term("weight_push", bucket, f"the push's received bucket, min({PUSH_BUCKET_BYTES >> 20} MiB, b N)"))
     runtime = RUNTIME_BYTES[f"{device}/{cfg.rollout.engine}"] if runtime_bytes is None else runtime_bytes
     terms.append(Term("runtime", runtime, f"measured constant ({device}): process, libraries, context"))
     return MemoryPlan(terms=terms, world=rollout_ranks, dp=1, device=device, shape="", params=counts.total,

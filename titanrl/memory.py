@@ -416,6 +416,8 @@ class MemoryPlan:
         by = {phase: sum(t.bytes for t in self.terms if t.phase == phase)
               for phase in ("resident", "update", "rollout", "push")}
         by["push"] += sum(t.bytes for t in self.terms if t.phase == "rollout" and t.name == "engine_weights")
+        # the push follows the update stage, which has resharded its units and reduced its gradients by then
+        by["push"] -= sum(t.bytes for t in self.terms if t.name in UPDATE_HELD)
         return by["resident"] + max(by["update"], by["rollout"], by["push"])
 
     def term(self, name: str) -> int:
@@ -588,7 +590,7 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
                           f"{cfg.data.loader} loader: steps held + data.prefetch_batches, float32 patch rows, {media}"))
     else:
         terms.append(Term("data", 0, "the loader's patch rows are in host memory"))
-    terms.append(push_term(cfg, args, dp, "push"))
+    terms.append(push_term(cfg, args, dp, "push", fsdp=fsdp))
     runtime = RUNTIME_BYTES[f"{device}/{cfg.rollout.engine}"] if runtime_bytes is None else runtime_bytes
     terms.append(Term("runtime", runtime, f"measured constant ({device}): process, libraries, context"))
     plan = MemoryPlan(terms=terms, world=world, dp=dp, device=device, shape="", params=n,
@@ -601,21 +603,25 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
     return plan
 
 
+# resident terms the update stage alone holds (gathered units, unreduced gradients): freed before the weight push
+UPDATE_HELD = ("lb_mini_full_params", "lb_mini_full_grads", "fsdp_gathered")
 # full tensors the weight push gathers at a time (titanrl.rl.weight_sync): bounds its extra memory
 PUSH_BUCKET_BYTES = 128 << 20
 
 
-def push_term(cfg: JobConfig, args: Qwen2_5_VLArgs, dp: int, phase: str) -> Term:
+def push_term(cfg: JobConfig, args: Qwen2_5_VLArgs, dp: int, phase: str, *, fsdp: bool = True) -> Term:
     """The weight push on a training rank (``titanrl.rl.weight_sync``): the gathered bucket of full tensors in the
-    engine's dtype (up to ``PUSH_BUCKET_BYTES``, the whole model if smaller), this rank's cast part of it, and one
-    full tensor put together beside it (at most the largest: the token embedding or output head, V h)."""
+    engine's dtype (filled until it reaches ``PUSH_BUCKET_BYTES``: up to one tensor more; the whole model if
+    smaller), this rank's cast part of it, and one full tensor put together beside it (at most the largest: the
+    token embedding or output head, V h). Without FSDP (one process in float32) the parameters themselves go: 0."""
+    if not fsdp:
+        return Term("weight_push", 0, "one process in float32: the parameters themselves are pushed", phase)
     b = DTYPE_BYTES[cfg.model.dtype]
     t = args.text
-    bucket = min(PUSH_BUCKET_BYTES, b * param_counts(args).total)
     largest = b * max(t.vocab_size * t.hidden_size, t.intermediate_size * t.hidden_size)
-    bucket = max(bucket, largest)  # a tensor above the bound is a bucket of its own
+    bucket = min(PUSH_BUCKET_BYTES + largest, b * param_counts(args).total)
     return Term("weight_push", bucket + bucket // max(dp, 1) + largest,
-                f"the push's gathered bucket min({PUSH_BUCKET_BYTES >> 20} MiB, b N) + its local part / {dp} "
+                f"the push's gathered bucket min({PUSH_BUCKET_BYTES >> 20} MiB + V h, b N) + its local part / {dp} "
                 "+ one full tensor (V h)", phase)
 
 

@@ -590,7 +590,7 @@ def predict(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device 
                           f"{cfg.data.loader} loader: steps held + data.prefetch_batches, float32 patch rows, {media}"))
     else:
         terms.append(Term("data", 0, "the loader's patch rows are in host memory"))
-    terms.append(push_term(cfg, args, dp, "push", fsdp=fsdp))
+    terms.append(push_term(cfg, args, dp, fsdp=fsdp))
     runtime = RUNTIME_BYTES[f"{device}/{cfg.rollout.engine}"] if runtime_bytes is None else runtime_bytes
     terms.append(Term("runtime", runtime, f"measured constant ({device}): process, libraries, context"))
     plan = MemoryPlan(terms=terms, world=world, dp=dp, device=device, shape="", params=n,
@@ -609,20 +609,26 @@ UPDATE_HELD = ("lb_mini_full_params", "lb_mini_full_grads", "fsdp_gathered")
 PUSH_BUCKET_BYTES = 128 << 20
 
 
-def push_term(cfg: JobConfig, args: Qwen2_5_VLArgs, dp: int, phase: str, *, fsdp: bool = True) -> Term:
-    """The weight push on a training rank (``titanrl.rl.weight_sync``): the gathered bucket of full tensors in the
-    engine's dtype (filled until it reaches ``PUSH_BUCKET_BYTES``: up to one tensor more; the whole model if
-    smaller), this rank's cast part of it, and one full tensor put together beside it (at most the largest: the
-    token embedding or output head, V h). Without FSDP (one process in float32) the parameters themselves go: 0."""
-    if not fsdp:
-        return Term("weight_push", 0, "one process in float32: the parameters themselves are pushed", phase)
+def push_bucket(cfg: JobConfig, args: Qwen2_5_VLArgs) -> tuple[int, int]:
+    """(the push's largest bucket, its largest tensor), bytes in the engine's dtype: a bucket is filled until it
+    reaches ``PUSH_BUCKET_BYTES`` (up to one tensor more; the whole model if smaller); the largest tensor is the token
+    embedding or output head (V h), or an MLP projection if larger."""
     b = DTYPE_BYTES[cfg.model.dtype]
     t = args.text
     largest = b * max(t.vocab_size * t.hidden_size, t.intermediate_size * t.hidden_size)
-    bucket = min(PUSH_BUCKET_BYTES + largest, b * param_counts(args).total)
+    return min(PUSH_BUCKET_BYTES + largest, b * param_counts(args).total), largest
+
+
+def push_term(cfg: JobConfig, args: Qwen2_5_VLArgs, dp: int, *, fsdp: bool = True) -> Term:
+    """The weight push on a training rank (``titanrl.rl.weight_sync``), a stage of its own: the gathered bucket
+    (:func:`push_bucket`), this rank's cast part of it, and one full tensor put together beside it. Without FSDP (one
+    process in float32) the parameters themselves go: 0."""
+    if not fsdp:
+        return Term("weight_push", 0, "one process in float32: the parameters themselves are pushed", "push")
+    bucket, largest = push_bucket(cfg, args)
     return Term("weight_push", bucket + bucket // max(dp, 1) + largest,
                 f"the push's gathered bucket min({PUSH_BUCKET_BYTES >> 20} MiB + V h, b N) + its local part / {dp} "
-                "+ one full tensor (V h)", phase)
+                "+ one full tensor (V h)", "push")
 
 
 def engine_terms(cfg: JobConfig, args: Qwen2_5_VLArgs, world: int, *, device: Device, data: DataShape | None = None,
@@ -657,8 +663,8 @@ def predict_rollout_rank(cfg: JobConfig, args: Qwen2_5_VLArgs, rollout_ranks: in
     counts = param_counts(args)
     terms = engine_terms(cfg, args, rollout_ranks, device=device, data=data, n=counts.total)
     terms = [Term(t.name, t.bytes, t.formula) for t in terms]  # nothing trains here: all resident
-    bucket = min(PUSH_BUCKET_BYTES, DTYPE_BYTES[cfg.model.dtype] * counts.total)
-    terms.append(Term("weight_push", bucket, f"the push's received bucket, min({PUSH_BUCKET_BYTES >> 20} MiB, b N)"))
+    terms.append(Term("weight_push", push_bucket(cfg, args)[0],
+                      f"the push's received bucket, min({PUSH_BUCKET_BYTES >> 20} MiB + V h, b N)"))
     runtime = RUNTIME_BYTES[f"{device}/{cfg.rollout.engine}"] if runtime_bytes is None else runtime_bytes
     terms.append(Term("runtime", runtime, f"measured constant ({device}): process, libraries, context"))
     return MemoryPlan(terms=terms, world=rollout_ranks, dp=1, device=device, shape="", params=counts.total,

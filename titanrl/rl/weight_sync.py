@@ -37,16 +37,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from titanrl.memory import PUSH_BUCKET_BYTES
 from titanrl.distributed import (DistInfo, all_gather_objects, broadcast_from_first, host_store,
                                  stateless_group)
+from titanrl.memory import PUSH_BUCKET_BYTES
 from titanrl.models.lora import has_adapters, is_adapter, merge_adapters, trained_names, write_peft
 from titanrl.models.lora import scales as lora_scales
 from titanrl.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from titanrl.models.qwen2_5_vl.state_dict_adapter import HFShardWriter, Qwen2_5_VLStateDictAdapter, clean_name
 from titanrl.rollout.weights import TensorInfo, safetensors_dtype
 
-BUCKET_BYTES = PUSH_BUCKET_BYTES  # full tensors per gather (and per broadcast): bounds the push's extra device memory (the memory planner's weight_push term)
+# full tensors per gather (and per broadcast): bounds the push's extra device memory (the planner's weight_push)
+BUCKET_BYTES = PUSH_BUCKET_BYTES
 SHARD_BYTES = 256 << 20  # what write_hf holds before a shard goes to the file
 
 
